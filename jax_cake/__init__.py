@@ -1,0 +1,14 @@
+"""jax_cake: fast, reproducible projection GEMMs for JAX training.
+
+    import jax_cake as jc
+    y = jc.dense_projection(x, w, deterministic=True)    # y = x @ w.T
+    print(jc.explain(jc.plan("wgrad", tokens=16384, d_in=4096, d_out=48)))
+"""
+
+from jax_cake import remat
+from jax_cake.api import batched_projection, dense_projection, router_logits
+from jax_cake.planner import Plan, explain, plan
+
+__version__ = "0.1.0"
+
+__all__ = ["Plan", "batched_projection", "dense_projection", "explain", "plan", "remat", "router_logits"]

@@ -1,0 +1,266 @@
+"""The trace-time planner: op + static shapes + dtypes + device -> a frozen Plan.
+
+A Plan names the program that runs (a CuTe DSL kernel program or the XLA path), its
+tile, cluster, split count, reduction order and workspace size, and the reason it was
+chosen. Primitives pass the Plan to the native handler as FFI attributes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Iterator
+
+from jax_cake.planner import device as device_lib
+from jax_cake.planner import tables
+
+OPS = ("fwd", "dgrad", "wgrad", "router_fwd", "router_dgrad", "router_wgrad")
+_DENSE_OPS = ("fwd", "dgrad", "wgrad")
+
+# Architectures with compiled jax_cake kernels. Others run the XLA path.
+KERNEL_ARCHS = ("sm_90a",)
+
+# The CTA tiles (M, N, K) compiled for sm_90a, largest first, with a per-tile
+# efficiency prior (larger tiles reuse operands better in the compute-bound regime).
+SM90_TILES = {
+    (128, 256, 64): 1.00,
+    (128, 128, 64): 0.93,
+    (64, 128, 64): 0.85,
+}
+
+# TMA needs 16-byte strides: bf16 rows must hold a multiple of 8 elements.
+_ALIGN_ELEMENTS = 8
+# A split gets at least this many K tiles, so the partial-sum traffic stays small
+# against the operand reads.
+_MIN_K_TILES_PER_SPLIT = 8
+# The minimum workspace, so the wgrad result list has a fixed arity.
+MIN_WORKSPACE_BYTES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What one GEMM call runs. Frozen and hashable: it is static under jit.
+
+  The GEMM is C[batch, m, n] = A[batch, m, k] . B[batch, n, k]^T (see
+  docs/FFI_CONTRACT.md for how fwd/dgrad/wgrad map onto it).
+  """
+
+  op: str
+  backend: str  # "sm90a" (CuTe DSL kernels) or "xla"
+  program: str  # "gemm" (fwd/dgrad), "det" / "split" (wgrad), "xla"
+  batch: int
+  m: int
+  n: int
+  k: int
+  out_dtype: str
+  device: str
+  tile: tuple[int, int, int] = (0, 0, 0)
+  cluster: tuple[int, int] = (1, 1)
+  splits: int = 1
+  reduction: str = "none"  # "none", "ordered" (fixed split order), "arrival" (atomics)
+  raster: str = "m"  # tiles walk along m first, or "n"
+  workspace_bytes: int = 0
+  reason: str = ""
+
+  @property
+  def uses_kernel(self) -> bool:
+    return self.backend != "xla"
+
+  @property
+  def deterministic(self) -> bool:
+    return self.reduction != "arrival"
+
+  @property
+  def ctas(self) -> int:
+    if not self.uses_kernel:
+      return 0
+    tm, tn, _ = self.tile
+    return self.batch * math.ceil(self.m / tm) * math.ceil(self.n / tn) * self.splits
+
+  def ffi_attributes(self) -> dict[str, Any]:
+    """The attributes the native handler reads (docs/FFI_CONTRACT.md)."""
+    import numpy as np
+
+    return {
+        "tile_m": np.int64(self.tile[0]),
+        "tile_n": np.int64(self.tile[1]),
+        "tile_k": np.int64(self.tile[2]),
+        "cluster_m": np.int64(self.cluster[0]),
+        "cluster_n": np.int64(self.cluster[1]),
+        "splits": np.int64(self.splits),
+        "reduction": np.int64({"none": 0, "ordered": 1, "arrival": 2}[self.reduction]),
+        "raster": np.int64({"m": 0, "n": 1}[self.raster]),
+    }
+
+
+# --- forcing a program (benchmark arms, the tuner) -------------------------------------
+
+_forced: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def force(program: str, *, splits: int | None = None, tile: tuple[int, int, int] | None = None) -> Iterator[None]:
+  """Plans traced inside the block use `program` for the weight gradient.
+
+  program: "det", "split" or "xla" ("xla" forces the XLA path for every op). Used by
+  the benchmark and the tuner to time each arm. Planning is at trace time: jit a new
+  function inside the block (a function traced earlier keeps its plan).
+  """
+  if program not in ("det", "split", "xla"):
+    raise ValueError(f"force: program must be 'det', 'split' or 'xla', got {program!r}")
+  saved = dict(_forced)
+  _forced.clear()
+  _forced.update(program=program, splits=splits, tile=tile)
+  try:
+    yield
+  finally:
+    _forced.clear()
+    _forced.update(saved)
+
+
+# --- the planner ------------------------------------------------------------------------
+
+
+def _xla_plan(op, batch, m, n, k, out_dtype, dev, reason) -> Plan:
+  return Plan(op=op, backend="xla", program="xla", batch=batch, m=m, n=n, k=k, out_dtype=out_dtype,
+              device=dev.describe(), reason=reason)
+
+
+def _pick_tile(batch: int, m: int, n: int, sm_count: int) -> tuple[tuple[int, int, int], str]:
+  """The tile with the best edge-and-wave utilization, weighted by the tile prior."""
+  best, best_score, best_note = None, -1.0, ""
+  for tile, prior in SM90_TILES.items():
+    tm, tn, _ = tile
+    count = batch * math.ceil(m / tm) * math.ceil(n / tn)
+    edge = (m * n * batch) / (count * tm * tn)
+    waves = math.ceil(count / sm_count)
+    wave = count / (waves * sm_count)
+    score = edge * wave * prior
+    if score > best_score:
+      best, best_score = tile, score
+      best_note = f"{count} tiles of {tm}x{tn} over {sm_count} SMs: {edge:.0%} of each edge tile used, {wave:.0%} of the last wave"
+  return best, best_note
+
+
+def _det_splits(tiles: int, k: int, tile_k: int, sm_count: int) -> int:
+  """Ordered K splits that fill the SMs without making splits too short."""
+  if tiles >= sm_count // 2:
+    return 1
+  k_tiles = math.ceil(k / tile_k)
+  return max(1, min(sm_count // tiles, k_tiles // _MIN_K_TILES_PER_SPLIT))
+
+
+def _wgrad_plan(base: dict, dev: device_lib.DeviceInfo, deterministic: bool, out_dtype: str, tokens: int, d_in: int, d_out: int) -> Plan:
+  batch, m, n, k = base["batch"], base["m"], base["n"], base["k"]
+  tile, tile_note = _pick_tile(batch, m, n, dev.sm_count)
+  tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
+  forced = _forced.get("program")
+
+  if forced == "split" or (forced is None and not deterministic):
+    if forced == "split":
+      program, why, row = "split", "forced by jax_cake.planner.force", None
+    else:
+      v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens)
+      program, why, row = v.program, v.why, v.row
+    if program == "split":
+      splits = _forced.get("splits") or (row.splits if row is not None and row.splits else None)
+      if row is not None and row.tile is not None and tuple(row.tile) in SM90_TILES:
+        tile = tuple(row.tile)
+        tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
+      if splits is None:
+        splits = max(1, min(math.ceil(dev.sm_count / tiles), math.ceil(k / tile[2])))
+      workspace = batch * m * n * 4 if out_dtype == "bfloat16" else 0
+      return Plan(**base, program="split", tile=tile, splits=splits, reduction="arrival" if splits > 1 else "none",
+                  workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
+                  reason=f"split-K program (arrival-order reduction, not bitwise reproducible): {why}; {tile_note}")
+    det_why = f"deterministic=False, but the plan table chose the deterministic program: {why}"
+  else:
+    det_why = "deterministic=True" if forced is None else "forced by jax_cake.planner.force"
+
+  splits = _forced.get("splits") if forced == "det" and _forced.get("splits") else _det_splits(tiles, k, tile[2], dev.sm_count)
+  workspace = splits * batch * m * n * 4 if splits > 1 else 0
+  how = (f"{splits} K splits summed in fixed split order by a second pass" if splits > 1 else "one pass over K")
+  return Plan(**base, program="det", tile=tile, splits=splits, reduction="ordered" if splits > 1 else "none",
+              workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
+              reason=f"deterministic program ({det_why}): {how}; {tile_note}")
+
+
+def plan(
+    op: str,
+    *,
+    tokens: int,
+    d_in: int,
+    d_out: int,
+    batch: int = 1,
+    out_dtype: Any = "bfloat16",
+    deterministic: bool = True,
+    device: Any = None,
+) -> Plan:
+  """The Plan a jax_cake GEMM would run for these static sizes on `device`.
+
+  op: "fwd" (y = x w^T), "dgrad" (dx = dy w), "wgrad" (dw = dy^T x), or the router's
+  "router_fwd" / "router_dgrad" / "router_wgrad". tokens, d_in, d_out, batch: the
+  projection's sizes (x [batch, tokens, d_in], w [batch, d_out, d_in]). out_dtype:
+  the result dtype (wgrad: w's dtype). device: a jax Device, AbstractDevice or
+  DeviceInfo; None looks it up as a trace would (abstract mesh, else jax.devices()[0]).
+  """
+  import numpy as np
+
+  if op not in OPS:
+    raise ValueError(f"plan: op must be one of {OPS}, got {op!r}")
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise TypeError(f"plan: deterministic must be a bool, got {type(deterministic).__name__}")
+  out_dtype = np.dtype(out_dtype).name
+  dev = device_lib.current() if device is None else device_lib.from_jax_device(device)
+
+  if op in ("fwd", "router_fwd"):
+    m, n, k = tokens, d_out, d_in
+  elif op in ("dgrad", "router_dgrad"):
+    m, n, k = tokens, d_in, d_out
+  else:
+    m, n, k = d_out, d_in, tokens
+  args = (op, batch, m, n, k, out_dtype, dev)
+
+  if _forced.get("program") == "xla":
+    return _xla_plan(*args, "forced by jax_cake.planner.force")
+  if dev.platform != "cuda":
+    return _xla_plan(*args, f"no CUDA GPU ({dev.describe()}): XLA dot_general with the same semantics")
+  if dev.arch not in KERNEL_ARCHS:
+    reason = (f"no jax_cake kernels are built for {dev.arch} ({dev.kind}); kernels exist for {', '.join(KERNEL_ARCHS)}: "
+              "XLA dot_general with the same semantics")
+    if op == "wgrad" and not deterministic and dev.sm_count is not None and tables.load(dev.arch) is not None:
+      v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens)
+      reason += f". The {dev.arch} plan table's verdict for deterministic=False here: {v.program} ({v.why})"
+    return _xla_plan(*args, reason)
+  if op.startswith("router_"):
+    return _xla_plan(*args, "the fused BF16x3 router kernel is not in this build: XLA runs the BF16x3 split with FP32 accumulation")
+  if min(batch, tokens, d_in, d_out) == 0:
+    return _xla_plan(*args, "an empty dimension: nothing to compute on the GPU")
+  if d_in % _ALIGN_ELEMENTS or d_out % _ALIGN_ELEMENTS:
+    return _xla_plan(*args, f"d_in={d_in} and d_out={d_out} must be multiples of {_ALIGN_ELEMENTS} for the kernels' 16-byte TMA strides: XLA dot_general with the same semantics")
+  if dev.sm_count is None:
+    return _xla_plan(*args, f"the SM count of {dev.kind} is unknown")
+
+  base = dict(op=op, backend="sm90a", batch=batch, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe())
+  if op == "wgrad":
+    return _wgrad_plan(base, dev, bool(deterministic), out_dtype, tokens, d_in, d_out)
+  tile, tile_note = _pick_tile(batch, m, n, dev.sm_count)
+  return Plan(**base, program="gemm", tile=tile,
+              reason=f"one pass over K={k} (no reduction across CTAs, reproducible): {tile_note}")
+
+
+def explain(p: Plan) -> str:
+  """Plain words: which program runs for this Plan, and why."""
+  gemm = f"{p.op}: C[{p.batch}x{p.m}x{p.n}] over K={p.k}, {p.out_dtype} out, on {p.device}"
+  if not p.uses_kernel:
+    return f"{gemm}\n  runs the XLA path: {p.reason}"
+  tm, tn, tk = p.tile
+  lines = [
+      gemm,
+      f"  runs the jax_cake {p.backend} '{p.program}' program: {tm}x{tn}x{tk} tiles, cluster {p.cluster[0]}x{p.cluster[1]}, "
+      f"{p.splits} split(s), {p.ctas} CTAs, reduction {p.reduction}, workspace {p.workspace_bytes} bytes",
+      f"  bitwise reproducible: {'yes' if p.deterministic else 'no'}",
+      f"  why: {p.reason}",
+  ]
+  return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""One function per GEMM: an XLA FFI custom call on CUDA, the XLA reference elsewhere.
+
+Each takes a Plan (static, made at trace time). A Plan on the XLA backend runs the
+reference everywhere. A kernel Plan lowers through `jax.lax.platform_dependent`: the
+CUDA lowering is one `jax.ffi.ffi_call` with the Plan as attributes, any other platform
+the reference with the same semantics. Result types are built from the operand's type,
+so under shard_map they carry the per-shard shape and varying axes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_cake import reference
+from jax_cake.planner import Plan
+
+FWD_TARGET = "jax_cake_fwd"
+DGRAD_TARGET = "jax_cake_dgrad"
+WGRAD_TARGET = "jax_cake_wgrad"
+TARGETS = (FWD_TARGET, DGRAD_TARGET, WGRAD_TARGET)
+
+
+@functools.cache
+def _gpu_present() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+def _result_type(operand, shape, dtype, keep_batch_spec: bool = True):
+  """The operand's type (sharding, varying manual axes) with a new shape and dtype.
+
+  The leading batch axis keeps the operand's sharding spec; the other axes are
+  unsharded, as the custom call computes them whole.
+  """
+  aval = jax.typeof(operand)
+  spec = aval.sharding.spec
+  lead = (spec[0] if len(spec) else None,) if keep_batch_spec else (None,)
+  sharding = aval.sharding.update(spec=jax.sharding.PartitionSpec(*lead, *([None] * (len(shape) - 1))))
+  return aval.update(shape=shape, dtype=jnp.dtype(dtype), sharding=sharding)
+
+
+def _ffi(target: str, plan: Plan, results, *operands):
+  if _gpu_present():
+    from jax_cake import native  # only a GPU process needs the library
+
+    native.ensure_registered()
+  # vmap of a custom call: one call per batch element (correct; fold batches into T for speed).
+  return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*operands, **plan.ffi_attributes())
+
+
+def _dispatch(plan: Plan, ref_fn, cuda_fn, *operands):
+  if not plan.uses_kernel:
+    return ref_fn(*operands)
+  return jax.lax.platform_dependent(*operands, default=ref_fn, cuda=cuda_fn)
+
+
+def fwd(x, w, plan: Plan):
+  """y[B, T, d_out] bf16 = x[B, T, d_in] . w[B, d_out, d_in]^T (bf16 operands)."""
+  b, t, _ = x.shape
+  d_out = w.shape[1]
+
+  def cuda(x, w):
+    return _ffi(FWD_TARGET, plan, _result_type(x, (b, t, d_out), jnp.bfloat16), x, w)
+
+  return _dispatch(plan, reference.fwd, cuda, x, w)
+
+
+def dgrad(dy, w, plan: Plan):
+  """dx[B, T, d_in] bf16 = dy[B, T, d_out] . w[B, d_out, d_in]."""
+  b, t, _ = dy.shape
+  d_in = w.shape[2]
+
+  def cuda(dy, w):
+    return _ffi(DGRAD_TARGET, plan, _result_type(dy, (b, t, d_in), jnp.bfloat16), dy, w)
+
+  return _dispatch(plan, reference.dgrad, cuda, dy, w)
+
+
+def wgrad(dy, x, plan: Plan):
+  """dw[B, d_out, d_in] in plan.out_dtype = dy[B, T, d_out]^T . x[B, T, d_in]."""
+  b, _, d_out = dy.shape
+  d_in = x.shape[2]
+
+  def ref(dy, x):
+    return reference.wgrad(dy, x, plan.out_dtype)
+
+  def cuda(dy, x):
+    results = (_result_type(dy, (b, d_out, d_in), plan.out_dtype),
+               _result_type(dy, (plan.workspace_bytes,), jnp.uint8, keep_batch_spec=False))
+    dw, _workspace = _ffi(WGRAD_TARGET, plan, results, dy, x)
+    return dw
+
+  return _dispatch(plan, ref, cuda, dy, x)
+
+
+# The router runs the XLA BF16x3 path until its fused kernel lands (see plan()).
+router_fwd = reference.router_fwd
+router_dgrad = reference.router_dgrad
+router_wgrad = reference.router_wgrad
