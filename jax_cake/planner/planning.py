@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any, Iterator
+
+from absl import logging
 
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import tables
@@ -21,13 +24,17 @@ _DENSE_OPS = ("fwd", "dgrad", "wgrad")
 # Architectures with compiled jax_cake kernels. Others run the XLA path.
 KERNEL_ARCHS = ("sm_90a",)
 
-# The CTA tiles (M, N, K) compiled for sm_90a, largest first, with a per-tile
-# efficiency prior (larger tiles reuse operands better in the compute-bound regime).
-SM90_TILES = {
-    (128, 256, 64): 1.00,
-    (128, 128, 64): 0.93,
-    (64, 128, 64): 0.85,
-}
+# Per-tile efficiency prior: larger tiles reuse operands better when compute bound.
+_TILE_PRIOR = {(128, 256): 1.00, (128, 128): 0.93, (64, 256): 0.90, (128, 64): 0.85}
+
+
+def compiled_tiles(program: str) -> tuple[tuple[int, int, int], ...]:
+  """The CTA tiles (M, N, K) the native library holds for a program ("fwd", "dgrad",
+  "wgrad"): the build's variant list, so a plan never names a kernel that is not there."""
+  from jax_cake.kernels import variants  # plain data, no cutlass
+
+  return tuple(sorted({v.tile for v in variants.VARIANTS if v.program == program}, reverse=True))
+
 
 # TMA needs 16-byte strides: bf16 rows must hold a multiple of 8 elements.
 _ALIGN_ELEMENTS = 8
@@ -122,24 +129,31 @@ def force(program: str, *, splits: int | None = None, tile: tuple[int, int, int]
 # --- the planner ------------------------------------------------------------------------
 
 
+@functools.cache
+def _log_fallback_once(device: str, reason: str) -> None:
+  logging.warning("jax_cake: on %s the XLA path runs instead of the kernels: %s", device, reason)
+
+
 def _xla_plan(op, batch, m, n, k, out_dtype, dev, reason) -> Plan:
+  if dev.platform == "cuda":  # a GPU user expects the kernels: say once why not
+    _log_fallback_once(dev.describe(), reason)
   return Plan(op=op, backend="xla", program="xla", batch=batch, m=m, n=n, k=k, out_dtype=out_dtype,
               device=dev.describe(), reason=reason)
 
 
-def _pick_tile(batch: int, m: int, n: int, sm_count: int) -> tuple[tuple[int, int, int], str]:
+def _pick_tile(program: str, batch: int, m: int, n: int, sm_count: int) -> tuple[tuple[int, int, int], str]:
   """The tile with the best edge-and-wave utilization, weighted by the tile prior."""
   best, best_score, best_note = None, -1.0, ""
-  for tile, prior in SM90_TILES.items():
+  for tile in compiled_tiles(program):
     tm, tn, _ = tile
     count = batch * math.ceil(m / tm) * math.ceil(n / tn)
     edge = (m * n * batch) / (count * tm * tn)
     waves = math.ceil(count / sm_count)
     wave = count / (waves * sm_count)
-    score = edge * wave * prior
+    score = edge * wave * _TILE_PRIOR.get((tm, tn), 0.8)
     if score > best_score:
       best, best_score = tile, score
-      best_note = f"{count} tiles of {tm}x{tn} over {sm_count} SMs: {edge:.0%} of each edge tile used, {wave:.0%} of the last wave"
+      best_note = f"{tm}x{tn} tiles: {count} tiles over {sm_count} SMs, {edge:.0%} of the tile area used"
   return best, best_note
 
 
@@ -153,7 +167,7 @@ def _det_splits(tiles: int, k: int, tile_k: int, sm_count: int) -> int:
 
 def _wgrad_plan(base: dict, dev: device_lib.DeviceInfo, deterministic: bool, out_dtype: str, tokens: int, d_in: int, d_out: int) -> Plan:
   batch, m, n, k = base["batch"], base["m"], base["n"], base["k"]
-  tile, tile_note = _pick_tile(batch, m, n, dev.sm_count)
+  tile, tile_note = _pick_tile("wgrad", batch, m, n, dev.sm_count)
   tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
   forced = _forced.get("program")
 
@@ -165,7 +179,7 @@ def _wgrad_plan(base: dict, dev: device_lib.DeviceInfo, deterministic: bool, out
       program, why, row = v.program, v.why, v.row
     if program == "split":
       splits = _forced.get("splits") or (row.splits if row is not None and row.splits else None)
-      if row is not None and row.tile is not None and tuple(row.tile) in SM90_TILES:
+      if row is not None and row.tile is not None and tuple(row.tile) in compiled_tiles("wgrad"):
         tile = tuple(row.tile)
         tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
       if splits is None:
@@ -245,7 +259,7 @@ def plan(
   base = dict(op=op, backend="sm90a", batch=batch, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe())
   if op == "wgrad":
     return _wgrad_plan(base, dev, bool(deterministic), out_dtype, tokens, d_in, d_out)
-  tile, tile_note = _pick_tile(batch, m, n, dev.sm_count)
+  tile, tile_note = _pick_tile(op, batch, m, n, dev.sm_count)
   return Plan(**base, program="gemm", tile=tile,
               reason=f"one pass over K={k} (no reduction across CTAs, reproducible): {tile_note}")
 
