@@ -1,0 +1,68 @@
+"""Runs each example as a user would (a subprocess): on CPU with tiny sizes, and with
+default sizes on the GPU (`pytest -m gpu`, skipped elsewhere).
+
+Checks the exit status and what the example prints: the training loss went down, and
+the shard_map gradients matched the unsharded ones.
+"""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+STEP_LOSS = re.compile(r"^step\s+(\d+)\s+loss\s+([0-9.eE+-]+)", re.MULTILINE)
+
+
+def run_example(name, *flags, platform="cpu"):
+    env = dict(os.environ, JAX_PLATFORMS=platform)
+    env.pop("XLA_FLAGS", None)  # the shard_map example sets its own device count
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / name), *flags],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def assert_loss_went_down(stdout):
+    losses = [float(loss) for _, loss in STEP_LOSS.findall(stdout)]
+    assert len(losses) >= 2, stdout
+    assert losses[-1] < 0.9 * losses[0], f"loss did not go down: {losses}"
+    assert "median step time" in stdout
+
+
+def test_train_step():
+    assert_loss_went_down(run_example(
+        "train_step.py", "--steps=12", "--batch=2", "--seq=16", "--d_model=32", "--heads=2",
+        "--lr=1e-2", "--log_every=1"))
+
+
+def test_moe_router():
+    assert_loss_went_down(run_example(
+        "moe_router.py", "--steps=12", "--tokens=128", "--d_model=32", "--d_ff=64",
+        "--experts=16", "--lr=1e-2", "--log_every=1"))
+
+
+def assert_gradients_matched(stdout):
+    diffs = re.findall(r"^(\w+)\s+(y|dx|dw)\s+\S+\s+max_rel_diff\s+(\S+)\s+ok$", stdout,
+                       re.MULTILINE)
+    assert {(layout, label) for layout, label, _ in diffs} == {
+        (layout, label) for layout in ("data_parallel", "tensor_parallel")
+        for label in ("y", "dx", "dw")}, stdout
+    assert "PASS" in stdout
+
+
+def test_shard_map_projection():
+    stdout = run_example("shard_map_projection.py", "--tokens=64", "--d_in=64", "--d_out=128")
+    assert "mesh: 8 cpu device(s)" in stdout, stdout
+    assert_gradients_matched(stdout)
+
+
+@pytest.mark.gpu
+def test_examples_on_gpu():
+    for name in ("train_step.py", "moe_router.py"):
+        stdout = run_example(name, platform="cuda")
+        assert stdout.startswith("backend gpu"), stdout
+        assert_loss_went_down(stdout)
+    assert_gradients_matched(run_example("shard_map_projection.py", platform="cuda"))
