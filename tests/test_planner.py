@@ -192,3 +192,13 @@ def test_gpu_fallback_is_logged_once(caplog):
       jc.plan("fwd", tokens=64, d_in=64, d_out=64, device=device)
   messages = [r.getMessage() for r in caplog.records if "NVIDIA L40S" in r.getMessage()]
   assert len(messages) == 1 and "no jax_cake kernels are built for sm_89" in messages[0]
+
+
+def test_force_tile_is_honoured_when_compiled():
+  small = min(compiled_tiles("wgrad"))
+  with jc.planner.force("split", tile=small, splits=3):
+    p = jc.plan("wgrad", tokens=16384, d_in=4096, d_out=512, out_dtype=jnp.float32, device=H200)
+  assert p.tile == small and p.splits == 3
+  with jc.planner.force("det", tile=(7, 7, 7)):  # not compiled: the heuristic's tile
+    p = jc.plan("wgrad", tokens=16384, d_in=4096, d_out=512, out_dtype=jnp.float32, device=H200)
+  assert p.tile in compiled_tiles("wgrad")

@@ -165,39 +165,50 @@ def _det_splits(tiles: int, k: int, tile_k: int, sm_count: int) -> int:
   return max(1, min(sm_count // tiles, k_tiles // _MIN_K_TILES_PER_SPLIT))
 
 
+def _wgrad_tile(batch: int, m: int, n: int, sm_count: int, wanted) -> tuple[tuple[int, int, int], str]:
+  """A forced or table tile when it is compiled, else the heuristic's pick."""
+  if wanted is not None and tuple(wanted) in compiled_tiles("wgrad"):
+    return tuple(wanted), f"{wanted[0]}x{wanted[1]} tiles as requested"
+  return _pick_tile("wgrad", batch, m, n, sm_count)
+
+
 def _wgrad_plan(base: dict, dev: device_lib.DeviceInfo, deterministic: bool, out_dtype: str, tokens: int, d_in: int, d_out: int) -> Plan:
   batch, m, n, k = base["batch"], base["m"], base["n"], base["k"]
-  tile, tile_note = _pick_tile("wgrad", batch, m, n, dev.sm_count)
-  tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
   forced = _forced.get("program")
+  forced_tile, forced_splits = _forced.get("tile"), _forced.get("splits")
 
-  if forced == "split" or (forced is None and not deterministic):
-    if forced == "split":
-      program, why, row = "split", "forced by jax_cake.planner.force", None
-    else:
-      v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens)
-      program, why, row = v.program, v.why, v.row
-    if program == "split":
-      splits = _forced.get("splits") or (row.splits if row is not None and row.splits else None)
-      if row is not None and row.tile is not None and tuple(row.tile) in compiled_tiles("wgrad"):
-        tile = tuple(row.tile)
-        tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
-      if splits is None:
-        splits = max(1, min(math.ceil(dev.sm_count / tiles), math.ceil(k / tile[2])))
-      workspace = batch * m * n * 4 if out_dtype == "bfloat16" else 0
-      return Plan(**base, program="split", tile=tile, splits=splits, reduction="arrival" if splits > 1 else "none",
-                  workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
-                  reason=f"split-K program (arrival-order reduction, not bitwise reproducible): {why}; {tile_note}")
-    det_why = f"deterministic=False, but the plan table chose the deterministic program: {why}"
+  program, row = "det", None
+  if forced is not None:
+    why = "forced by jax_cake.planner.force"
+    program = forced
+  elif deterministic:
+    why = "deterministic=True"
   else:
-    det_why = "deterministic=True" if forced is None else "forced by jax_cake.planner.force"
+    v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens)
+    program, row = v.program, v.row
+    why = v.why if program == "split" else f"deterministic=False, but the plan table chose the deterministic program: {v.why}"
 
-  splits = _forced.get("splits") if forced == "det" and _forced.get("splits") else _det_splits(tiles, k, tile[2], dev.sm_count)
+  wanted_tile = forced_tile or (row.tile if row is not None and row.tile is not None and None not in row.tile else None)
+  tile, tile_note = _wgrad_tile(batch, m, n, dev.sm_count, wanted_tile)
+  tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
+  k_tiles = math.ceil(k / tile[2])
+
+  if program == "split":
+    splits = forced_splits or (row.splits if row is not None and row.splits else None)
+    if splits is None:
+      splits = max(1, min(math.ceil(dev.sm_count / tiles), k_tiles))
+    splits = min(splits, k_tiles)
+    workspace = batch * m * n * 4 if out_dtype == "bfloat16" else 0
+    return Plan(**base, program="split", tile=tile, splits=splits, reduction="arrival" if splits > 1 else "none",
+                workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
+                reason=f"split-K program (arrival-order reduction, not bitwise reproducible): {why}; {tile_note}")
+
+  splits = min(forced_splits, k_tiles) if forced == "det" and forced_splits else _det_splits(tiles, k, tile[2], dev.sm_count)
   workspace = splits * batch * m * n * 4 if splits > 1 else 0
-  how = (f"{splits} K splits summed in fixed split order by a second pass" if splits > 1 else "one pass over K")
+  how = f"{splits} K splits summed in fixed split order by a second pass" if splits > 1 else "one pass over K"
   return Plan(**base, program="det", tile=tile, splits=splits, reduction="ordered" if splits > 1 else "none",
               workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
-              reason=f"deterministic program ({det_why}): {how}; {tile_note}")
+              reason=f"deterministic program ({why}): {how}; {tile_note}")
 
 
 def plan(
