@@ -1,0 +1,644 @@
+"""The GPU check: `python -m jax_cake.gpu_check [--quick] [--no_timing]`.
+
+Runs on the GPU machine from the repository root (cwd), with the library built on a
+CPU machine (`python -m jax_cake.build`, carried as build/lib). No cutlass needed.
+
+Each check is a named function; it prints `PASS name ...` or `FAIL name ...`; the
+process exits non-zero if any check failed. The timing table is printed last and, if
+$OUT is set, written to $OUT/timing.md.
+
+The FFI targets are called directly through `jax.ffi.ffi_call` with explicit
+attributes (tile, splits, reduction, raster) so every compiled program is exercised,
+independent of the planner. Outputs are poisoned: every call donates a NaN-filled
+buffer of the output's shape, which XLA aliases to the custom call's result, so an
+element the kernel fails to write stays NaN and fails the check.
+
+Typical use on the GPU machine (what the 2026-11-29 runs did): the cluster checks in a
+second process, so a hang there cannot take the main table with it:
+    python -m jax_cake.gpu_check --quick
+    python -m jax_cake.gpu_check --skip clusters,timing_clusters
+    python -m jax_cake.gpu_check --only clusters,timing_clusters --timing_file timing_clusters.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import importlib.util
+import math
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+_DUMP_DIR = tempfile.mkdtemp(prefix="jax_cake_xla_dump_")
+# Before jax starts: dump only the graph-check module, and let torch share the GPU.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={_DUMP_DIR} --xla_dump_hlo_module_re=.*graph_chain.*"
+).strip()
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+_REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _load_by_path(name: str, path: pathlib.Path):
+    """Imports a module file without running jax_cake/__init__ (other layers may be WIP)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+native = _load_by_path("_jax_cake_native_check", _REPO / "jax_cake" / "native.py")
+variants = _load_by_path("_jax_cake_variants_check", _REPO / "jax_cake" / "kernels" / "variants.py")
+
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+RESULTS: list[tuple[str, bool, str]] = []
+TIMING_ROWS: list[str] = []
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def report(name: str, ok: bool, detail: str = "") -> bool:
+    RESULTS.append((name, ok, detail))
+    print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
+    return ok
+
+
+# ------------------------------------------------------------------ calling the targets
+def _attrs(tile, splits=1, reduction=0, raster=0, cluster=(1, 1)):
+    return dict(
+        tile_m=np.int64(tile[0]),
+        tile_n=np.int64(tile[1]),
+        tile_k=np.int64(tile[2]),
+        cluster_m=np.int64(cluster[0]),
+        cluster_n=np.int64(cluster[1]),
+        splits=np.int64(splits),
+        reduction=np.int64(reduction),
+        raster=np.int64(raster),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _poisoned_fn(target: str, out_dtype: str, ws_bytes: int, attrs_key: tuple):
+    """jit(poison, a, b) -> result, with the poison buffer donated to the result."""
+    attrs = dict(attrs_key)
+
+    def fn(poison, a, b):
+        if target == "jax_cake_wgrad":
+            outs = (
+                jax.ShapeDtypeStruct(poison.shape, poison.dtype),
+                jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8),
+            )
+            return jax.ffi.ffi_call(target, outs)(a, b, **attrs)[0]
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(poison.shape, poison.dtype))(a, b, **attrs)
+
+    return jax.jit(fn, donate_argnums=0)
+
+
+_ALIAS_WARNINGS = []
+
+
+def call(target, a, b, *, tile, out_dtype=BF16, splits=1, reduction=0, raster=0, cluster=(1, 1)):
+    """Runs one FFI target on NaN-poisoned output memory; returns the result."""
+    B = a.shape[0]
+    if target == "jax_cake_fwd":
+        shape = (B, a.shape[1], b.shape[1])
+    elif target == "jax_cake_dgrad":
+        shape = (B, a.shape[1], b.shape[2])
+    else:
+        shape = (B, a.shape[2], b.shape[2])
+    ws = 16
+    if target == "jax_cake_wgrad":
+        ws = variants.workspace_bytes(splits, reduction, B, shape[1], shape[2], jnp.dtype(out_dtype).name)
+    key = tuple(sorted((k, int(v)) for k, v in _attrs(tile, splits, reduction, raster, cluster).items()))
+    fn = _poisoned_fn(target, jnp.dtype(out_dtype).name, ws, key)
+    poison = jnp.full(shape, jnp.nan, out_dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(poison, a, b)
+    for w in caught:
+        if "donated" in str(w.message):
+            _ALIAS_WARNINGS.append(str(w.message))
+    return out
+
+
+# ------------------------------------------------------------------ references
+def _torch():
+    import torch
+
+    return torch
+
+
+def to_torch(x):
+    torch = _torch()
+    return torch.from_dlpack(x)
+
+
+def rel_err(out, ref64) -> tuple[float, int]:
+    """(||out - ref|| / ||ref||, number of NaN/Inf in out), in float64 on the GPU."""
+    torch = _torch()
+    o = to_torch(out).double()
+    bad = int((~torch.isfinite(o)).sum().item())
+    o = torch.nan_to_num(o, nan=0.0, posinf=0.0, neginf=0.0)
+    err = (o - ref64).norm().item() / max(ref64.norm().item(), 1e-30)
+    return err, bad
+
+
+def ref_fwd(x, w):
+    return to_torch(x).double() @ to_torch(w).double().transpose(1, 2)
+
+
+def ref_dgrad(dy, w):
+    return to_torch(dy).double() @ to_torch(w).double()
+
+
+def ref_wgrad(dy, x):
+    return to_torch(dy).double().transpose(1, 2) @ to_torch(x).double()
+
+
+_KEY = [jax.random.PRNGKey(int(time.time()) & 0xFFFF)]
+
+
+def rand(shape, dtype=BF16):
+    _KEY[0], sub = jax.random.split(_KEY[0])
+    return jax.random.normal(sub, shape, F32).astype(dtype)
+
+
+# ------------------------------------------------------------------ simple plans
+SMS = 132
+
+
+def fwd_tile(d_out):
+    return (128, 64, 64) if d_out <= 128 else (128, 256, 64)
+
+
+def dgrad_tile(d_in):
+    return (128, 256, 64) if d_in >= 1024 else (128, 128, 64)
+
+
+def wgrad_tile(d_out):
+    return (64, 128, 64) if d_out <= 64 else (128, 128, 64)
+
+
+def wgrad_splits(B, T, d_out, d_in):
+    """Enough splits to give every SM a CTA, keeping >= 8 K tiles per split."""
+    tm, tn, tk = wgrad_tile(d_out)
+    tiles = B * math.ceil(d_out / tm) * math.ceil(d_in / tn)
+    k_tiles = math.ceil(T / tk)
+    return max(1, min(SMS // tiles, k_tiles // 8))
+
+
+# ------------------------------------------------------------------ checks
+BF16_TOL = 1e-2
+F32_TOL = 1e-5
+
+
+def _one_shape(B, T, d_in, d_out, label, *, extra_splits=(), raster=0, full=True):
+    """fwd, dgrad, wgrad (fp32/bf16, no split, ordered split, atomic split) at one shape."""
+    ok = True
+    x, w, dy = rand((B, T, d_in)), rand((B, d_out, d_in)), rand((B, T, d_out))
+    y = call("jax_cake_fwd", x, w, tile=fwd_tile(d_out), raster=raster)
+    e, bad = rel_err(y, ref_fwd(x, w))
+    ok &= report(f"fwd[{label}]", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad} tile={fwd_tile(d_out)}")
+    dx = call("jax_cake_dgrad", dy, w, tile=dgrad_tile(d_in), raster=raster)
+    e, bad = rel_err(dx, ref_dgrad(dy, w))
+    ok &= report(f"dgrad[{label}]", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad} tile={dgrad_tile(d_in)}")
+    ref_w = ref_wgrad(dy, x)
+    tile = wgrad_tile(d_out)
+    auto = wgrad_splits(B, T, d_out, d_in)
+    runs = [(1, 0)]
+    if full:
+        runs += [(s, r) for s in sorted({auto, *extra_splits}) if s > 1 for r in (1, 2)]
+    for splits, red in runs:
+        for dt, tol in ((F32, F32_TOL), (BF16, BF16_TOL)):
+            dw = call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=dt, splits=splits, reduction=red, raster=raster)
+            e, bad = rel_err(dw, ref_w)
+            name = f"wgrad_{jnp.dtype(dt).name}_s{splits}_r{red}[{label}]"
+            ok &= report(name, e < tol and bad == 0, f"rel_err={e:.2e} nonfinite={bad} tile={tile}")
+    return ok
+
+
+@check
+def environment():
+    d = jax.devices()[0]
+    lib = native.library_path()
+    info = (
+        f"jax={jax.__version__} device={d.device_kind} sms={getattr(d, 'core_count', '?')} "
+        f"cc={getattr(d, 'compute_capability', '?')} lib={lib}"
+    )
+    ok = d.platform == "gpu" and lib is not None
+    if ok:
+        native.ensure_registered()
+        info += f" variants={len(native.compiled_variants())}"
+    return report("environment", ok, info)
+
+
+@check
+def tiny():
+    """One tiny ragged shape through every program (the compute-sanitizer target)."""
+    return _one_shape(1, 37, 136, 64, "tiny_B1_T37_136->64", extra_splits=(3,))
+
+
+@check
+def small_sanity():
+    """Tiny and ragged shapes: one row, 37 rows, B = 2/3, K below one tile, odd N."""
+    ok = True
+    shapes = [
+        (1, 1, 4096, 32),
+        (1, 37, 4096, 48),
+        (1, 37, 136, 64),
+        (2, 300, 520, 264),
+        (3, 129, 264, 72),
+        (1, 256, 128, 256),
+    ]
+    for B, T, d_in, d_out in shapes:
+        ok &= _one_shape(B, T, d_in, d_out, f"B{B}_T{T}_{d_in}->{d_out}", extra_splits=(3, 7))
+    return ok
+
+
+@check
+def raster_and_tiles():
+    """raster=1 and the second tile of every program."""
+    ok = _one_shape(1, 1000, 1024, 520, "raster1_T1000_1024->520", raster=1, extra_splits=(2,))
+    x, w, dy = rand((1, 777, 1032)), rand((1, 200, 1032)), rand((1, 777, 200))
+    for tile in ((128, 256, 64), (128, 64, 64)):
+        e, bad = rel_err(call("jax_cake_fwd", x, w, tile=tile), ref_fwd(x, w))
+        ok &= report(f"fwd_tile{tile[:2]}", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
+    for tile in ((128, 256, 64), (128, 128, 64)):
+        e, bad = rel_err(call("jax_cake_dgrad", dy, w, tile=tile), ref_dgrad(dy, w))
+        ok &= report(f"dgrad_tile{tile[:2]}", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
+    for tile in ((64, 128, 64), (128, 128, 64)):
+        e, bad = rel_err(call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32), ref_wgrad(dy, x))
+        ok &= report(f"wgrad_tile{tile[:2]}", e < F32_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
+    return ok
+
+
+@check
+def bad_plan_is_an_error():
+    """A tile naming no compiled variant fails loudly (INVALID_ARGUMENT), not silently."""
+    x, w = rand((1, 64, 128)), rand((1, 64, 128))
+    try:
+        jax.block_until_ready(call("jax_cake_fwd", x, w, tile=(64, 64, 64)))
+    except Exception as e:  # noqa: BLE001
+        return report("bad_plan_is_an_error", "INVALID_ARGUMENT" in str(e) or "no compiled" in str(e), str(e).splitlines()[0][:160])
+    return report("bad_plan_is_an_error", False, "no error raised")
+
+
+@check
+def seed_grid():
+    """The seed grid: T x d_in x d_out, every program, against float64."""
+    ok = True
+    for T in (16172, 16231, 16384):
+        for d_in in (4096, 5120):
+            for d_out in (32, 48, 64, 512, 1024, 4096):
+                ok &= _one_shape(1, T, d_in, d_out, f"T{T}_{d_in}->{d_out}", full=(T != 16231 or d_out <= 512))
+    return ok
+
+
+@check
+def determinism():
+    """Ordered split-K is bitwise reproducible over 20 runs; atomic is within 1e-5 of it."""
+    ok = True
+    for T, d_in, d_out in ((16172, 4096, 48), (16231, 5120, 512), (16384, 4096, 64)):
+        x, dy = rand((1, T, d_in)), rand((1, T, d_out))
+        tile = wgrad_tile(d_out)
+        s = max(2, wgrad_splits(1, T, d_out, d_in))
+        for dt in (F32, BF16):
+            first = np.asarray(call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=dt, splits=s, reduction=1))
+            same = 1
+            for _ in range(19):
+                again = np.asarray(call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=dt, splits=s, reduction=1))
+                same += int(np.array_equal(first.view(np.uint8), again.view(np.uint8)))
+            ok &= report(f"ordered_bitwise_{jnp.dtype(dt).name}[T{T}_{d_in}->{d_out}_s{s}]", same == 20, f"{same}/20 identical")
+        ordered = to_torch(call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32, splits=s, reduction=1)).double()
+        worst = 0.0
+        for _ in range(5):
+            at = call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32, splits=s, reduction=2)
+            e, bad = rel_err(at, ordered)
+            worst = max(worst, e if bad == 0 else float("inf"))
+        ok &= report(f"atomic_vs_ordered[T{T}_{d_in}->{d_out}_s{s}]", worst < 1e-5, f"max rel diff={worst:.2e} over 5 runs")
+        det = call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32)
+        again = call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32)
+        ok &= report(f"nosplit_bitwise[T{T}_{d_in}->{d_out}]", bool(np.array_equal(np.asarray(det), np.asarray(again))))
+    return ok
+
+
+@check
+def cuda_graph():
+    """A jit of chained custom calls runs as a command buffer and replays correctly."""
+    T, d_in, d_out = 4096, 1024, 256
+    x, w = rand((1, T, d_in)), rand((1, d_out, d_in))
+    a_fwd = _attrs(fwd_tile(d_out))
+    a_dg = _attrs(dgrad_tile(d_in))
+    a_wg = _attrs(wgrad_tile(d_out), splits=4, reduction=1)
+    ws = variants.workspace_bytes(4, 1, 1, d_out, d_in, "float32")
+
+    def graph_chain(x, w):
+        outs = []
+        for i in range(4):
+            y = jax.ffi.ffi_call("jax_cake_fwd", jax.ShapeDtypeStruct((1, T, d_out), BF16))(x, w, **a_fwd)
+            dx = jax.ffi.ffi_call("jax_cake_dgrad", jax.ShapeDtypeStruct((1, T, d_in), BF16))(y, w, **a_dg)
+            dw, _ = jax.ffi.ffi_call(
+                "jax_cake_wgrad",
+                (jax.ShapeDtypeStruct((1, d_out, d_in), F32), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
+            )(y, dx, **a_wg)
+            outs.append(dw)
+            x = dx
+        return outs
+
+    f = jax.jit(graph_chain)
+    results = [[np.asarray(o) for o in f(x, w)] for _ in range(3)]
+    replay_same = all(np.array_equal(results[0][i], r[i]) for r in results[1:] for i in range(4))
+    # Eager (per-op) reference of the same chain.
+    xe = x
+    eager = []
+    for i in range(4):
+        y = call("jax_cake_fwd", xe, w, tile=fwd_tile(d_out))
+        dx = call("jax_cake_dgrad", y, w, tile=dgrad_tile(d_in))
+        eager.append(np.asarray(call("jax_cake_wgrad", y, dx, tile=wgrad_tile(d_out), out_dtype=F32, splits=4, reduction=1)))
+        xe = dx
+    eager_same = all(np.array_equal(results[0][i], eager[i]) for i in range(4))
+    files = glob.glob(os.path.join(_DUMP_DIR, "*graph_chain*thunk_sequence_after_thunk_passes.txt"))
+    in_cmd_buffer = False
+    snippet = ""
+    for fn in files:
+        text = open(fn).read()
+        if "kCommandBuffer" in text and "kCustomCall" in text:
+            # The custom calls must sit inside the command buffer thunk, not beside it.
+            idx = text.find("kCommandBuffer")
+            in_cmd_buffer = "kCustomCall" in text[idx:]
+            snippet = " ".join(l.strip() for l in text[idx:].splitlines()[:3])[:200]
+    ok = report("cuda_graph_replay_bitwise", replay_same, "3 replays of a 12-call jit")
+    ok &= report("cuda_graph_matches_eager", eager_same, "graph vs per-op launches, bitwise")
+    ok &= report("cuda_graph_command_buffer", in_cmd_buffer, f"dump files={len(files)} {snippet}")
+    return ok
+
+
+@check
+def donation_aliasing():
+    """The poisoned-output method works: XLA reused every donated NaN buffer."""
+    return report("poisoned_outputs_aliased", not _ALIAS_WARNINGS, f"{len(_ALIAS_WARNINGS)} donation warnings")
+
+
+@check
+def clusters():
+    """Cluster (2, 1) variants with B multicast: odd M-tile counts, batches, split-K."""
+    ok = True
+    c2 = (2, 1)
+    for B, T, d_in, d_out in ((1, 16172, 4096, 512), (1, 37, 1024, 264), (3, 300, 520, 1032), (1, 16384, 5120, 1024)):
+        label = f"c2x1_B{B}_T{T}_{d_in}->{d_out}"
+        x, w, dy = rand((B, T, d_in)), rand((B, d_out, d_in)), rand((B, T, d_out))
+        for r in (0, 1):
+            e, bad = rel_err(call("jax_cake_fwd", x, w, tile=(128, 256, 64), cluster=c2, raster=r), ref_fwd(x, w))
+            ok &= report(f"fwd[{label}_r{r}]", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
+            e, bad = rel_err(call("jax_cake_dgrad", dy, w, tile=(128, 256, 64), cluster=c2, raster=r), ref_dgrad(dy, w))
+            ok &= report(f"dgrad[{label}_r{r}]", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
+        ref_w = ref_wgrad(dy, x)
+        for splits, red in ((1, 0), (3, 1)):
+            for dt, tol in ((F32, F32_TOL), (BF16, BF16_TOL)):
+                dw = call("jax_cake_wgrad", dy, x, tile=(128, 128, 64), cluster=c2, out_dtype=dt, splits=splits, reduction=red)
+                e, bad = rel_err(dw, ref_w)
+                ok &= report(f"wgrad_{jnp.dtype(dt).name}_s{splits}_r{red}[{label}]", e < tol and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
+    x, dy = rand((1, 16172, 4096)), rand((1, 16172, 512))
+    first = np.asarray(call("jax_cake_wgrad", dy, x, tile=(128, 128, 64), cluster=c2, out_dtype=F32, splits=2, reduction=1))
+    same = sum(
+        int(np.array_equal(first, np.asarray(call("jax_cake_wgrad", dy, x, tile=(128, 128, 64), cluster=c2, out_dtype=F32, splits=2, reduction=1))))
+        for _ in range(9)
+    ) + 1
+    ok &= report("c2x1_ordered_bitwise[T16172_4096->512_s2]", same == 10, f"{same}/10 identical")
+    return ok
+
+
+# ------------------------------------------------------------------ timing
+N_CALLS = 20
+REPS = 11
+
+
+def _time_jit(fn, args_list, *rest):
+    """Median per-call time (us): one jit holding N_CALLS calls on distinct inputs,
+    wall time around block_until_ready divided by N_CALLS (dispatch amortized)."""
+    f = jax.jit(lambda xs, *r: [fn(x, *r) for x in xs])
+    jax.block_until_ready(f(args_list, *rest))
+    jax.block_until_ready(f(args_list, *rest))
+    ts = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(args_list, *rest))
+        ts.append((time.perf_counter() - t0) / len(args_list) * 1e6)
+    return statistics.median(ts)
+
+
+def _time_torch(fn, args_list):
+    """Median per-call time (us) of torch/cuBLAS with CUDA events, rotating inputs."""
+    torch = _torch()
+    for a in args_list[:3]:
+        fn(a)
+    torch.cuda.synchronize()
+    ts = []
+    for r in range(REPS * 3):
+        a = args_list[r % len(args_list)]
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn(a)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(ts)
+
+
+@check
+def timing_clusters():
+    """Cluster (2, 1) vs (1, 1) on the compute-bound shapes (same method as `timing`)."""
+    shapes = [(16172, 4096, 512), (16384, 5120, 1024), (16172, 4096, 4096), (16384, 4096, 4096)]
+    TIMING_ROWS.append(
+        "| T | d_in->d_out | op | tile | c1x1 raster 0 | c1x1 raster 1 | c2x1 raster 0 | c2x1 raster 1 |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+
+    def ffi(target, out, attrs):
+        return lambda a, b: jax.ffi.ffi_call(target, out)(a, b, **attrs)
+
+    for T, d_in, d_out in shapes:
+        xs = [rand((1, T, d_in)) for _ in range(N_CALLS)]
+        w = rand((1, d_out, d_in))
+        dys = [rand((1, T, d_out)) for _ in range(N_CALLS)]
+        cells = []
+        for c in ((1, 1), (2, 1)):
+            for r in (0, 1):
+                cells.append(_time_jit(ffi("jax_cake_fwd", jax.ShapeDtypeStruct((1, T, d_out), BF16), _attrs((128, 256, 64), raster=r, cluster=c)), xs, w))
+        TIMING_ROWS.append(f"| {T} | {d_in}->{d_out} | fwd | (128, 256) | " + " | ".join(_fmt(v) for v in cells) + " |")
+        cells = []
+        for c in ((1, 1), (2, 1)):
+            for r in (0, 1):
+                cells.append(_time_jit(ffi("jax_cake_dgrad", jax.ShapeDtypeStruct((1, T, d_in), BF16), _attrs((128, 256, 64), raster=r, cluster=c)), dys, w))
+        TIMING_ROWS.append(f"| {T} | {d_in}->{d_out} | dgrad | (128, 256) | " + " | ".join(_fmt(v) for v in cells) + " |")
+        for dt, dname in ((F32, "float32"), (BF16, "bfloat16")):
+            cells = []
+            outs = (jax.ShapeDtypeStruct((1, d_out, d_in), dt), jax.ShapeDtypeStruct((16,), jnp.uint8))
+            for c in ((1, 1), (2, 1)):
+                for r in (0, 1):
+                    f = ffi("jax_cake_wgrad", outs, _attrs((128, 128, 64), raster=r, cluster=c))
+                    cells.append(_time_jit(lambda x, dy, f=f: f(dy, x)[0], xs, dys[0]))
+            TIMING_ROWS.append(f"| {T} | {d_in}->{d_out} | wgrad {dname} | (128, 128) | " + " | ".join(_fmt(v) for v in cells) + " |")
+        del xs, dys
+    return report("timing_clusters", True, f"{len(shapes) * 4} rows")
+
+
+def _fmt(v):
+    return "-" if v is None else f"{v:.1f}"
+
+
+@check
+def timing():
+    torch = _torch()
+    shapes = [
+        (16172, 4096, 48),
+        (16384, 4096, 48),
+        (16172, 5120, 64),
+        (16172, 4096, 512),
+        (16384, 5120, 1024),
+        (16172, 4096, 4096),
+        (16384, 4096, 4096),
+    ]
+    header = (
+        "| T | d_in->d_out | op | plan | jax_cake raster 0 | jax_cake raster 1 | jax_cake atomic split-K | XLA jnp.dot | cuBLAS torch |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    TIMING_ROWS.append(header)
+
+    def ffi(target, out, attrs):
+        return lambda a, b: jax.ffi.ffi_call(target, out)(a, b, **attrs)
+
+    for T, d_in, d_out in shapes:
+        xs = [rand((1, T, d_in)) for _ in range(N_CALLS)]
+        w = rand((1, d_out, d_in))
+        dys = [rand((1, T, d_out)) for _ in range(N_CALLS)]
+        dy0 = dys[0]
+        tw = to_torch(w)[0]
+        txs = [to_torch(x)[0] for x in xs]
+        tdys = [to_torch(d)[0] for d in dys]
+        # fwd
+        ft = fwd_tile(d_out)
+        out = jax.ShapeDtypeStruct((1, T, d_out), BF16)
+        t_r = [_time_jit(ffi("jax_cake_fwd", out, _attrs(ft, raster=r)), xs, w) for r in (0, 1)]
+        t_xla = _time_jit(lambda x, w: jnp.einsum("btk,bnk->btn", x, w), xs, w)
+        t_cb = _time_torch(lambda x: torch.matmul(x, tw.t()), txs)
+        TIMING_ROWS.append(
+            f"| {T} | {d_in}->{d_out} | fwd | tile {ft[:2]} | {_fmt(t_r[0])} | {_fmt(t_r[1])} | - | {_fmt(t_xla)} | {_fmt(t_cb)} |"
+        )
+        # dgrad
+        dt_ = dgrad_tile(d_in)
+        out = jax.ShapeDtypeStruct((1, T, d_in), BF16)
+        t_r = [_time_jit(ffi("jax_cake_dgrad", out, _attrs(dt_, raster=r)), dys, w) for r in (0, 1)]
+        t_xla = _time_jit(lambda dy, w: jnp.einsum("btn,bnk->btk", dy, w), dys, w)
+        t_cb = _time_torch(lambda dy: torch.matmul(dy, tw), tdys)
+        TIMING_ROWS.append(
+            f"| {T} | {d_in}->{d_out} | dgrad | tile {dt_[:2]} | {_fmt(t_r[0])} | {_fmt(t_r[1])} | - | {_fmt(t_xla)} | {_fmt(t_cb)} |"
+        )
+        # wgrad (distinct x per call, same dy)
+        wt = wgrad_tile(d_out)
+        s = wgrad_splits(1, T, d_out, d_in)
+        tdy = to_torch(dy0)[0]
+        for dt, dname in ((F32, "float32"), (BF16, "bfloat16")):
+            red = 1 if s > 1 else 0
+            ws = variants.workspace_bytes(s, red, 1, d_out, d_in, dname)
+            outs = (jax.ShapeDtypeStruct((1, d_out, d_in), dt), jax.ShapeDtypeStruct((ws,), jnp.uint8))
+            t_r = []
+            for r in (0, 1):
+                f_det = ffi("jax_cake_wgrad", outs, _attrs(wt, splits=s, reduction=red, raster=r))
+                t_r.append(_time_jit(lambda x, dy, f=f_det: f(dy, x)[0], xs, dy0))
+            t_at = None
+            if s > 1:
+                ws2 = variants.workspace_bytes(s, 2, 1, d_out, d_in, dname)
+                outs2 = (jax.ShapeDtypeStruct((1, d_out, d_in), dt), jax.ShapeDtypeStruct((ws2,), jnp.uint8))
+                f_at = ffi("jax_cake_wgrad", outs2, _attrs(wt, splits=s, reduction=2))
+                t_at = _time_jit(lambda x, dy: f_at(dy, x)[0], xs, dy0)
+            t_xla = _time_jit(
+                lambda x, dy: jax.lax.dot_general(dy, x, (((1,), (1,)), ((0,), (0,))), preferred_element_type=dt), xs, dy0
+            )
+            t_cb = None
+            try:
+                if dt == F32:
+                    t_cb = _time_torch(lambda x: torch.mm(tdy.t(), x, out_dtype=torch.float32), txs)
+                else:
+                    t_cb = _time_torch(lambda x: torch.mm(tdy.t(), x), txs)
+            except Exception as e:  # noqa: BLE001
+                print(f"note: torch wgrad {dname} failed: {e}")
+            plan = f"tile {wt[:2]} splits {s}" + (" ordered" if s > 1 else "")
+            TIMING_ROWS.append(
+                f"| {T} | {d_in}->{d_out} | wgrad {dname} | {plan} | {_fmt(t_r[0])} | {_fmt(t_r[1])} | {_fmt(t_at)} | {_fmt(t_xla)} | {_fmt(t_cb)} |"
+            )
+        del xs, dys, txs, tdys
+    return report("timing", True, f"{len(TIMING_ROWS) - 1} rows")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="environment + small shapes only")
+    parser.add_argument("--no_timing", action="store_true")
+    parser.add_argument("--only", default="", help="comma-separated check names")
+    parser.add_argument("--skip", default="", help="comma-separated check names to skip")
+    parser.add_argument("--timing_file", default="timing.md", help="file name under $OUT for the timing table")
+    args = parser.parse_args()
+    quick = {"environment", "tiny", "small_sanity", "raster_and_tiles", "bad_plan_is_an_error", "donation_aliasing"}
+    only = set(filter(None, args.only.split(",")))
+    skip = set(filter(None, args.skip.split(",")))
+    t_start = time.time()
+    for fn in CHECKS:
+        name = fn.__name__
+        if only and name not in only and name != "environment":
+            continue
+        if name in skip:
+            continue
+        if args.quick and name not in quick:
+            continue
+        if args.no_timing and name == "timing":
+            continue
+        t0 = time.time()
+        try:
+            fn()
+        except Exception:  # noqa: BLE001
+            report(name, False, "raised:\n" + traceback.format_exc())
+            if name == "environment":
+                break
+        print(f"  ({name}: {time.time() - t0:.1f} s)", flush=True)
+    failed = [r for r in RESULTS if not r[1]]
+    print(f"\n{len(RESULTS) - len(failed)} passed, {len(failed)} failed, {time.time() - t_start:.0f} s")
+    for name, _, detail in failed:
+        print(f"  FAILED: {name} {detail[:300]}")
+    if TIMING_ROWS:
+        d = jax.devices()[0]
+        title = (
+            f"Timing: {d.device_kind}, {getattr(d, 'core_count', '?')} SMs, jax {jax.__version__}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. us per call, median of {REPS}: jax arms = "
+            f"one jit of {N_CALLS} calls on distinct x / block_until_ready wall time / {N_CALLS} (L2 not flushed); "
+            "cuBLAS = torch CUDA events per call, rotating the same inputs."
+        )
+        table = title + "\n\n" + "\n".join(TIMING_ROWS)
+        print("\n" + table)
+        out = os.environ.get("OUT")
+        if out:
+            pathlib.Path(out, args.timing_file).write_text(table + "\n")
+    shutil.rmtree(_DUMP_DIR, ignore_errors=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

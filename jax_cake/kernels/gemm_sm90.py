@@ -1,0 +1,485 @@
+"""Warp-specialized TMA + wgmma GEMM for sm_90a (Hopper), written in CuTe DSL.
+
+C[M, N, Lc] = sum_k A[M, K, L] * B[N, K, L] for bf16 A/B, fp32 accumulation, bf16 or
+fp32 C. M, N, K, L are dynamic: one compiled variant serves every shape.
+
+Layout of the CTA: warpgroup 0 is the producer (one warp issues the TMA loads of A and
+B into a ring of shared-memory stages guarded by an mbarrier pipeline); warpgroups
+1..tile_m/64 are consumers (each owns 64 rows of the tile, issues wgmma on the stage,
+releases it, and finally writes its rows through shared memory with TMA stores).
+
+Persistent: the grid holds at most one CTA per SM; CTA i handles tiles i, i + grid,
+... of the (m, n, batch l, split) tile space, so the producer already loads the next
+tile while the consumers run the epilogue of the current one.
+
+Split-K: split s reduces its own contiguous range of K tiles and stores into batch
+z = s * L + l of C, so with splits > 1 C is the fp32 workspace [splits, L, M, N] and a
+separate pass sums it in split order (bitwise reproducible). With splits == 1, C is the
+output itself. Reduce-add variants instead TMA-add every split into batch l of C
+(arrival order).
+
+FP32 wgrad (long K = T) uses two-level accumulation (`promote`): wgmma accumulates
+4 K tiles from zero, then that partial is added to the running fp32 accumulator. A single
+wgmma accumulation chain over K = 16k loses ~1.9e-5 relative (measured on the H200);
+with promotion every 4 K tiles it measured 2.7e-7.
+
+Ragged edges: TMA loads zero-fill out-of-bounds rows/columns of A and B (including the
+K tail), and TMA stores clip out-of-bounds rows/columns of C, so no predication is
+needed in the kernel body. A split with no K tile writes zeros.
+
+Imported only by jax_cake/build.py (AOT); never at run time.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from jax_cake.kernels.variants import GemmVariant
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
+
+# Registers per thread after setmaxnreg (384-thread CTAs only): the producer needs
+# few, the two consumer warpgroups hold the accumulators (64 x tile_n fp32 each =
+# tile_n / 2 registers per thread). 128 * 40 + 256 * 232 <= 64K registers.
+# A 256-thread CTA (one consumer) already gets up to 255 registers: no reconfiguration.
+_PRODUCER_REGS = 40
+_CONSUMER_REGS = 232
+# Two-level accumulation interval in K tiles (64 each): a wgmma chain of 16 x k16.
+# The truncation error of one chain grows linearly with its length; every 4 tiles
+# keeps it ~60x below a single chain over K = 16k while stalling on wgmma only on
+# one tile in four.
+_PROMOTE_EVERY = 4
+
+
+@dsl_user_op
+def _fence_f32(x, *, loc=None, ip=None):
+    """An empty volatile asm that reads and redefines one fp32 register.
+
+    Reading wgmma accumulators must stay after `wgmma.wait_group`; nothing ties plain
+    fp32 adds to that wait, so the compiler may hoist them above it, and ptxas then
+    serializes every wgmma of the kernel (C7514). Routing each accumulator through a
+    side-effecting asm after the wait pins the order (CUTLASS C++ does the same with
+    warpgroup_fence_operand).
+    """
+    return cutlass.Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [cutlass.Float32(x).ir_value(loc=loc, ip=ip)],
+            "",
+            "=f,0",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@cute.jit
+def _fence_tensor(t: cute.Tensor):
+    for i in cutlass.range_constexpr(cute.size(t)):
+        t[i] = _fence_f32(t[i])
+
+
+class GemmSm90:
+    """One compiled GEMM program (see module docstring). Configure with a GemmVariant."""
+
+    def __init__(self, variant: GemmVariant):
+        if variant.tile_m not in (64, 128):
+            raise ValueError(f"tile_m must be 64 or 128, got {variant.tile_m}")
+        if variant.tile_n not in (64, 128, 256):
+            raise ValueError(f"tile_n must be 64, 128 or 256, got {variant.tile_n}")
+        if variant.tile_k != 64:
+            raise ValueError(f"tile_k must be 64, got {variant.tile_k}")
+        if variant.cluster not in ((1, 1), (2, 1)):
+            raise ValueError(f"cluster must be (1, 1) or (2, 1), got {variant.cluster}")
+        if variant.store not in ("plain", "add"):
+            raise ValueError(f"store must be 'plain' or 'add', got {variant.store!r}")
+        if variant.store == "add" and variant.out_dtype != "float32":
+            raise ValueError("store='add' needs float32 output")
+        self.variant = variant
+        self.reduce_add = variant.store == "add"
+        self.promote = variant.promote
+        self.tile_mnk = (variant.tile_m, variant.tile_n, variant.tile_k)
+        # Cluster (cm, 1): the cm CTAs of a cluster own vertically adjacent M tiles of
+        # the same N tile and TMA-multicast the shared B tile (each loads 1/cm of it).
+        self.cluster_m = variant.cluster_m
+        self.ab_dtype = cutlass.BFloat16
+        self.acc_dtype = cutlass.Float32
+        self.c_dtype = _DTYPES[variant.out_dtype]
+        self.num_mma_wg = variant.tile_m // 64
+        self.mma_threads = 128 * self.num_mma_wg
+        self.threads = 128 + self.mma_threads
+        # Up to four epilogue buffers keep three TMA stores in flight (skinny-K dgrad
+        # is bound by writing C). The ring index is epi_idx % epi_stage, so the number
+        # of 32-column sub-tiles per tile must be a multiple of epi_stage.
+        self.epi_stage = min(4, variant.tile_n // 32)
+        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+        # Epilogue sub-tile: all consumer rows x 32 columns per TMA store.
+        self.epi_tile = (variant.tile_m, 32)
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * (self.c_dtype.width // 8) * self.epi_stage
+        ab_bytes = (variant.tile_m + variant.tile_n) * variant.tile_k * 2
+        self.ab_stage = min(8, (self.smem_capacity - epi_bytes - 2048) // ab_bytes)
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        splits: cutlass.Int32,
+        raster: cutlass.Int32,
+        max_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        a_layout = utils.LayoutEnum.from_tensor(mA)
+        b_layout = utils.LayoutEnum.from_tensor(mB)
+        c_layout = utils.LayoutEnum.from_tensor(mC)
+        self.c_layout = c_layout
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (self.num_mma_wg, 1, 1),
+            tiler_mn=(64, self.tile_mnk[1]),
+        )
+        a_smem_staged = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
+        b_smem_staged = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
+        epi_smem_staged = sm90_utils.make_smem_layout_epi(self.c_dtype, c_layout, self.epi_tile, self.epi_stage)
+
+        a_smem = cute.slice_(a_smem_staged, (None, None, 0))
+        b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+        epi_smem = cute.slice_(epi_smem_staged, (None, None, 0))
+        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, a_smem, (self.tile_mnk[0], self.tile_mnk[2])
+        )
+        if cutlass.const_expr(self.cluster_m > 1):
+            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(),
+                mB,
+                b_smem,
+                (self.tile_mnk[1], self.tile_mnk[2]),
+                num_multicast=self.cluster_m,
+            )
+        else:
+            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, b_smem, (self.tile_mnk[1], self.tile_mnk[2])
+            )
+        if cutlass.const_expr(self.reduce_add):
+            store_op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp()
+        else:
+            store_op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+        tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(store_op, mC, epi_smem, self.epi_tile)
+
+        @cute.struct
+        class SharedStorage:
+            pipe_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(epi_smem_staged)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        # Persistent grid: at most one CTA per SM (max_ctas, from the caller), each
+        # cluster walking cluster tiles (m, n, batch, split) with a stride of the
+        # number of clusters.
+        cm = self.cluster_m
+        tiles_m = cutlass.Int32((cute.size(mC, mode=[0]) + self.tile_mnk[0] - 1) // self.tile_mnk[0])
+        tiles_mc = (tiles_m + cm - 1) // cm
+        tiles_n = cutlass.Int32((cute.size(mC, mode=[1]) + self.tile_mnk[1] - 1) // self.tile_mnk[1])
+        num_tiles = tiles_mc * tiles_n * cutlass.Int32(cute.size(mA, mode=[2])) * splits
+        grid_x = cutlass.min(num_tiles, max_ctas // cm) * cm
+
+        self.kernel(
+            tma_atom_a,
+            tma_a,
+            tma_atom_b,
+            tma_b,
+            tma_atom_c,
+            tma_c,
+            tiled_mma,
+            a_smem_staged,
+            b_smem_staged,
+            epi_smem_staged,
+            splits,
+            raster,
+        ).launch(
+            grid=[grid_x, 1, 1],
+            block=[self.threads, 1, 1],
+            cluster=[cm, 1, 1],
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_atom_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        epi_smem_staged: cute.ComposedLayout,
+        splits: cutlass.Int32,
+        raster: cutlass.Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = warp_idx // 4
+
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
+
+        bidx, _, _ = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
+        cm = self.cluster_m
+        # Cluster id / count; the rank picks this CTA's M tile inside the cluster tile.
+        cluster_id = cutlass.Int32(bidx) // cm
+        num_clusters = cutlass.Int32(grid_x) // cm
+        rank = 0
+        if cutlass.const_expr(cm > 1):
+            rank = cutlass.Int32(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
+        # Tile counts fit in 32 bits; keep all index arithmetic in Int32.
+        num_l = cutlass.Int32(cute.size(mA, mode=[2]))
+        tiles_m = cutlass.Int32((cute.size(mC, mode=[0]) + self.tile_mnk[0] - 1) // self.tile_mnk[0])
+        tiles_mc = (tiles_m + cm - 1) // cm
+        tiles_n = cutlass.Int32((cute.size(mC, mode=[1]) + self.tile_mnk[1] - 1) // self.tile_mnk[1])
+        num_tiles = tiles_mc * tiles_n * num_l * splits
+        # K tiles per split: split s reduces K tiles [s * per_split, (s + 1) * per_split).
+        k_tiles = cutlass.Int32((cute.size(mA, mode=[1]) + self.tile_mnk[2] - 1) // self.tile_mnk[2])
+        per_split = (k_tiles + splits - 1) // splits
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        a_smem = cute.slice_(a_smem_staged, (None, None, 0))
+        b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + cute.size_in_bytes(self.ab_dtype, b_smem)
+        # Full barrier: one producer arrive + TMA bytes. Empty barrier: one arrive per
+        # consumer warp (lane 0 signals in PipelineTmaAsync.consumer_release).
+        # With a cluster, each consumer warp releases a stage in every CTA of the
+        # cluster (they all multicast B into it), hence cm arrives per warp.
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.pipe_mbar.data_ptr(),
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (self.mma_threads // 32) * cm),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, cm, 1, 1)),
+            defer_sync=cm > 1,
+        )
+        if cutlass.const_expr(cm > 1):
+            # Barrier init must be visible cluster-wide before any peer multicasts.
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(cm, 1), is_relaxed=True)
+            pipeline.pipeline_init_wait(cluster_shape_mn=(cm, 1))
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+
+        if wg_idx == 0:
+            # ------------------------------------------------------------ producer
+            if cutlass.const_expr(self.num_mma_wg == 2):
+                cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if warp_idx == 0:
+                prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+                # Persistent: this cluster walks cluster tiles id, id + #clusters, ...;
+                # the stage ring carries over, so the next tile's loads overlap this
+                # tile's epilogue.
+                b_mask = None
+                if cutlass.const_expr(cm > 1):
+                    cta_layout_mnk = cute.make_layout((cm, 1, 1))
+                    b_mask = cute.make_layout_image_mask(cta_layout_mnk, cta_layout_mnk.get_flat_coord(rank), mode=0)
+                for tile_id in cutlass.range(cluster_id, num_tiles, num_clusters, unroll=1):
+                    pid_mc, pid_n, l_idx, split = self._decode(tile_id, tiles_mc, tiles_n, num_l, raster)
+                    pid_m = pid_mc * cm + rank
+                    k_begin = split * per_split
+                    k_cnt = cutlass.max(cutlass.min(per_split, k_tiles - k_begin), 0)
+                    gA = cute.local_tile(mA, self.tile_mnk, (pid_m, pid_n, None, l_idx), proj=(1, None, 1))
+                    gB = cute.local_tile(mB, self.tile_mnk, (pid_m, pid_n, None, l_idx), proj=(None, 1, 1))
+                    tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                        tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                    )
+                    # With a cluster, this CTA loads slice `rank` of B and multicasts it.
+                    tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                        tma_atom_b, rank, cute.make_layout(cm), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+                    )
+                    for kt in cutlass.range(k_cnt, unroll=1):
+                        ab_pipe.producer_acquire(prod_state)
+                        k_coord = k_begin + kt
+                        cute.copy(
+                            tma_atom_a,
+                            tAgA[(None, k_coord)],
+                            tAsA[(None, prod_state.index)],
+                            tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
+                        )
+                        if cutlass.const_expr(cm > 1):
+                            cute.copy(
+                                tma_atom_b,
+                                tBgB[(None, k_coord)],
+                                tBsB[(None, prod_state.index)],
+                                tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
+                                mcast_mask=b_mask,
+                            )
+                        else:
+                            cute.copy(
+                                tma_atom_b,
+                                tBgB[(None, k_coord)],
+                                tBsB[(None, prod_state.index)],
+                                tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
+                            )
+                        ab_pipe.producer_commit(prod_state)
+                        prod_state.advance()
+                if cutlass.const_expr(cm > 1):
+                    # Do not exit while peers may still release (remote-arrive on) our
+                    # stages: wait until every stage is empty.
+                    ab_pipe.producer_tail(prod_state)
+        else:
+            # ------------------------------------------------------------ consumers
+            if cutlass.const_expr(self.num_mma_wg == 2):
+                cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            mma_wg = wg_idx - 1
+            mma_tidx = tidx - 128
+            thr_mma = tiled_mma.get_slice(mma_wg * 128)
+            tCsA = thr_mma.partition_A(sA)
+            tCsB = thr_mma.partition_B(sB)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            tCrB = tiled_mma.make_fragment_B(tCsB)
+            # Accumulator shape from a tile-shaped view (same for every tile).
+            gC0 = cute.local_tile(mC, self.tile_mnk, (0, 0, None, 0), proj=(1, 1, None))
+            tCgC = thr_mma.partition_C(gC0)
+            acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+            if cutlass.const_expr(self.promote):
+                acc_k = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+            num_k_blocks = cute.size(tCrA, mode=[2])
+
+            # Epilogue plumbing shared by all tiles.
+            c_layout = self.c_layout
+            copy_atom_r2s = sm90_utils.get_smem_store_op(c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
+            copy_atom_c = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(c_layout.is_m_major_c(), 4), self.c_dtype
+            )
+            tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+            thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+            tRS_sD = thr_copy_r2s.partition_D(sC)
+            tRS_rAcc = tiled_copy_r2s.retile(acc)
+            rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+            tRS_rD_layout = cute.make_layout(rD_shape[:3])
+            tRS_rD = cute.make_rmem_tensor_like(tRS_rD_layout, self.acc_dtype)
+            size_tRS_rD = cute.size(tRS_rD)
+            c_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
+            )
+            epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
+
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            for tile_id in cutlass.range(cluster_id, num_tiles, num_clusters, unroll=1):
+                pid_mc, pid_n, l_idx, split = self._decode(tile_id, tiles_mc, tiles_n, num_l, raster)
+                pid_m = pid_mc * cm + rank
+                k_begin = split * per_split
+                k_cnt = cutlass.max(cutlass.min(per_split, k_tiles - k_begin), 0)
+                acc.fill(0.0)
+                # With `promote`, wgmma accumulates into acc_k, which is added into acc
+                # (round-to-nearest fp32) every _PROMOTE_EVERY K tiles and at the end.
+                mma_acc = acc
+                if cutlass.const_expr(self.promote):
+                    acc_k.fill(0.0)
+                    mma_acc = acc_k
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                for kt in cutlass.range(k_cnt, unroll=1):
+                    ab_pipe.consumer_wait(read_state)
+                    cute.nvgpu.warpgroup.fence()
+                    for kb in cutlass.range(num_k_blocks, unroll_full=True):
+                        kb_coord = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, mma_acc, tCrA[kb_coord], tCrB[kb_coord], mma_acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    # Keep one wgmma group in flight; the previous stage is now free.
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    if kt > 0:
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+                    read_state.advance()
+                    if cutlass.const_expr(self.promote):
+                        if kt % _PROMOTE_EVERY == _PROMOTE_EVERY - 1:
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            _fence_tensor(acc_k)
+                            acc.store(acc.load() + acc_k.load())
+                            acc_k.fill(0.0)
+                cute.nvgpu.warpgroup.wait_group(0)
+                if cutlass.const_expr(self.promote):
+                    _fence_tensor(acc_k)
+                    acc.store(acc.load() + acc_k.load())
+                if k_cnt > 0:
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+
+                # -------------------------------------------------------- epilogue
+                # plain store: batch z = split * L + l of C (the workspace when
+                # splits > 1); reduce-add: batch l (all splits add into one tile).
+                c_batch = split * num_l + l_idx
+                if cutlass.const_expr(self.reduce_add):
+                    c_batch = l_idx
+                gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, c_batch), proj=(1, 1, None))
+                gC_epi = cute.zipped_divide(gC, self.epi_tile)
+                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                    tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+                )
+                epi_tile_num = cute.size(gC_epi, mode=[1])
+                epi_tile_shape = gC_epi.shape[1]
+                epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
+                for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                    for v in cutlass.range_constexpr(size_tRS_rD):
+                        tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
+                    tRS_rD_out = cute.make_rmem_tensor_like(tRS_rD_layout, self.c_dtype)
+                    tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
+                    buf = epi_idx % self.epi_stage
+                    cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                    # Ordinary smem stores must be visible to the TMA (async proxy).
+                    cute.arch.fence_view_async_shared()
+                    epi_bar.arrive_and_wait()
+                    gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
+                    if warp_idx == 4:
+                        cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
+                        c_pipe.producer_commit()
+                        # Wait until the store that last read the other buffer is done.
+                        c_pipe.producer_acquire()
+                    epi_bar.arrive_and_wait()
+            if warp_idx == 4:
+                c_pipe.producer_tail()
+
+    @cute.jit
+    def _decode(self, tile_id, tiles_m, tiles_n, num_l, raster):
+        """Linear tile id -> (pid_m, pid_n, l, split). The fastest index walks M
+        (raster 0) or N (raster 1); batch, then split, vary slowest."""
+        tiles_mn = tiles_m * tiles_n
+        mn = tile_id % tiles_mn
+        z = tile_id // tiles_mn
+        m0 = mn % tiles_m
+        n0 = mn // tiles_m
+        n1 = mn % tiles_n
+        m1 = mn // tiles_n
+        pid_m = m0 + (m1 - m0) * raster
+        pid_n = n0 + (n1 - n0) * raster
+        return pid_m, pid_n, z % num_l, z // num_l

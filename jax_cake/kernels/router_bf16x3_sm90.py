@@ -1,0 +1,620 @@
+"""Fused FP32 GEMM by BF16x3 emulation for sm_90a (Hopper), written in CuTe DSL.
+
+C[M, N, s] = sum_k A[M, K] * B[N, K] with fp32 A, B, C, where every product is done
+as three bf16 wgmma products into one fp32 accumulator:
+
+    a = a_hi + a_lo,  a_hi = bf16_rn(a),  a_lo = bf16_rn(a - f32(a_hi))
+    a . b ~= a_hi b_hi + a_hi b_lo + a_lo b_hi        (a_lo b_lo, ~2^-18 relative, dropped)
+
+This is the router GEMM of jax_cake (logits = x w^T and both gradients), the same
+algorithm as XLA's BF16_BF16_F32_X3 but fused: fp32 operands are read from global
+memory once and split on chip.
+
+CTA layout (warp-specialized, 128 + 128 * tile_m/64 threads):
+  warpgroup 0 = the transform warpgroup. Warp 0 also issues the TMA loads of the fp32
+     A and B tiles into a ring of `s32` fp32 stages (PipelineTmaAsync, full barrier =
+     1 arrive + TMA bytes, empty barrier = 1 arrive per transform warp). All 128 threads
+     read each fp32 stage, split it and write bf16 hi and lo tiles into a ring of `s16`
+     bf16 stages laid out exactly as wgmma wants them (same swizzled layouts the dense
+     kernel feeds from TMA). Each thread then runs `fence.proxy.async.shared::cta`
+     (generic-proxy smem writes -> visible to the async proxy that wgmma reads with)
+     and arrives on the bf16 full barrier (PipelineAsync, 128 arrivals per phase).
+  warpgroups 1.. = MMA warpgroups (64 rows of the tile each): wait on the bf16 full
+     barrier, issue A_lo.B_hi, A_hi.B_lo, A_hi.B_hi wgmma (SS) for every k block into
+     one fp32 accumulator, keep one wgmma group in flight, release the previous bf16
+     stage (one arrive per MMA warp, after wait_group proves its wgmma finished
+     reading), and finally store the tile with TMA through shared memory.
+The transform of stage k+1 overlaps the wgmma of stage k; the TMA loads run s32 stages
+ahead of the transform.
+
+The bf16 tiles keep the source operand's majorness (K-major stays K-major, M/N-major
+stays M/N-major): the split is then an element-wise copy between two tensors of the
+same logical (rows, k) shape, which is correct by construction for any thread mapping,
+and wgmma reads MN-major bf16 operands natively (transpose bit).
+
+Split-K: grid z = split. A CTA reduces its contiguous range of K tiles and stores into
+batch z of C, so with splits > 1 C is the fp32 workspace [splits, M, N] and a separate
+pass sums it in split order (bitwise reproducible). A split with no K tile writes zeros.
+
+Ragged edges: TMA loads zero-fill out-of-bounds rows and the K tail (zeros split into
+zero hi and lo), TMA stores clip out-of-bounds rows/columns of C.
+
+Imported only by jax_cake/build.py (AOT); never at run time.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+
+from jax_cake.kernels.router_variants import VARIANTS, RouterVariant
+
+# Registers per thread after setmaxnreg (384-thread CTAs): the transform warpgroup holds
+# _SPLIT_GROUP 4-element fp32 vectors in flight plus addresses (ptxas used ~70); each MMA
+# warpgroup holds a 64 x tile_n fp32 accumulator (tile_n / 2 = 128 registers per thread)
+# plus descriptors and the epilogue (ptxas used 162 at tile_n = 256).
+# 128 * 120 + 256 * 184 = 62464 <= 65536.
+_TRANSFORM_REGS = 120
+_MMA_REGS = 184
+# Passes (one 16-byte load each) whose loads are issued back to back in the split.
+_SPLIT_GROUP = 8
+
+# Named barrier ids (0 is __syncthreads).
+_EPI_BARRIER_ID = 1
+
+
+class RouterBf16x3Sm90:
+    """One compiled BF16x3 GEMM program (see module docstring). Configure with a RouterVariant."""
+
+    def __init__(self, variant: RouterVariant):
+        if variant.tile_m not in (64, 128):
+            raise ValueError(f"tile_m must be 64 or 128, got {variant.tile_m}")
+        if variant.tile_n not in (64, 128, 256):
+            raise ValueError(f"tile_n must be 64, 128 or 256, got {variant.tile_n}")
+        if variant.tile_k != 32:
+            raise ValueError(f"tile_k must be 32 (one 128-byte fp32 row per K-major stage), got {variant.tile_k}")
+        # The transform's thread mapping: K-major tiles take 16 rows per pass, M/N-major
+        # tiles 128 rows per pass.
+        for major, rows, what in ((variant.a_major, variant.tile_m, "tile_m"), (variant.b_major, variant.tile_n, "tile_n")):
+            if major != "k" and rows % 128 != 0:
+                raise ValueError(f"{what} must be a multiple of 128 for an M/N-major operand, got {rows}")
+        self.variant = variant
+        self.tile_mnk = (variant.tile_m, variant.tile_n, variant.tile_k)
+        self.acc_dtype = cutlass.Float32
+        self.io_dtype = cutlass.Float32
+        self.mma_dtype = cutlass.BFloat16
+        self.num_mma_wg = variant.tile_m // 64
+        self.mma_threads = 128 * self.num_mma_wg
+        self.transform_threads = 128
+        self.threads = self.transform_threads + self.mma_threads
+        self.epi_stage = 2
+        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+        tm, tn, tk = self.tile_mnk
+        f32_stage_bytes = (tm + tn) * tk * 4
+        bf16_stage_bytes = (tm + tn) * tk * 2 * 2  # hi and lo
+        # Epilogue sub-tile: all rows x 32 columns per TMA store; drop to 16 columns if the
+        # rings would otherwise not fit.
+        self.epi_tile = (tm, 32)
+        self.s32 = 2
+        self.s16 = 2
+        budget = self.smem_capacity - 2048  # mbarriers + alignment padding
+        while True:
+            epi_bytes = self.epi_tile[0] * self.epi_tile[1] * 4 * self.epi_stage
+            total = self.s32 * f32_stage_bytes + self.s16 * bf16_stage_bytes + epi_bytes
+            if total <= budget:
+                break
+            if self.epi_tile[1] > 16:
+                self.epi_tile = (tm, 16)
+                continue
+            raise ValueError(f"tile {self.tile_mnk} needs {total} bytes of shared memory, over {budget}")
+        # Spend what is left on deeper fp32 prefetch (the TMA runs further ahead).
+        while total + f32_stage_bytes <= budget and self.s32 < 4:
+            self.s32 += 1
+            total += f32_stage_bytes
+        self.smem_bytes = total
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        splits: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        a_layout = utils.LayoutEnum.from_tensor(mA)
+        b_layout = utils.LayoutEnum.from_tensor(mB)
+        c_layout = utils.LayoutEnum.from_tensor(mC)
+        self.c_layout = c_layout
+        self.a_k_major = a_layout.is_k_major_a()
+        self.b_k_major = b_layout.is_k_major_b()
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.mma_dtype,
+            self.mma_dtype,
+            a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (self.num_mma_wg, 1, 1),
+            tiler_mn=(64, self.tile_mnk[1]),
+        )
+        # fp32 stages (TMA destination) and bf16 stages (wgmma source), same majorness.
+        a32_staged = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.io_dtype, self.s32)
+        b32_staged = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.io_dtype, self.s32)
+        a16_staged = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.mma_dtype, self.s16)
+        b16_staged = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.mma_dtype, self.s16)
+        epi_staged = sm90_utils.make_smem_layout_epi(self.io_dtype, c_layout, self.epi_tile, self.epi_stage)
+
+        a32_one = cute.slice_(a32_staged, (None, None, 0))
+        b32_one = cute.slice_(b32_staged, (None, None, 0))
+        epi_one = cute.slice_(epi_staged, (None, None, 0))
+        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, a32_one, (self.tile_mnk[0], self.tile_mnk[2])
+        )
+        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, b32_one, (self.tile_mnk[1], self.tile_mnk[2])
+        )
+        tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC, epi_one, self.epi_tile
+        )
+
+        @cute.struct
+        class SharedStorage:
+            mbar32: cute.struct.MemRange[cutlass.Int64, self.s32 * 2]
+            mbar16: cute.struct.MemRange[cutlass.Int64, self.s16 * 2]
+            sA32: cute.struct.Align[cute.struct.MemRange[self.io_dtype, cute.cosize(a32_staged)], 1024]
+            sB32: cute.struct.Align[cute.struct.MemRange[self.io_dtype, cute.cosize(b32_staged)], 1024]
+            sAhi: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(a16_staged)], 1024]
+            sAlo: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(a16_staged)], 1024]
+            sBhi: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(b16_staged)], 1024]
+            sBlo: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(b16_staged)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.io_dtype, cute.cosize(epi_staged)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        m = cute.size(mC, mode=[0])
+        n = cute.size(mC, mode=[1])
+        tiles_m = (m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
+        tiles_n = (n + self.tile_mnk[1] - 1) // self.tile_mnk[1]
+        # blockIdx.x walks M: consecutive CTAs share the B tile (w in fwd/dgrad) in L2.
+        self.kernel(
+            tma_atom_a,
+            tma_a,
+            tma_atom_b,
+            tma_b,
+            tma_atom_c,
+            tma_c,
+            tiled_mma,
+            a32_staged,
+            b32_staged,
+            a16_staged,
+            b16_staged,
+            epi_staged,
+            splits,
+        ).launch(
+            grid=[tiles_m, tiles_n, splits],
+            block=[self.threads, 1, 1],
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.jit
+    def _split_tile(
+        self,
+        src32: cute.Tensor,
+        dst_hi: cute.Tensor,
+        dst_lo: cute.Tensor,
+        k_major: cutlass.Constexpr,
+        tid: cutlass.Int32,
+    ):
+        """dst_hi, dst_lo = bf16 split of src32, one (rows, tile_k) tile, by 128 threads.
+
+        Both sides are indexed by the same logical (row, k) coordinates through the same
+        thread/value mapping, so any swizzle on either side is handled by the layouts.
+        Each thread moves 4 elements contiguous in the operand's major mode per pass
+        (one 16-byte load, two 8-byte stores).
+        """
+        if cutlass.const_expr(k_major):
+            thr_layout = cute.make_layout((16, 8), stride=(8, 1))
+            val_layout = cute.make_layout((1, 4))
+        else:
+            thr_layout = cute.make_layout((32, 4), stride=(1, 32))
+            val_layout = cute.make_layout((4, 1))
+        ld_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.io_dtype, num_bits_per_copy=128)
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mma_dtype, num_bits_per_copy=64)
+        tiled_ld = cute.make_tiled_copy_tv(ld_atom, thr_layout, val_layout)
+        tiled_st = cute.make_tiled_copy_tv(st_atom, thr_layout, val_layout)
+        thr_ld = tiled_ld.get_slice(tid)
+        thr_st = tiled_st.get_slice(tid)
+        tS = thr_ld.partition_S(src32)
+        tHi = thr_st.partition_D(dst_hi)
+        tLo = thr_st.partition_D(dst_lo)
+        n_p = cute.size(tS, mode=[1])
+        n_q = cute.size(tS, mode=[2])
+        n_pass = n_p * n_q
+        rhi = cute.make_fragment_like(tHi[(None, 0, 0)])
+        rlo = cute.make_fragment_like(tLo[(None, 0, 0)])
+        # Loads of a group of passes first, then their converts and stores: the compiler
+        # cannot move a shared-memory load above a shared-memory store it cannot prove
+        # disjoint, so without grouping every pass would wait out a full load latency.
+        for g0 in cutlass.range_constexpr(0, n_pass, _SPLIT_GROUP):
+            frags = []
+            for j in cutlass.range_constexpr(min(_SPLIT_GROUP, n_pass - g0)):
+                i = g0 + j
+                r32 = cute.make_fragment_like(tS[(None, 0, 0)])
+                cute.copy(tiled_ld, tS[(None, i % n_p, i // n_p)], r32)
+                frags.append(r32)
+            for j in cutlass.range_constexpr(min(_SPLIT_GROUP, n_pass - g0)):
+                i = g0 + j
+                v = frags[j].load()
+                # hi = bf16 round-to-nearest-even of v, done in integer arithmetic (full
+                # rate) instead of single-element F2F conversions (quarter rate): keep
+                # the top 16 bits of v + 0x7FFF + lsb. hi as fp32 is exact, so
+                # v - hi is exact and only lo takes one (packed) conversion.
+                bits = v.bitcast(cutlass.Uint32)
+                lsb = (bits // cutlass.Uint32(0x10000)) & cutlass.Uint32(1)
+                rounded = bits + cutlass.Uint32(0x7FFF) + lsb
+                hi32 = (rounded & cutlass.Uint32(0xFFFF0000)).bitcast(self.io_dtype).reshape(v.shape)
+                hi = hi32.to(self.mma_dtype)  # exact: hi32 is a bf16 value (packed cvt)
+                lo = (v - hi32).to(self.mma_dtype)
+                rhi.store(hi)
+                rlo.store(lo)
+                cute.copy(tiled_st, rhi, tHi[(None, i % n_p, i // n_p)])
+                cute.copy(tiled_st, rlo, tLo[(None, i % n_p, i // n_p)])
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_atom_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a32_staged: cute.ComposedLayout,
+        b32_staged: cute.ComposedLayout,
+        a16_staged: cute.ComposedLayout,
+        b16_staged: cute.ComposedLayout,
+        epi_staged: cute.ComposedLayout,
+        splits: cutlass.Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = warp_idx // 4
+        lane = cute.arch.lane_idx()
+
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
+
+        pid_m, pid_n, split = cute.arch.block_idx()
+
+        # This CTA's K tiles: [k_begin, k_begin + k_cnt).
+        k_total = cute.size(mA, mode=[1])
+        k_tiles = (k_total + self.tile_mnk[2] - 1) // self.tile_mnk[2]
+        per_split = (k_tiles + splits - 1) // splits
+        k_begin = split * per_split
+        k_cnt = cutlass.min(per_split, k_tiles - k_begin)
+        k_cnt = cutlass.max(k_cnt, 0)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        a32_one = cute.slice_(a32_staged, (None, None, 0))
+        b32_one = cute.slice_(b32_staged, (None, None, 0))
+        tx_bytes = cute.size_in_bytes(self.io_dtype, a32_one) + cute.size_in_bytes(self.io_dtype, b32_one)
+        # fp32 ring: full = 1 producer arrive (warp 0, elected) + TMA bytes; empty = one
+        # arrive per transform warp (lane 0 signals in PipelineTmaAsync.consumer_release).
+        pipe32 = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar32.data_ptr(),
+            num_stages=self.s32,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.transform_threads // 32),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        # bf16 ring: full = one arrive per transform thread (each after its own proxy
+        # fence); empty = one arrive per MMA warp (lane 0 only, see the release below).
+        pipe16 = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar16.data_ptr(),
+            num_stages=self.s16,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.transform_threads),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
+        )
+
+        sA32 = storage.sA32.get_tensor(a32_staged.outer, swizzle=a32_staged.inner)
+        sB32 = storage.sB32.get_tensor(b32_staged.outer, swizzle=b32_staged.inner)
+        sAhi = storage.sAhi.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
+        sAlo = storage.sAlo.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
+        sBhi = storage.sBhi.get_tensor(b16_staged.outer, swizzle=b16_staged.inner)
+        sBlo = storage.sBlo.get_tensor(b16_staged.outer, swizzle=b16_staged.inner)
+        sC = storage.sC.get_tensor(epi_staged.outer, swizzle=epi_staged.inner)
+
+        # (bM, bK, k tiles), (bN, bK, k tiles), (bM, bN); A and B have a unit batch mode.
+        gA = cute.local_tile(mA, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(1, None, 1))
+        gB = cute.local_tile(mB, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(None, 1, 1))
+        gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, split), proj=(1, 1, None))
+
+        if wg_idx == 0:
+            # ------------------------------------------------------- load + transform
+            if cutlass.const_expr(self.num_mma_wg == 2):
+                cute.arch.setmaxregister_decrease(_TRANSFORM_REGS)
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA32, 0, 2), cute.group_modes(gA, 0, 2)
+            )
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB32, 0, 2), cute.group_modes(gB, 0, 2)
+            )
+            load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.s32)
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s32)
+            write_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.s16)
+            # Prologue: warp 0 fills the fp32 ring (the empty barriers start free).
+            if warp_idx == 0:
+                for kt in cutlass.range(cutlass.min(k_cnt, self.s32), unroll=1):
+                    pipe32.producer_acquire(load_state)
+                    k_coord = k_begin + kt
+                    cute.copy(tma_atom_a, tAgA[(None, k_coord)], tAsA[(None, load_state.index)],
+                              tma_bar_ptr=pipe32.producer_get_barrier(load_state))
+                    cute.copy(tma_atom_b, tBgB[(None, k_coord)], tBsB[(None, load_state.index)],
+                              tma_bar_ptr=pipe32.producer_get_barrier(load_state))
+                    pipe32.producer_commit(load_state)
+                    load_state.advance()
+            for kt in cutlass.range(k_cnt, unroll=1):
+                pipe32.consumer_wait(read_state)
+                pipe16.producer_acquire(write_state)
+                self._split_tile(
+                    sA32[(None, None, read_state.index)],
+                    sAhi[(None, None, write_state.index)],
+                    sAlo[(None, None, write_state.index)],
+                    self.a_k_major,
+                    tidx,
+                )
+                self._split_tile(
+                    sB32[(None, None, read_state.index)],
+                    sBhi[(None, None, write_state.index)],
+                    sBlo[(None, None, write_state.index)],
+                    self.b_k_major,
+                    tidx,
+                )
+                # Generic-proxy smem writes -> visible to wgmma (async proxy), then publish.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                pipe16.producer_commit(write_state)
+                write_state.advance()
+                # Every lane of this warp has finished reading the fp32 stage.
+                cute.arch.sync_warp()
+                pipe32.consumer_release(read_state)
+                read_state.advance()
+                # Refill the stage just consumed with K tile kt + s32 (waits until all
+                # four transform warps have released it).
+                if warp_idx == 0:
+                    if kt + self.s32 < k_cnt:
+                        pipe32.producer_acquire(load_state)
+                        k_coord = k_begin + kt + self.s32
+                        cute.copy(tma_atom_a, tAgA[(None, k_coord)], tAsA[(None, load_state.index)],
+                                  tma_bar_ptr=pipe32.producer_get_barrier(load_state))
+                        cute.copy(tma_atom_b, tBgB[(None, k_coord)], tBsB[(None, load_state.index)],
+                                  tma_bar_ptr=pipe32.producer_get_barrier(load_state))
+                        pipe32.producer_commit(load_state)
+                        load_state.advance()
+        else:
+            # ------------------------------------------------------------ MMA warps
+            if cutlass.const_expr(self.num_mma_wg == 2):
+                cute.arch.setmaxregister_increase(_MMA_REGS)
+            mma_wg = wg_idx - 1
+            mma_tidx = tidx - self.transform_threads
+            thr_mma = tiled_mma.get_slice(mma_wg * 128)
+            tCrAhi = tiled_mma.make_fragment_A(thr_mma.partition_A(sAhi))
+            tCrAlo = tiled_mma.make_fragment_A(thr_mma.partition_A(sAlo))
+            tCrBhi = tiled_mma.make_fragment_B(thr_mma.partition_B(sBhi))
+            tCrBlo = tiled_mma.make_fragment_B(thr_mma.partition_B(sBlo))
+            tCgC = thr_mma.partition_C(gC)
+            acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+            acc.fill(0.0)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            num_k_blocks = cute.size(tCrAhi, mode=[2])
+
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s16)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s16)
+            for kt in cutlass.range(k_cnt, unroll=1):
+                pipe16.consumer_wait(read_state)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range(num_k_blocks, unroll_full=True):
+                    kb_coord = (None, None, kb, read_state.index)
+                    # Small terms first: they are added while the accumulator is smallest.
+                    cute.gemm(tiled_mma, acc, tCrAlo[kb_coord], tCrBhi[kb_coord], acc)
+                    cute.gemm(tiled_mma, acc, tCrAhi[kb_coord], tCrBlo[kb_coord], acc)
+                    cute.gemm(tiled_mma, acc, tCrAhi[kb_coord], tCrBhi[kb_coord], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                # Keep one wgmma group in flight; the previous bf16 stage is now free.
+                cute.nvgpu.warpgroup.wait_group(1)
+                if kt > 0:
+                    if lane == 0:
+                        pipe16.consumer_release(release_state)
+                    release_state.advance()
+                read_state.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+
+            # ------------------------------------------------------------ epilogue
+            c_layout = self.c_layout
+            copy_atom_r2s = sm90_utils.get_smem_store_op(c_layout, elem_ty_d=self.io_dtype, elem_ty_acc=self.acc_dtype)
+            copy_atom_c = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(c_layout.is_m_major_c(), 4), self.io_dtype
+            )
+            tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+            thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+            tRS_sD = thr_copy_r2s.partition_D(sC)
+            tRS_rAcc = tiled_copy_r2s.retile(acc)
+            rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+            tRS_rD_layout = cute.make_layout(rD_shape[:3])
+            tRS_rD = cute.make_rmem_tensor_like(tRS_rD_layout, self.acc_dtype)
+            size_tRS_rD = cute.size(tRS_rD)
+
+            gC_epi = cute.zipped_divide(gC, self.epi_tile)
+            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+            )
+            epi_tile_num = cute.size(gC_epi, mode=[1])
+            epi_tile_shape = gC_epi.shape[1]
+            epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
+
+            c_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
+            )
+            epi_bar = pipeline.NamedBarrier(barrier_id=_EPI_BARRIER_ID, num_threads=self.mma_threads)
+            first_mma_warp = self.transform_threads // 32
+            for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                for v in cutlass.range_constexpr(size_tRS_rD):
+                    tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
+                buf = epi_idx % self.epi_stage
+                cute.copy(tiled_copy_r2s, tRS_rD, tRS_sD[(None, None, None, buf)])
+                # Ordinary smem stores must be visible to the TMA (async proxy).
+                cute.arch.fence_view_async_shared()
+                epi_bar.arrive_and_wait()
+                gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
+                if warp_idx == first_mma_warp:
+                    cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
+                    c_pipe.producer_commit()
+                    c_pipe.producer_acquire()
+                epi_bar.arrive_and_wait()
+            if warp_idx == first_mma_warp:
+                c_pipe.producer_tail()
+
+
+# ---------------------------------------------------------------------- AOT export
+def _fake_operand(dtype, unit_stride_mode: int):
+    """A rank-3 (rows, cols, batch) fake tensor with dynamic extents and strides.
+
+    The non-unit strides are multiples of 4 elements (16-byte TMA strides for fp32:
+    d and E multiples of 4, see router_variants.py).
+    """
+    from cutlass.cute.runtime import make_fake_tensor
+
+    shape = tuple(cute.sym_int64() for _ in range(3))
+    stride = [cute.sym_int64(divisibility=4) for _ in range(3)]
+    stride[unit_stride_mode] = 1
+    return make_fake_tensor(dtype, shape, tuple(stride), assumed_align=16)
+
+
+def compile_variant(v: RouterVariant):
+    """cute.compile of one variant with fully dynamic shapes (CUTE_DSL_ARCH set by the caller)."""
+    from cutlass.runtime import make_fake_stream
+
+    a = _fake_operand(cutlass.Float32, 1 if v.a_major == "k" else 0)
+    b = _fake_operand(cutlass.Float32, 1 if v.b_major == "k" else 0)
+    c = _fake_operand(cutlass.Float32, 1)
+    return cute.compile(RouterBf16x3Sm90(v), a, b, c, cutlass.Int32(1), make_fake_stream())
+
+
+def write_router_variant_table(variants, obj_dir: pathlib.Path) -> pathlib.Path:
+    """Generates jax_cake_router_variants.inc: module loaders, launchers, kRouterVariants[].
+
+    Included by ffi/router_ffi.cc after it defines jax_cake::router::{RouterOperand,
+    RouterArgs, RouterVariantEntry}. Separate names from the dense table so both
+    translation units link into one library.
+    """
+    lines = [
+        "// Generated by jax_cake/kernels/router_bf16x3_sm90.py; do not edit.",
+        "#pragma once",
+        "namespace jax_cake { namespace router { namespace gen { inline cudaError_t g_first_error = cudaSuccess; } } }",
+        "// Route the exported headers' error checks into a status we can return.",
+        "#ifdef CUTE_DSL_CUDA_ERROR_CHECK",
+        "#undef CUTE_DSL_CUDA_ERROR_CHECK",
+        "#endif",
+        "#define CUTE_DSL_CUDA_ERROR_CHECK(err) { cudaError_t _jc_e = (err); "
+        "if (_jc_e != cudaSuccess && jax_cake::router::gen::g_first_error == cudaSuccess) "
+        "jax_cake::router::gen::g_first_error = _jc_e; }",
+    ]
+    for v in variants:
+        lines.append(f'#include "{v.name}.h"')
+    lines.append("namespace jax_cake { namespace router { namespace gen {")
+    for v in variants:
+        n = v.name
+        lines += [
+            f"static {n}_Kernel_Module_t g_mod_{n};",
+            f"static cudaError_t load_{n}() {{",
+            "  g_first_error = cudaSuccess;",
+            f"  {n}_Kernel_Module_Load(&g_mod_{n});",
+            "  return g_first_error;",
+            "}",
+            f"static int32_t launch_{n}(const RouterArgs& g, cudaStream_t stream) {{",
+        ]
+        for op, key in (("a", "mA"), ("b", "mB"), ("c", "mC")):
+            t = f"{n}_Tensor_{key}_t"
+            lines += [
+                f"  {t} {op};",
+                f"  static_assert(sizeof({op}.dynamic_shapes) == 3 * sizeof(int64_t), \"shape arity\");",
+                f"  static_assert(sizeof({op}.dynamic_strides) == 2 * sizeof(int64_t), \"stride arity\");",
+                f"  {op}.data = g.{op}.data;",
+                f"  for (int i = 0; i < 3; ++i) {op}.dynamic_shapes[i] = g.{op}.shape[i];",
+                f"  for (int i = 0; i < 2; ++i) {op}.dynamic_strides[i] = g.{op}.stride[i];",
+            ]
+        lines += [
+            f"  return cute_dsl_{n}_wrapper(&g_mod_{n}, &a, &b, &c, g.splits, stream);",
+            "}",
+        ]
+    lines.append("}  // namespace gen")
+    lines.append("static const RouterVariantEntry kRouterVariants[] = {")
+    for v in variants:
+        lines.append(
+            f'  {{"{v.name}", "{v.program}", {v.tile_m}, {v.tile_n}, {v.tile_k}, gen::load_{v.name}, gen::launch_{v.name}}},'
+        )
+    lines.append("};")
+    lines.append(f"static constexpr int kNumRouterVariants = {len(variants)};")
+    lines.append("}  // namespace router")
+    lines.append("}  // namespace jax_cake")
+    path = obj_dir / "jax_cake_router_variants.inc"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _default_log(msg: str) -> None:
+    print(f"[jax_cake.build] {msg}", flush=True)
+
+
+def export_router_kernels(obj_dir, log=_default_log) -> list[dict]:
+    """Compiles and exports every router variant to `<obj_dir>/<name>.{h,o}`.
+
+    CUTE_DSL_ARCH must already be set (to sm_90a) by the caller before cutlass was
+    first imported, as jax_cake/build.py:export_kernels does. Also writes
+    `<obj_dir>/jax_cake_router_variants.inc` (the table ffi/router_ffi.cc includes).
+
+    `log` takes one message (build.py's `_log` fits). Returns one dict per variant, in
+    table order: name (= function prefix), header and object paths, program and tile;
+    plus a last entry {"name": None, "table": path}.
+    """
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch != "sm_90a":
+        raise RuntimeError(f"export_router_kernels needs CUTE_DSL_ARCH=sm_90a set before cutlass is imported, got {arch!r}")
+    obj_dir = pathlib.Path(obj_dir)
+    obj_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for v in VARIANTS:
+        t0 = time.time()
+        compiled = compile_variant(v)
+        compiled.export_to_c(str(obj_dir), v.name, v.name)
+        log(f"exported {v.name} ({time.time() - t0:.1f} s)")
+        out.append({
+            "name": v.name,
+            "prefix": v.name,
+            "header": obj_dir / f"{v.name}.h",
+            "object": obj_dir / f"{v.name}.o",
+            "program": v.program,
+            "tile": v.tile,
+        })
+    table = write_router_variant_table(list(VARIANTS), obj_dir)
+    out.append({"name": None, "table": table})
+    return out

@@ -1,0 +1,103 @@
+"""The AOT-compiled variants of the fused BF16x3 router GEMM: plain data, no cutlass import.
+
+`jax_cake/kernels/router_bf16x3_sm90.py:export_router_kernels` compiles exactly these;
+the planner may import this module at run time to know which (program, tile) the
+native library can run. An FFI call naming anything else gets INVALID_ARGUMENT.
+
+GEMM convention (as docs/FFI_CONTRACT.md, no batch): C[M, N] = sum_k A[m, k] B[n, k],
+every operand and the output float32, each product done as BF16x3
+(a_hi b_hi + a_hi b_lo + a_lo b_hi, fp32 accumulation, hi = bf16(a), lo = bf16(a - hi)).
+  fwd:   A = x [T, d] K-major,               B = w [E, d] K-major,               C = logits [T, E]
+  dgrad: A = g [T, E] K-major,               B = w viewed [N=d, K=E] N-major,    C = dx [T, d]
+  wgrad: A = g viewed [M=E, K=T] M-major,    B = x viewed [N=d, K=T] N-major,    C = dw [E, d]
+         (splits > 1: fp32 partials [splits, E, d] in the workspace + the ordered reduce)
+
+Constraints the kernels rely on (the planner falls back to XLA otherwise):
+  d and E multiples of 4 (16-byte TMA row strides for fp32), T >= 1 any value,
+  E <= 65535 * tile_m etc. (grid limits, never hit in practice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Operand majorness per program: (A major, B major). "k" = K contiguous.
+PROGRAM_MAJORS = {
+    "fwd": ("k", "k"),
+    "dgrad": ("k", "n"),
+    "wgrad": ("m", "n"),
+}
+
+REDUCTION_NONE = 0
+REDUCTION_ORDERED = 1  # fp32 partials [splits, E, d] + the reduce pass in split order
+# Arrival-order split-K (reduction = 2) is not built for the router: it is always deterministic.
+BUILT_REDUCTIONS = (REDUCTION_NONE, REDUCTION_ORDERED)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterVariant:
+    """One compiled BF16x3 kernel: program and CTA tile (M, N, K). Serves every M/N/K."""
+
+    program: str
+    tile_m: int
+    tile_n: int
+    tile_k: int = 32
+
+    @property
+    def a_major(self) -> str:
+        return PROGRAM_MAJORS[self.program][0]
+
+    @property
+    def b_major(self) -> str:
+        return PROGRAM_MAJORS[self.program][1]
+
+    @property
+    def tile(self) -> tuple[int, int, int]:
+        return (self.tile_m, self.tile_n, self.tile_k)
+
+    @property
+    def name(self) -> str:
+        """Unique C identifier, also the exported object's file name."""
+        return f"jax_cake_router_{self.program}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
+
+
+# fwd: N = E; 128 x 256 covers E = 256 in one tile (x is read once), 128 x 128 for E <= 128.
+# dgrad: N = d is large, K = E. wgrad: M = E, N = d, K = T, split-K over T.
+VARIANTS: tuple[RouterVariant, ...] = (
+    RouterVariant("fwd", 128, 256),
+    RouterVariant("fwd", 128, 128),
+    RouterVariant("dgrad", 128, 256),
+    RouterVariant("wgrad", 128, 256),
+)
+
+
+def find_variant(program: str, tile) -> RouterVariant | None:
+    """The compiled variant with this program and tile, or None."""
+    for v in VARIANTS:
+        if v.program == program and v.tile == tuple(tile):
+            return v
+    return None
+
+
+def supports(program: str, tile, splits: int, reduction: int) -> bool:
+    """Whether the native library can run this (program, tile, split-K) combination."""
+    if find_variant(program, tile) is None:
+        return False
+    if splits == 1:
+        return reduction == REDUCTION_NONE
+    return program == "wgrad" and splits > 1 and reduction == REDUCTION_ORDERED
+
+
+def workspace_bytes(splits: int, reduction: int, e: int, d: int) -> int:
+    """Workspace of jax_cake_router_wgrad (at least 16 bytes so the arity stays fixed)."""
+    need = splits * e * d * 4 if (reduction == REDUCTION_ORDERED and splits > 1) else 0
+    return max(need, 16)
+
+
+def default_splits(e: int, d: int, t: int, tile=(128, 256, 32), num_sms: int = 132) -> int:
+    """A split count for wgrad that fills the GPU: about one wave of CTAs, >= 8 K tiles each."""
+    tiles = -(-e // tile[0]) * -(-d // tile[1])
+    k_tiles = -(-t // tile[2])
+    splits = max(1, num_sms // max(tiles, 1))
+    splits = min(splits, max(1, k_tiles // 8))
+    return splits

@@ -1,0 +1,151 @@
+"""The list of AOT-compiled kernel variants: plain data, no cutlass import.
+
+`jax_cake/build.py` compiles exactly these; the planner (`jax_cake/planner`) imports
+this module at run time to know which (program, tile, cluster, out dtype) the native
+library can run. A Plan naming anything else is rejected by the FFI handler with
+INVALID_ARGUMENT, so the two sides can only disagree loudly.
+
+GEMM convention (see docs/FFI_CONTRACT.md): C[M, N] = sum_k A[m, k] B[n, k], batch L.
+  fwd:   A = x  [L, T, d_in]  K-major,  B = w [L, d_out, d_in] K-major,  C = y  bf16
+  dgrad: A = dy [L, T, d_out] K-major,  B = w viewed [N=d_in, K=d_out]  N-major, C = dx bf16
+  wgrad: A = dy viewed [M=d_out, K=T] M-major, B = x viewed [N=d_in, K=T] N-major,
+         C = dw fp32 or bf16 (split-K partials are always fp32)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Operand majorness per program: (A major, B major). "k" = K contiguous.
+PROGRAM_MAJORS = {
+    "fwd": ("k", "k"),
+    "dgrad": ("k", "n"),
+    "wgrad": ("m", "n"),
+}
+
+# Split-K reductions (the `reduction` attribute of the FFI contract).
+REDUCTION_NONE = 0
+REDUCTION_ORDERED = 1  # fp32 partials [splits, L, M, N] + a reduce pass in split order
+REDUCTION_ATOMIC = 2  # arrival order: TMA reduce-add stores (cp.reduce.async.bulk.tensor)
+
+# Reductions the native library implements. The planner must not pick others.
+BUILT_REDUCTIONS = (REDUCTION_NONE, REDUCTION_ORDERED, REDUCTION_ATOMIC)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmVariant:
+    """One compiled GEMM kernel: program, CTA tile, cluster and output dtype.
+
+    A variant serves every M/N/K/L (all dynamic). `out_dtype` is "bfloat16" or
+    "float32". wgrad split-K (reduction=1) runs the float32 variant of the same tile
+    into the workspace and then the ordered reduce pass into dw.
+    """
+
+    program: str
+    tile_m: int
+    tile_n: int
+    tile_k: int = 64
+    cluster_m: int = 1
+    cluster_n: int = 1
+    out_dtype: str = "bfloat16"
+    # "plain": TMA store of the tile into batch (split * L + l) of C.
+    # "add": TMA reduce-add (fp32) of the tile into batch l of C; every split adds
+    # into the same tile in arrival order (reduction=2, not bitwise reproducible).
+    store: str = "plain"
+
+    @property
+    def a_major(self) -> str:
+        return PROGRAM_MAJORS[self.program][0]
+
+    @property
+    def b_major(self) -> str:
+        return PROGRAM_MAJORS[self.program][1]
+
+    @property
+    def promote(self) -> bool:
+        """Two-level fp32 accumulation (one K tile per wgmma chain): fp32 wgrad only."""
+        return self.program == "wgrad" and self.out_dtype == "float32"
+
+    @property
+    def tile(self) -> tuple[int, int, int]:
+        return (self.tile_m, self.tile_n, self.tile_k)
+
+    @property
+    def cluster(self) -> tuple[int, int]:
+        return (self.cluster_m, self.cluster_n)
+
+    @property
+    def name(self) -> str:
+        """Unique C identifier, also the exported object's file name."""
+        dt = {"bfloat16": "bf16", "float32": "f32"}[self.out_dtype]
+        suffix = "" if self.store == "plain" else f"_{self.store}"
+        return (
+            f"jax_cake_{self.program}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
+            f"_c{self.cluster_m}x{self.cluster_n}_{dt}{suffix}"
+        )
+
+
+# Keep this list short: each entry costs a few seconds of AOT compile in CI.
+VARIANTS: tuple[GemmVariant, ...] = (
+    # forward: big d_out (>= 512) and skinny d_out (<= 256)
+    GemmVariant("fwd", 128, 256),
+    GemmVariant("fwd", 128, 64),
+    # dgrad: N = d_in is large; K = d_out may be as small as 32 (TMA zero-fills)
+    GemmVariant("dgrad", 128, 256),
+    GemmVariant("dgrad", 128, 128),
+    # Cluster (2, 1) with B multicast: halves the L2 -> SM traffic of the B tile for
+    # compute-bound shapes (T ~ 16k with d_out or d_in >= 512).
+    GemmVariant("fwd", 128, 256, cluster_m=2),
+    GemmVariant("dgrad", 128, 256, cluster_m=2),
+    # wgrad: M = d_out. 64-row tile for skinny d_out, 128-row for the rest. N = 128:
+    # the fp32 variants (also the split-K partials of bf16 dw) keep a second
+    # accumulator for two-level accumulation, which does not fit beside a 256 tile.
+    GemmVariant("wgrad", 64, 128, out_dtype="float32"),
+    GemmVariant("wgrad", 64, 128, out_dtype="bfloat16"),
+    GemmVariant("wgrad", 128, 128, out_dtype="float32"),
+    GemmVariant("wgrad", 128, 128, out_dtype="bfloat16"),
+    GemmVariant("wgrad", 128, 128, cluster_m=2, out_dtype="float32"),
+    GemmVariant("wgrad", 128, 128, cluster_m=2, out_dtype="bfloat16"),
+    # wgrad arrival-order split-K (reduction=2): fp32 reduce-add into dw or workspace
+    GemmVariant("wgrad", 64, 128, out_dtype="float32", store="add"),
+    GemmVariant("wgrad", 128, 128, out_dtype="float32", store="add"),
+)
+
+
+def find_variant(
+    program: str,
+    tile: tuple[int, int, int],
+    cluster: tuple[int, int],
+    out_dtype: str,
+    store: str = "plain",
+) -> GemmVariant | None:
+    """The compiled variant matching these attributes, or None."""
+    key = (program, tuple(tile), tuple(cluster), out_dtype, store)
+    for v in VARIANTS:
+        if (v.program, v.tile, v.cluster, v.out_dtype, v.store) == key:
+            return v
+    return None
+
+
+def supports(program: str, tile, cluster, out_dtype: str, splits: int, reduction: int) -> bool:
+    """Whether the native library can run this (program, tile, cluster, dtype, split-K)."""
+    if program != "wgrad":
+        return splits == 1 and reduction == REDUCTION_NONE and find_variant(program, tile, cluster, out_dtype) is not None
+    if splits == 1 and reduction == REDUCTION_NONE:
+        return find_variant(program, tile, cluster, out_dtype) is not None
+    if splits > 1 and reduction == REDUCTION_ORDERED:
+        return find_variant(program, tile, cluster, "float32") is not None
+    if splits > 1 and reduction == REDUCTION_ATOMIC:
+        return find_variant(program, tile, cluster, "float32", "add") is not None
+    return False
+
+
+def workspace_bytes(splits: int, reduction: int, batch: int, m: int, n: int, out_dtype: str) -> int:
+    """Workspace size of the FFI contract (at least 16 bytes so arity stays fixed)."""
+    if reduction == REDUCTION_ORDERED and splits > 1:
+        need = splits * batch * m * n * 4
+    elif reduction == REDUCTION_ATOMIC and out_dtype == "bfloat16":
+        need = batch * m * n * 4
+    else:
+        need = 0
+    return max(need, 16)
