@@ -183,18 +183,20 @@ def _router_plans(x, w, deterministic: bool):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _router(x, w, deterministic: bool):
-  return primitives.router_fwd(x, w)
+  fwd_plan, _, _ = _router_plans(x, w, deterministic)
+  return primitives.router_fwd(x, w, fwd_plan)
 
 
 def _router_fwd(x, w, deterministic):
-  _router_plans(x, w, deterministic)  # validates planning at trace time
-  return primitives.router_fwd(x, w), (x, w)
+  fwd_plan, _, _ = _router_plans(x, w, deterministic)
+  return primitives.router_fwd(x, w, fwd_plan), (x, w)
 
 
 def _router_bwd(deterministic, residuals, g):
   x, w = residuals
+  _, dgrad_plan, wgrad_plan = _router_plans(x, w, deterministic)
   g = g.astype(jnp.float32)
-  return primitives.router_dgrad(g, w), primitives.router_wgrad(g, x)
+  return primitives.router_dgrad(g, w, dgrad_plan), primitives.router_wgrad(g, x, wgrad_plan)
 
 
 _router.defvjp(_router_fwd, _router_bwd)

@@ -20,7 +20,13 @@ from jax_cake.planner import Plan
 FWD_TARGET = "jax_cake_fwd"
 DGRAD_TARGET = "jax_cake_dgrad"
 WGRAD_TARGET = "jax_cake_wgrad"
-TARGETS = (FWD_TARGET, DGRAD_TARGET, WGRAD_TARGET)
+ROUTER_FWD_TARGET = "jax_cake_router_fwd"
+ROUTER_DGRAD_TARGET = "jax_cake_router_dgrad"
+ROUTER_WGRAD_TARGET = "jax_cake_router_wgrad"
+TARGETS = (FWD_TARGET, DGRAD_TARGET, WGRAD_TARGET, ROUTER_FWD_TARGET, ROUTER_DGRAD_TARGET, ROUTER_WGRAD_TARGET)
+
+# The router handlers take no cluster or raster attributes (docs/FFI_CONTRACT.md).
+_ROUTER_ATTRIBUTES = ("tile_m", "tile_n", "tile_k", "splits", "reduction")
 
 
 @functools.cache
@@ -49,8 +55,11 @@ def _ffi(target: str, plan: Plan, results, *operands):
     from jax_cake import native  # only a GPU process needs the library
 
     native.ensure_registered()
+  attributes = plan.ffi_attributes()
+  if target.startswith("jax_cake_router_"):
+    attributes = {name: attributes[name] for name in _ROUTER_ATTRIBUTES}
   # vmap of a custom call: one call per batch element (correct; fold batches into T for speed).
-  return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*operands, **plan.ffi_attributes())
+  return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*operands, **attributes)
 
 
 def _dispatch(plan: Plan, ref_fn, cuda_fn, *operands):
@@ -98,7 +107,28 @@ def wgrad(dy, x, plan: Plan):
   return _dispatch(plan, ref, cuda, dy, x)
 
 
-# The router runs the XLA BF16x3 path until its fused kernel lands (see plan()).
-router_fwd = reference.router_fwd
-router_dgrad = reference.router_dgrad
-router_wgrad = reference.router_wgrad
+def router_fwd(x, w, plan: Plan):
+  """logits[T, E] f32 = x[T, d] . w[E, d]^T by BF16x3."""
+  def cuda(x, w):
+    return _ffi(ROUTER_FWD_TARGET, plan, _result_type(x, (x.shape[0], w.shape[0]), jnp.float32), x, w)
+
+  return _dispatch(plan, reference.router_fwd, cuda, x, w)
+
+
+def router_dgrad(g, w, plan: Plan):
+  """dx[T, d] f32 = g[T, E] . w[E, d] by BF16x3."""
+  def cuda(g, w):
+    return _ffi(ROUTER_DGRAD_TARGET, plan, _result_type(g, (g.shape[0], w.shape[1]), jnp.float32), g, w)
+
+  return _dispatch(plan, reference.router_dgrad, cuda, g, w)
+
+
+def router_wgrad(g, x, plan: Plan):
+  """dw[E, d] f32 = g[T, E]^T . x[T, d] by BF16x3."""
+  def cuda(g, x):
+    results = (_result_type(g, (g.shape[1], x.shape[1]), jnp.float32, keep_batch_spec=False),
+               _result_type(g, (plan.workspace_bytes,), jnp.uint8, keep_batch_spec=False))
+    dw, _workspace = _ffi(ROUTER_WGRAD_TARGET, plan, results, g, x)
+    return dw
+
+  return _dispatch(plan, reference.router_wgrad, cuda, g, x)

@@ -109,3 +109,17 @@ def test_checkpoint_recomputes_the_forward_unless_the_policy_saves_it(policy, fw
   assert len(_calls(text, "jax_cake_fwd")) == fwd_calls
   assert len(_calls(text, "jax_cake_dgrad")) == 1  # x is not differentiated: only the second layer needs dx
   assert len(_calls(text, "jax_cake_wgrad")) == 2
+
+
+def test_router_step_lowers_to_the_three_router_custom_calls():
+  def step(x, w):
+    return jax.grad(lambda x, w: jnp.sum(jc.router_logits(x, w) ** 2), argnums=(0, 1))(x, w)
+  text = _cuda_text(step, _spec((16231, 4096), jnp.float32), _spec((256, 4096), jnp.float32))
+  calls = {op: _calls(text, f"jax_cake_router_{op}") for op in ("fwd", "dgrad", "wgrad")}
+  assert all(len(c) == 1 for c in calls.values()), calls
+  assert "(tensor<16231x4096xf32>, tensor<256x4096xf32>) -> tensor<16231x256xf32>" in calls["fwd"][0]
+  with faked_device():
+    wgrad = jc.plan("router_wgrad", tokens=16231, d_in=4096, d_out=256, out_dtype=jnp.float32)
+  assert f"-> (tensor<256x4096xf32>, tensor<{wgrad.workspace_bytes}xui8>)" in calls["wgrad"][0]
+  assert "raster" not in calls["fwd"][0] and "cluster_m" not in calls["fwd"][0]  # the router takes five attributes
+  assert "dot_general" not in text

@@ -64,9 +64,19 @@ def test_unaligned_shape_runs_xla_and_says_why():
   assert not p.uses_kernel and "multiples of 8" in jc.explain(p)
 
 
-def test_router_runs_xla_bf16x3_and_says_so():
-  p = jc.plan("router_fwd", tokens=16384, d_in=4096, d_out=256, out_dtype=jnp.float32, device=H200)
-  assert not p.uses_kernel and "BF16x3" in p.reason
+@pytest.mark.parametrize("d", [4096, 7168])
+def test_router_plans_use_the_fused_bf16x3_kernels(d):
+  sizes = dict(tokens=16384, d_in=d, d_out=256, out_dtype=jnp.float32, device=H200)
+  fwd = jc.plan("router_fwd", **sizes)
+  wgrad = jc.plan("router_wgrad", **sizes, deterministic=False)
+  assert fwd.uses_kernel and fwd.tile in compiled_tiles("router_fwd") and "BF16x3" in fwd.reason
+  assert wgrad.program == "det" and wgrad.deterministic and wgrad.splits > 1  # the router has no split-K program
+  assert wgrad.workspace_bytes == wgrad.splits * 256 * d * 4
+
+
+def test_router_unaligned_shape_runs_xla_and_says_why():
+  p = jc.plan("router_fwd", tokens=37, d_in=30, d_out=256, out_dtype=jnp.float32, device=H200)
+  assert not p.uses_kernel and "multiples of 4" in p.reason and "BF16x3" in p.reason
 
 
 # --- H200 plans ---------------------------------------------------------------------------

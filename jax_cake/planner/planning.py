@@ -29,15 +29,22 @@ _TILE_PRIOR = {(128, 256): 1.00, (128, 128): 0.93, (64, 256): 0.90, (128, 64): 0
 
 
 def compiled_tiles(program: str) -> tuple[tuple[int, int, int], ...]:
-  """The CTA tiles (M, N, K) the native library holds for a program ("fwd", "dgrad",
-  "wgrad"): the build's variant list, so a plan never names a kernel that is not there."""
-  from jax_cake.kernels import variants  # plain data, no cutlass
+  """The CTA tiles (M, N, K) the native library holds for a program: "fwd", "dgrad",
+  "wgrad", or the router's "router_fwd" / "router_dgrad" / "router_wgrad". Read from
+  the build's variant lists, so a plan never names a kernel that is not there."""
+  from jax_cake.kernels import router_variants, variants  # plain data, no cutlass
 
-  return tuple(sorted({v.tile for v in variants.VARIANTS if v.program == program}, reverse=True))
+  if program.startswith("router_"):
+    family, program = router_variants.VARIANTS, program[len("router_"):]
+  else:
+    family = variants.VARIANTS
+  return tuple(sorted({v.tile for v in family if v.program == program}, reverse=True))
 
 
-# TMA needs 16-byte strides: bf16 rows must hold a multiple of 8 elements.
+# TMA needs 16-byte strides: bf16 rows must hold a multiple of 8 elements, fp32 rows
+# (the router) a multiple of 4.
 _ALIGN_ELEMENTS = 8
+_ROUTER_ALIGN_ELEMENTS = 4
 # A split gets at least this many K tiles, so the partial-sum traffic stays small
 # against the operand reads.
 _MIN_K_TILES_PER_SPLIT = 8
@@ -211,6 +218,30 @@ def _wgrad_plan(base: dict, dev: device_lib.DeviceInfo, deterministic: bool, out
               reason=f"deterministic program ({why}): {how}; {tile_note}")
 
 
+def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
+  """The fused BF16x3 router kernels: one program each, always reproducible."""
+  args = (op, batch, m, n, k, "float32", dev)
+  if batch != 1:
+    return _xla_plan(*args, "the router takes one [T, d] block")
+  if d_in % _ROUTER_ALIGN_ELEMENTS or d_out % _ROUTER_ALIGN_ELEMENTS:
+    return _xla_plan(*args, f"d={d_in} and E={d_out} must be multiples of {_ROUTER_ALIGN_ELEMENTS} for the router kernels' "
+                     "16-byte TMA strides: XLA runs the BF16x3 split with FP32 accumulation")
+  if not compiled_tiles(op):
+    return _xla_plan(*args, "no fused BF16x3 router kernel in this build: XLA runs the BF16x3 split with FP32 accumulation")
+  tile, tile_note = _pick_tile(op, 1, m, n, dev.sm_count)
+  base = dict(op=op, backend="sm90a", batch=1, m=m, n=n, k=k, out_dtype="float32", device=dev.describe(), tile=tile)
+  how = "fused BF16x3 (hi*hi + hi*lo + lo*hi, FP32 accumulation)"
+  if op != "router_wgrad":
+    return Plan(**base, program="gemm", reason=f"{how}, one pass over K={k}: {tile_note}")
+  tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1])
+  splits = _det_splits(tiles, k, tile[2], dev.sm_count)
+  workspace = splits * m * n * 4 if splits > 1 else 0
+  split_note = f"{splits} K splits summed in fixed split order" if splits > 1 else "one pass over K"
+  return Plan(**base, program="det", splits=splits, reduction="ordered" if splits > 1 else "none",
+              workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
+              reason=f"{how}, deterministic program (the router has no split-K program): {split_note}; {tile_note}")
+
+
 def plan(
     op: str,
     *,
@@ -258,10 +289,10 @@ def plan(
       v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens)
       reason += f". The {dev.arch} plan table's verdict for deterministic=False here: {v.program} ({v.why})"
     return _xla_plan(*args, reason)
-  if op.startswith("router_"):
-    return _xla_plan(*args, "the fused BF16x3 router kernel is not in this build: XLA runs the BF16x3 split with FP32 accumulation")
   if min(batch, tokens, d_in, d_out) == 0:
     return _xla_plan(*args, "an empty dimension: nothing to compute on the GPU")
+  if op.startswith("router_"):
+    return _router_plan(op, batch, m, n, k, dev, d_in, d_out)
   if d_in % _ALIGN_ELEMENTS or d_out % _ALIGN_ELEMENTS:
     return _xla_plan(*args, f"d_in={d_in} and d_out={d_out} must be multiples of {_ALIGN_ELEMENTS} for the kernels' 16-byte TMA strides: XLA dot_general with the same semantics")
   if dev.sm_count is None:
