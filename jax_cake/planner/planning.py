@@ -48,6 +48,8 @@ _ROUTER_ALIGN_ELEMENTS = 4
 # A split gets at least this many K tiles, so the partial-sum traffic stays small
 # against the operand reads.
 _MIN_K_TILES_PER_SPLIT = 8
+# fwd/dgrad walk tiles along N first from this N up (measured on the H200).
+_RASTER_N_MIN = 512
 # The minimum workspace, so the wgrad result list has a fixed arity.
 MIN_WORKSPACE_BYTES = 16
 
@@ -302,8 +304,11 @@ def plan(
   if op == "wgrad":
     return _wgrad_plan(base, dev, bool(deterministic), out_dtype, tokens, d_in, d_out)
   tile, tile_note = _pick_tile(op, batch, m, n, dev.sm_count)
-  return Plan(**base, program="gemm", tile=tile,
-              reason=f"one pass over K={k} (no reduction across CTAs, reproducible): {tile_note}")
+  # Walking tiles along N first keeps the activation rows in L2 while the weight
+  # tiles stream: 6-11 % faster at N >= 512 on the H200 (docs/BENCHMARKS.md, 2026-11-29).
+  raster = "n" if n >= _RASTER_N_MIN else "m"
+  return Plan(**base, program="gemm", tile=tile, raster=raster,
+              reason=f"one pass over K={k} (no reduction across CTAs, reproducible), tiles walk along {raster} first: {tile_note}")
 
 
 def explain(p: Plan) -> str:
