@@ -111,7 +111,8 @@ def test_checkpoint_recomputes_the_forward_unless_the_policy_saves_it(policy, fw
   assert len(_calls(text, "jax_cake_wgrad")) == 2
 
 
-def test_router_step_lowers_to_the_three_router_custom_calls():
+def test_router_step_lowers_to_the_three_router_custom_calls(monkeypatch):
+  monkeypatch.setattr(jc.planner.planning, "ROUTER_KERNELS_ENABLED", True)
   def step(x, w):
     return jax.grad(lambda x, w: jnp.sum(jc.router_logits(x, w) ** 2), argnums=(0, 1))(x, w)
   text = _cuda_text(step, _spec((16231, 4096), jnp.float32), _spec((256, 4096), jnp.float32))

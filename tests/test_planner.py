@@ -64,8 +64,18 @@ def test_unaligned_shape_runs_xla_and_says_why():
   assert not p.uses_kernel and "multiples of 8" in jc.explain(p)
 
 
+@pytest.fixture
+def router_kernels_enabled(monkeypatch):
+  monkeypatch.setattr(jc.planner.planning, "ROUTER_KERNELS_ENABLED", True)
+
+
+def test_router_kernels_held_back_until_verified():
+  p = jc.plan("router_fwd", tokens=16384, d_in=4096, d_out=256, out_dtype=jnp.float32, device=H200)
+  assert not p.uses_kernel and "held back" in p.reason and "BF16x3" in p.reason
+
+
 @pytest.mark.parametrize("d", [4096, 7168])
-def test_router_plans_use_the_fused_bf16x3_kernels(d):
+def test_router_plans_use_the_fused_bf16x3_kernels(d, router_kernels_enabled):
   sizes = dict(tokens=16384, d_in=d, d_out=256, out_dtype=jnp.float32, device=H200)
   fwd = jc.plan("router_fwd", **sizes)
   wgrad = jc.plan("router_wgrad", **sizes, deterministic=False)
@@ -74,7 +84,7 @@ def test_router_plans_use_the_fused_bf16x3_kernels(d):
   assert wgrad.workspace_bytes == wgrad.splits * 256 * d * 4
 
 
-def test_router_unaligned_shape_runs_xla_and_says_why():
+def test_router_unaligned_shape_runs_xla_and_says_why(router_kernels_enabled):
   p = jc.plan("router_fwd", tokens=37, d_in=30, d_out=256, out_dtype=jnp.float32, device=H200)
   assert not p.uses_kernel and "multiples of 4" in p.reason and "BF16x3" in p.reason
 
