@@ -188,6 +188,12 @@ def wgrad_tile(d_out):
     return (64, 128, 64) if d_out <= 64 else (128, 128, 64)
 
 
+# wgrad tiles compiled for bf16 dw only (variants.py), timed and checked separately.
+_BF16_ONLY_WGRAD_TILES = tuple(sorted(
+    {v.tile for v in variants.VARIANTS if v.program == "wgrad" and v.out_dtype == "bfloat16" and v.cluster == (1, 1)}
+    - {v.tile for v in variants.VARIANTS if v.program == "wgrad" and v.out_dtype == "float32"}))
+
+
 def wgrad_splits(B, T, d_out, d_in):
     """Enough splits to give every SM a CTA, keeping >= 8 K tiles per split."""
     tm, tn, tk = wgrad_tile(d_out)
@@ -278,6 +284,11 @@ def raster_and_tiles():
     for tile in ((64, 128, 64), (128, 128, 64)):
         e, bad = rel_err(call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32), ref_wgrad(dy, x))
         ok &= report(f"wgrad_tile{tile[:2]}", e < F32_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
+    # bf16-only wgrad tiles (no fp32 variant: splits = 1 only), e.g. 128 x 256.
+    for tile in _BF16_ONLY_WGRAD_TILES:
+        for r in (0, 1):
+            e, bad = rel_err(call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=BF16, raster=r), ref_wgrad(dy, x))
+            ok &= report(f"wgrad_bf16_tile{tile[:2]}_raster{r}", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
     return ok
 
 
@@ -497,6 +508,8 @@ def _fmt(v):
 
 
 # ------------------------------------------------------------------ router (BF16x3, FP32)
+# The one tile every router program is compiled with (router_variants.VARIANTS).
+ROUTER_TILE = (128, 128, 32)
 ROUTER_TARGETS = ("jax_cake_router_fwd", "jax_cake_router_dgrad", "jax_cake_router_wgrad")
 ROUTER_TOL = 5e-6  # issue 4 accuracy target (XLA BF16_BF16_F32_X3 measured 4.4e-6)
 _ROUTER_READY = [False]
@@ -563,12 +576,12 @@ def _router_shape(T, d, E, label, *, fwd_tiles, splits_list):
         e, bad = _router_err(router_call("jax_cake_router_fwd", x, w, tile=tile), ref)
         ok &= report(f"router_fwd[{label}]", e < ROUTER_TOL and bad == 0,
                      f"rel_err={e:.2e} (XLA X3 {e_x3:.2e}) nonfinite={bad} tile={tile}")
-    e, bad = _router_err(router_call("jax_cake_router_dgrad", g, w, tile=(128, 256, 32)), tg @ tw)
+    e, bad = _router_err(router_call("jax_cake_router_dgrad", g, w, tile=ROUTER_TILE), tg @ tw)
     ok &= report(f"router_dgrad[{label}]", e < ROUTER_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
     ref_w = tg.t() @ tx
     for s in splits_list:
         red = 1 if s > 1 else 0
-        dw = router_call("jax_cake_router_wgrad", g, x, tile=(128, 256, 32), splits=s, reduction=red)
+        dw = router_call("jax_cake_router_wgrad", g, x, tile=ROUTER_TILE, splits=s, reduction=red)
         e, bad = _router_err(dw, ref_w)
         ok &= report(f"router_wgrad_s{s}[{label}]", e < ROUTER_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
     return ok
@@ -579,19 +592,19 @@ def router_bf16x3():
     """Every router program against a float64 reference, incl. ragged T, E and d tails."""
     _router_register()
     ok = True
-    ok &= _router_shape(37, 4096, 256, "T37_d4096_E256", fwd_tiles=[(128, 256, 32)], splits_list=[1, 3])
-    ok &= _router_shape(333, 516, 100, "T333_d516_E100", fwd_tiles=[(128, 256, 32), (128, 128, 32)], splits_list=[1, 2])
-    ok &= _router_shape(1000, 1024, 128, "T1000_d1024_E128", fwd_tiles=[(128, 128, 32)], splits_list=[1, 5])
-    ok &= _router_shape(16384, 4096, 256, "T16384_d4096_E256", fwd_tiles=[(128, 256, 32)], splits_list=[1, 4])
-    ok &= _router_shape(16231, 7168, 256, "T16231_d7168_E256", fwd_tiles=[(128, 256, 32)], splits_list=[2])
+    ok &= _router_shape(37, 4096, 256, "T37_d4096_E256", fwd_tiles=[ROUTER_TILE], splits_list=[1, 3])
+    ok &= _router_shape(333, 516, 100, "T333_d516_E100", fwd_tiles=[ROUTER_TILE], splits_list=[1, 2])
+    ok &= _router_shape(1000, 1024, 128, "T1000_d1024_E128", fwd_tiles=[ROUTER_TILE], splits_list=[1, 5])
+    ok &= _router_shape(16384, 4096, 256, "T16384_d4096_E256", fwd_tiles=[ROUTER_TILE], splits_list=[1, 4])
+    ok &= _router_shape(16231, 7168, 256, "T16231_d7168_E256", fwd_tiles=[ROUTER_TILE], splits_list=[2])
     # Bitwise determinism: same inputs, same plan, twice.
     x, w, g = _rand32((16231, 4096)), _rand32((256, 4096), 0.02), _rand32((16231, 256))
     same = all(
         bool(jnp.array_equal(f(), f()))
         for f in (
-            lambda: router_call("jax_cake_router_fwd", x, w, tile=(128, 256, 32)),
-            lambda: router_call("jax_cake_router_dgrad", g, w, tile=(128, 256, 32)),
-            lambda: router_call("jax_cake_router_wgrad", g, x, tile=(128, 256, 32), splits=4, reduction=1),
+            lambda: router_call("jax_cake_router_fwd", x, w, tile=ROUTER_TILE),
+            lambda: router_call("jax_cake_router_dgrad", g, w, tile=ROUTER_TILE),
+            lambda: router_call("jax_cake_router_wgrad", g, x, tile=ROUTER_TILE, splits=4, reduction=1),
         )
     )
     ok &= report("router_determinism", same, "fwd, dgrad, wgrad s4 ordered: bitwise equal across runs")
@@ -612,7 +625,7 @@ def router_timing():
     TIMING_ROWS.append("")
     TIMING_ROWS.append("| router T, d, E | op | jax_cake BF16x3 | XLA X3 | target |")
     TIMING_ROWS.append("|---|---|---|---|---|")
-    tile = (128, 256, 32)
+    tile = ROUTER_TILE
     for T, d, E in ((16384, 4096, 256), (16384, 7168, 256)):
         n = max(4, N_CALLS // 4)  # x alone is 268 MB (d = 4096) per call
         xs = [_rand32((T, d)) for _ in range(n)]
@@ -733,6 +746,18 @@ def timing():
             TIMING_ROWS.append(
                 f"| {T} | {d_in}->{d_out} | wgrad {dname} | {plan} | {_fmt(t_r[0])} | {_fmt(t_r[1])} | {_fmt(t_at)} | {_fmt(t_xla)} | {_fmt(t_cb)} |"
             )
+            # bf16-only wgrad tiles (splits = 1) on the compute-bound rows; XLA and
+            # cuBLAS cells repeat the row above.
+            if dt == BF16 and d_out >= 512:
+                outs1 = (jax.ShapeDtypeStruct((1, d_out, d_in), dt), jax.ShapeDtypeStruct((16,), jnp.uint8))
+                for bt in _BF16_ONLY_WGRAD_TILES:
+                    t_b = []
+                    for r in (0, 1):
+                        f_b = ffi("jax_cake_wgrad", outs1, _attrs(bt, raster=r))
+                        t_b.append(_time_jit(lambda x, dy, f=f_b: f(dy, x)[0], xs, dy0))
+                    TIMING_ROWS.append(
+                        f"| {T} | {d_in}->{d_out} | wgrad {dname} | tile {bt[:2]} splits 1 | {_fmt(t_b[0])} | {_fmt(t_b[1])} | - | {_fmt(t_xla)} | {_fmt(t_cb)} |"
+                    )
         del xs, dys, txs, tdys
     return report("timing", True, f"{len(TIMING_ROWS) - 1} rows")
 

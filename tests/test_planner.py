@@ -80,8 +80,9 @@ def test_router_plans_use_the_fused_bf16x3_kernels(d, router_kernels_enabled):
   fwd = jc.plan("router_fwd", **sizes)
   wgrad = jc.plan("router_wgrad", **sizes, deterministic=False)
   assert fwd.uses_kernel and fwd.tile in compiled_tiles("router_fwd") and "BF16x3" in fwd.reason
-  assert wgrad.program == "det" and wgrad.deterministic and wgrad.splits > 1  # the router has no split-K program
-  assert wgrad.workspace_bytes == wgrad.splits * 256 * d * 4
+  assert wgrad.program == "det" and wgrad.deterministic  # the router has no split-K program
+  assert wgrad.ctas >= 100  # splits over K = T fill the H200 where the tiles alone do not
+  assert wgrad.workspace_bytes == (wgrad.splits * 256 * d * 4 if wgrad.splits > 1 else 16)
 
 
 def test_router_unaligned_shape_runs_xla_and_says_why(router_kernels_enabled):

@@ -20,10 +20,17 @@ CTA layout (warp-specialized, 128 + 128 * tile_m/64 threads):
      (generic-proxy smem writes -> visible to the async proxy that wgmma reads with)
      and arrives on the bf16 full barrier (PipelineAsync, 128 arrivals per phase).
   warpgroups 1.. = MMA warpgroups (64 rows of the tile each): wait on the bf16 full
-     barrier, issue A_lo.B_hi, A_hi.B_lo, A_hi.B_hi wgmma (SS) for every k block into
-     one fp32 accumulator, keep one wgmma group in flight, release the previous bf16
-     stage (one arrive per MMA warp, after wait_group proves its wgmma finished
-     reading), and finally store the tile with TMA through shared memory.
+     barrier, issue the A_lo.B_hi, then A_hi.B_lo, then A_hi.B_hi wgmma (SS) of the
+     stage's k blocks into a chain accumulator acc_k, keep one wgmma group in flight,
+     release the previous bf16 stage (one arrive per MMA warp, after wait_group proves
+     its wgmma finished reading), and finally store the tile with TMA through shared
+     memory. Two-level accumulation: every _PROMOTE_EVERY K tiles a warpgroup drains
+     its chain (wait_group 0) and adds acc_k into an fp32 register total with FADD; the
+     next chain starts with ACCUMULATE = False. wgmma's own fp32 accumulation loses
+     precision along a chain (about 1.85e-8 relative per k16 wgmma on the H200: one
+     chain over K = 16384 gave 5.7e-5), so chains stay 12 wgmma long. The two MMA
+     warpgroups promote on alternate K tiles, so one keeps the tensor cores busy while
+     the other drains. Two 64 x tile_n accumulators per thread limit tile_n to 128.
 The transform of stage k+1 overlaps the wgmma of stage k; the TMA loads run s32 stages
 ahead of the transform.
 
@@ -56,15 +63,23 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 
+from jax_cake.kernels.gemm_sm90 import _fence_tensor
 from jax_cake.kernels.router_variants import VARIANTS, RouterVariant
 
 # Registers per thread after setmaxnreg (384-thread CTAs): the transform warpgroup holds
 # _SPLIT_GROUP 4-element fp32 vectors in flight plus addresses (ptxas used ~70); each MMA
-# warpgroup holds a 64 x tile_n fp32 accumulator (tile_n / 2 = 128 registers per thread)
-# plus descriptors and the epilogue (ptxas used 162 at tile_n = 256).
-# 128 * 120 + 256 * 184 = 62464 <= 65536.
+# warpgroup holds two 64 x tile_n fp32 accumulators (the wgmma chain and the promoted
+# total: tile_n = 128 registers per thread) plus descriptors and the epilogue (SASS uses
+# R0-R135 at tile_n = 128, no local memory). 128 * 120 + 256 * 184 = 62464 <= 65536.
 _TRANSFORM_REGS = 120
 _MMA_REGS = 184
+# Two-level accumulation interval in K tiles (32 each). wgmma's fp32 accumulation in the
+# tensor core loses precision along one chain (measured on the H200: about 1.85e-8
+# relative per k16 wgmma in the chain, i.e. 1.5e-5 at K = 4096 and 5.7e-5 at
+# K = 16384 with all three products in one chain). Every 2 K tiles: a chain of 12
+# wgmma (64 K elements), predicted 4.4e-6 in all (docs/ROUTER_NOTES.md). 1 also works
+# (both warpgroups then drain on every K tile).
+_PROMOTE_EVERY = 2
 # Passes (one 16-byte load each) whose loads are issued back to back in the split.
 _SPLIT_GROUP = 8
 
@@ -78,8 +93,10 @@ class RouterBf16x3Sm90:
     def __init__(self, variant: RouterVariant):
         if variant.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {variant.tile_m}")
-        if variant.tile_n not in (64, 128, 256):
-            raise ValueError(f"tile_n must be 64, 128 or 256, got {variant.tile_n}")
+        if variant.tile_n not in (64, 128):
+            # Two 64 x tile_n fp32 accumulators per MMA thread (wgmma chain + total):
+            # 256 registers at tile_n = 256, over the 232 a consumer can get.
+            raise ValueError(f"tile_n must be 64 or 128, got {variant.tile_n}")
         if variant.tile_k != 32:
             raise ValueError(f"tile_k must be 32 (one 128-byte fp32 row per K-major stage), got {variant.tile_k}")
         # The transform's thread mapping: K-major tiles take 16 rows per pass, M/N-major
@@ -88,6 +105,7 @@ class RouterBf16x3Sm90:
             if major != "k" and rows % 128 != 0:
                 raise ValueError(f"{what} must be a multiple of 128 for an M/N-major operand, got {rows}")
         self.variant = variant
+        self.n_first = variant.program == "fwd"
         self.tile_mnk = (variant.tile_m, variant.tile_n, variant.tile_k)
         self.acc_dtype = cutlass.Float32
         self.io_dtype = cutlass.Float32
@@ -186,7 +204,9 @@ class RouterBf16x3Sm90:
         n = cute.size(mC, mode=[1])
         tiles_m = (m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
         tiles_n = (n + self.tile_mnk[1] - 1) // self.tile_mnk[1]
-        # blockIdx.x walks M: consecutive CTAs share the B tile (w in fwd/dgrad) in L2.
+        # dgrad/wgrad: blockIdx.x walks M, consecutive CTAs share the B tile in L2 (w in
+        # dgrad; x in wgrad, whose M = E takes 2 tiles). fwd: blockIdx.x walks N = E, so
+        # the E / tile_n CTAs of one x tile run together and x is read from HBM once.
         self.kernel(
             tma_atom_a,
             tma_a,
@@ -202,7 +222,7 @@ class RouterBf16x3Sm90:
             epi_staged,
             splits,
         ).launch(
-            grid=[tiles_m, tiles_n, splits],
+            grid=[tiles_n, tiles_m, splits] if self.n_first else [tiles_m, tiles_n, splits],
             block=[self.threads, 1, 1],
             stream=stream,
         )
@@ -299,7 +319,10 @@ class RouterBf16x3Sm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
-        pid_m, pid_n, split = cute.arch.block_idx()
+        if cutlass.const_expr(self.n_first):
+            pid_n, pid_m, split = cute.arch.block_idx()
+        else:
+            pid_m, pid_n, split = cute.arch.block_idx()
 
         # This CTA's K tiles: [k_begin, k_begin + k_cnt).
         k_total = cute.size(mA, mode=[1])
@@ -420,22 +443,42 @@ class RouterBf16x3Sm90:
             tCrBhi = tiled_mma.make_fragment_B(thr_mma.partition_B(sBhi))
             tCrBlo = tiled_mma.make_fragment_B(thr_mma.partition_B(sBlo))
             tCgC = thr_mma.partition_C(gC)
+            # Two-level accumulation: wgmma accumulates _PROMOTE_EVERY K tiles from zero
+            # into acc_k, which is then added (FADD, round-to-nearest fp32) into acc.
             acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+            acc_k = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
             acc.fill(0.0)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             num_k_blocks = cute.size(tCrAhi, mode=[2])
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s16)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s16)
+            # The MMA warpgroups promote on alternate K tiles (phase = warpgroup index), so
+            # while one drains its wgmma chain and adds it up, the other's wgmma keep the
+            # tensor cores busy.
+            phase = mma_wg % _PROMOTE_EVERY
             for kt in cutlass.range(k_cnt, unroll=1):
+                pos = (kt + phase) % _PROMOTE_EVERY
+                # wgmma accumulates into acc_k unless this K tile starts a chain.
+                accumulate = (pos != 0) & (kt != 0)
+                chain_end = (pos == _PROMOTE_EVERY - 1) | (kt == k_cnt - 1)
                 pipe16.consumer_wait(read_state)
                 cute.nvgpu.warpgroup.fence()
-                for kb in cutlass.range(num_k_blocks, unroll_full=True):
-                    kb_coord = (None, None, kb, read_state.index)
-                    # Small terms first: they are added while the accumulator is smallest.
-                    cute.gemm(tiled_mma, acc, tCrAlo[kb_coord], tCrBhi[kb_coord], acc)
-                    cute.gemm(tiled_mma, acc, tCrAhi[kb_coord], tCrBlo[kb_coord], acc)
-                    cute.gemm(tiled_mma, acc, tCrAhi[kb_coord], tCrBhi[kb_coord], acc)
+                # Small terms first (lo.hi and hi.lo of every k block, then hi.hi), so the
+                # chain adds them while acc_k is smallest. The first wgmma of a chain
+                # overwrites acc_k (ACCUMULATE = False): no zeroing.
+                for p in cutlass.range_constexpr(3):
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        kb_coord = (None, None, kb, read_state.index)
+                        if cutlass.const_expr(p == 0 and kb == 0):
+                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, accumulate)
+                        if cutlass.const_expr(p == 0):
+                            cute.gemm(tiled_mma, acc_k, tCrAlo[kb_coord], tCrBhi[kb_coord], acc_k)
+                        elif cutlass.const_expr(p == 1):
+                            cute.gemm(tiled_mma, acc_k, tCrAhi[kb_coord], tCrBlo[kb_coord], acc_k)
+                        else:
+                            cute.gemm(tiled_mma, acc_k, tCrAhi[kb_coord], tCrBhi[kb_coord], acc_k)
+                        if cutlass.const_expr(p == 0 and kb == 0):
+                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.commit_group()
                 # Keep one wgmma group in flight; the previous bf16 stage is now free.
                 cute.nvgpu.warpgroup.wait_group(1)
@@ -444,6 +487,13 @@ class RouterBf16x3Sm90:
                         pipe16.consumer_release(release_state)
                     release_state.advance()
                 read_state.advance()
+                # Promote: drain the chain and add it into the fp32 total (FADD,
+                # round-to-nearest). The fence keeps the FADDs after the wait (see
+                # gemm_sm90._fence_f32: otherwise ptxas serializes every wgmma).
+                if chain_end:
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    _fence_tensor(acc_k)
+                    acc.store(acc.load() + acc_k.load())
             cute.nvgpu.warpgroup.wait_group(0)
 
             # ------------------------------------------------------------ epilogue

@@ -61,13 +61,14 @@ class RouterVariant:
         return f"jax_cake_router_{self.program}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
 
 
-# fwd: N = E; 128 x 256 covers E = 256 in one tile (x is read once), 128 x 128 for E <= 128.
+# tile_n is at most 128: each MMA thread holds two 64 x tile_n fp32 accumulators (the
+# wgmma chain of one K tile and the promoted fp32 total, see router_bf16x3_sm90.py).
+# fwd: N = E (E = 256 takes two N tiles, x is read twice, from L2 the second time).
 # dgrad: N = d is large, K = E. wgrad: M = E, N = d, K = T, split-K over T.
 VARIANTS: tuple[RouterVariant, ...] = (
-    RouterVariant("fwd", 128, 256),
     RouterVariant("fwd", 128, 128),
-    RouterVariant("dgrad", 128, 256),
-    RouterVariant("wgrad", 128, 256),
+    RouterVariant("dgrad", 128, 128),
+    RouterVariant("wgrad", 128, 128),
 )
 
 
@@ -94,7 +95,7 @@ def workspace_bytes(splits: int, reduction: int, e: int, d: int) -> int:
     return max(need, 16)
 
 
-def default_splits(e: int, d: int, t: int, tile=(128, 256, 32), num_sms: int = 132) -> int:
+def default_splits(e: int, d: int, t: int, tile=(128, 128, 32), num_sms: int = 132) -> int:
     """A split count for wgrad that fills the GPU: about one wave of CTAs, >= 8 K tiles each."""
     tiles = -(-e // tile[0]) * -(-d // tile[1])
     k_tiles = -(-t // tile[2])
