@@ -223,3 +223,17 @@ def test_force_tile_is_honoured_when_compiled():
   with jc.planner.force("det", tile=(7, 7, 7)):  # not compiled: the heuristic's tile
     p = jc.plan("wgrad", tokens=16384, d_in=4096, d_out=512, out_dtype=jnp.float32, device=H200)
   assert p.tile in compiled_tiles("wgrad")
+
+
+@pytest.mark.parametrize("out", ["float32", "bfloat16"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_every_wgrad_plan_names_a_program_the_library_holds(out, deterministic):
+  """A tile may exist for one output dtype or split form only; plans must respect that."""
+  from jax_cake.kernels import variants
+  codes = {"none": 0, "ordered": 1, "arrival": 2}
+  for t in (37, 1011, 16172, 16384):
+    for d_in, d_out in [(4096, 48), (4096, 512), (5120, 1024), (4096, 4096), (128, 512)]:
+      for program in (("det", "split") if not deterministic else ("det",)):
+        with jc.planner.force(program):
+          p = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, out_dtype=out, device=H200)
+        assert variants.supports("wgrad", p.tile, p.cluster, out, p.splits, codes[p.reduction]), jc.explain(p)

@@ -28,17 +28,27 @@ KERNEL_ARCHS = ("sm_90a",)
 _TILE_PRIOR = {(128, 256): 1.00, (128, 128): 0.93, (64, 256): 0.90, (128, 64): 0.85}
 
 
-def compiled_tiles(program: str) -> tuple[tuple[int, int, int], ...]:
+def compiled_tiles(program: str, out_dtype: str | None = None) -> tuple[tuple[int, int, int], ...]:
   """The CTA tiles (M, N, K) the native library holds for a program: "fwd", "dgrad",
-  "wgrad", or the router's "router_fwd" / "router_dgrad" / "router_wgrad". Read from
-  the build's variant lists, so a plan never names a kernel that is not there."""
+  "wgrad", or the router's "router_fwd" / "router_dgrad" / "router_wgrad", optionally
+  only those with an `out_dtype` output. Read from the build's variant lists (cluster
+  1x1, the only cluster the planner picks), so a plan never names a missing kernel."""
   from jax_cake.kernels import router_variants, variants  # plain data, no cutlass
 
   if program.startswith("router_"):
     family, program = router_variants.VARIANTS, program[len("router_"):]
   else:
-    family = variants.VARIANTS
-  return tuple(sorted({v.tile for v in family if v.program == program}, reverse=True))
+    family = [v for v in variants.VARIANTS if v.cluster == (1, 1) and v.store == "plain"]
+  return tuple(sorted({v.tile for v in family if v.program == program
+                       and out_dtype in (None, getattr(v, "out_dtype", "float32"))}, reverse=True))
+
+
+def _wgrad_supported(tile, out_dtype: str, splits: int, reduction: str) -> bool:
+  """Whether the library can run this wgrad program (ordered split-K runs the fp32
+  variant of the tile into the workspace, arrival order its fp32 "add" variant)."""
+  from jax_cake.kernels import variants
+
+  return variants.supports("wgrad", tile, (1, 1), out_dtype, splits, _REDUCTION_CODES[reduction])
 
 
 # TMA needs 16-byte strides: bf16 rows must hold a multiple of 8 elements, fp32 rows
@@ -53,6 +63,7 @@ _MIN_K_TILES_PER_SPLIT = 8
 ROUTER_KERNELS_ENABLED = False
 # fwd/dgrad walk tiles along N first from this N up (measured on the H200).
 _RASTER_N_MIN = 512
+_REDUCTION_CODES = {"none": 0, "ordered": 1, "arrival": 2}
 # The minimum workspace, so the wgrad result list has a fixed arity.
 MIN_WORKSPACE_BYTES = 16
 
@@ -108,7 +119,7 @@ class Plan:
         "cluster_m": np.int64(self.cluster[0]),
         "cluster_n": np.int64(self.cluster[1]),
         "splits": np.int64(self.splits),
-        "reduction": np.int64({"none": 0, "ordered": 1, "arrival": 2}[self.reduction]),
+        "reduction": np.int64(_REDUCTION_CODES[self.reduction]),
         "raster": np.int64({"m": 0, "n": 1}[self.raster]),
     }
 
@@ -153,20 +164,23 @@ def _xla_plan(op, batch, m, n, k, out_dtype, dev, reason) -> Plan:
               device=dev.describe(), reason=reason)
 
 
-def _pick_tile(program: str, batch: int, m: int, n: int, sm_count: int) -> tuple[tuple[int, int, int], str]:
-  """The tile with the best edge-and-wave utilization, weighted by the tile prior."""
-  best, best_score, best_note = None, -1.0, ""
-  for tile in compiled_tiles(program):
+def _ranked_tiles(program: str, batch: int, m: int, n: int, sm_count: int, out_dtype: str | None = None) -> list[tuple[tuple[int, int, int], str]]:
+  """Compiled tiles, best first: edge-and-wave utilization weighted by the tile prior."""
+  ranked = []
+  for tile in compiled_tiles(program, out_dtype):
     tm, tn, _ = tile
     count = batch * math.ceil(m / tm) * math.ceil(n / tn)
     edge = (m * n * batch) / (count * tm * tn)
     waves = math.ceil(count / sm_count)
     wave = count / (waves * sm_count)
     score = edge * wave * _TILE_PRIOR.get((tm, tn), 0.8)
-    if score > best_score:
-      best, best_score = tile, score
-      best_note = f"{tm}x{tn} tiles: {count} tiles over {sm_count} SMs, {edge:.0%} of the tile area used"
-  return best, best_note
+    ranked.append((score, tile, f"{tm}x{tn} tiles: {count} tiles over {sm_count} SMs, {edge:.0%} of the tile area used"))
+  ranked.sort(key=lambda r: r[0], reverse=True)
+  return [(tile, note) for _, tile, note in ranked]
+
+
+def _pick_tile(program: str, batch: int, m: int, n: int, sm_count: int, out_dtype: str | None = None) -> tuple[tuple[int, int, int], str]:
+  return _ranked_tiles(program, batch, m, n, sm_count, out_dtype)[0]
 
 
 def _det_splits(tiles: int, k: int, tile_k: int, sm_count: int) -> int:
@@ -175,13 +189,6 @@ def _det_splits(tiles: int, k: int, tile_k: int, sm_count: int) -> int:
     return 1
   k_tiles = math.ceil(k / tile_k)
   return max(1, min(sm_count // tiles, k_tiles // _MIN_K_TILES_PER_SPLIT))
-
-
-def _wgrad_tile(batch: int, m: int, n: int, sm_count: int, wanted) -> tuple[tuple[int, int, int], str]:
-  """A forced or table tile when it is compiled, else the heuristic's pick."""
-  if wanted is not None and tuple(wanted) in compiled_tiles("wgrad"):
-    return tuple(wanted), f"{wanted[0]}x{wanted[1]} tiles as requested"
-  return _pick_tile("wgrad", batch, m, n, sm_count)
 
 
 def _wgrad_plan(base: dict, dev: device_lib.DeviceInfo, deterministic: bool, out_dtype: str, tokens: int, d_in: int, d_out: int) -> Plan:
@@ -200,27 +207,37 @@ def _wgrad_plan(base: dict, dev: device_lib.DeviceInfo, deterministic: bool, out
     program, row = v.program, v.row
     why = v.why if program == "split" else f"deterministic=False, but the plan table chose the deterministic program: {v.why}"
 
-  wanted_tile = forced_tile or (row.tile if row is not None and row.tile is not None and None not in row.tile else None)
-  tile, tile_note = _wgrad_tile(batch, m, n, dev.sm_count, wanted_tile)
-  tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
-  k_tiles = math.ceil(k / tile[2])
-
-  if program == "split":
-    splits = forced_splits or (row.splits if row is not None and row.splits else None)
-    if splits is None:
-      splits = max(1, min(math.ceil(dev.sm_count / tiles), k_tiles))
-    splits = min(splits, k_tiles)
-    workspace = batch * m * n * 4 if out_dtype == "bfloat16" else 0
-    return Plan(**base, program="split", tile=tile, splits=splits, reduction="arrival" if splits > 1 else "none",
+  # A forced or table tile first, then the heuristic's ranking; the first tile whose
+  # program (split count, reduction) the library holds wins.
+  wanted = forced_tile or (row.tile if row is not None and row.tile is not None and None not in row.tile else None)
+  candidates = _ranked_tiles("wgrad", batch, m, n, dev.sm_count, out_dtype)
+  if wanted is not None and tuple(wanted) in compiled_tiles("wgrad"):
+    candidates.insert(0, (tuple(wanted), f"{wanted[0]}x{wanted[1]} tiles as requested"))
+  for tile, tile_note in candidates:
+    tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
+    k_tiles = math.ceil(k / tile[2])
+    if program == "split":
+      splits = forced_splits or (row.splits if row is not None and row.splits else None)
+      if splits is None:
+        splits = max(1, min(math.ceil(dev.sm_count / tiles), k_tiles))
+      splits = min(splits, k_tiles)
+      reduction = "arrival" if splits > 1 else "none"
+      if not _wgrad_supported(tile, out_dtype, splits, reduction):
+        continue
+      workspace = batch * m * n * 4 if out_dtype == "bfloat16" else 0
+      return Plan(**base, program="split", tile=tile, splits=splits, reduction=reduction,
+                  workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
+                  reason=f"split-K program (arrival-order reduction, not bitwise reproducible): {why}; {tile_note}")
+    splits = min(forced_splits, k_tiles) if forced == "det" and forced_splits else _det_splits(tiles, k, tile[2], dev.sm_count)
+    reduction = "ordered" if splits > 1 else "none"
+    if not _wgrad_supported(tile, out_dtype, splits, reduction):
+      continue
+    workspace = splits * batch * m * n * 4 if splits > 1 else 0
+    how = f"{splits} K splits summed in fixed split order by a second pass" if splits > 1 else "one pass over K"
+    return Plan(**base, program="det", tile=tile, splits=splits, reduction=reduction,
                 workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
-                reason=f"split-K program (arrival-order reduction, not bitwise reproducible): {why}; {tile_note}")
-
-  splits = min(forced_splits, k_tiles) if forced == "det" and forced_splits else _det_splits(tiles, k, tile[2], dev.sm_count)
-  workspace = splits * batch * m * n * 4 if splits > 1 else 0
-  how = f"{splits} K splits summed in fixed split order by a second pass" if splits > 1 else "one pass over K"
-  return Plan(**base, program="det", tile=tile, splits=splits, reduction="ordered" if splits > 1 else "none",
-              workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
-              reason=f"deterministic program ({why}): {how}; {tile_note}")
+                reason=f"deterministic program ({why}): {how}; {tile_note}")
+  return _xla_plan("wgrad", batch, m, n, k, out_dtype, dev, f"no compiled wgrad variant runs the {program} program here")
 
 
 def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
@@ -309,7 +326,7 @@ def plan(
   base = dict(op=op, backend="sm90a", batch=batch, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe())
   if op == "wgrad":
     return _wgrad_plan(base, dev, bool(deterministic), out_dtype, tokens, d_in, d_out)
-  tile, tile_note = _pick_tile(op, batch, m, n, dev.sm_count)
+  tile, tile_note = _pick_tile(op, batch, m, n, dev.sm_count, "bfloat16")
   # Walking tiles along N first keeps the activation rows in L2 while the weight
   # tiles stream: 6-11 % faster at N >= 512 on the H200 (docs/BENCHMARKS.md, 2026-11-29).
   raster = "n" if n >= _RASTER_N_MIN else "m"
