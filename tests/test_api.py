@@ -126,3 +126,12 @@ def test_deterministic_results_are_bitwise_repeatable():
   for _ in range(5):
     for a, b in zip(first, step(x, w, dy)):
       np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_bf16x3_split_survives_xla_simplification():
+  """lo must not collapse to zero under jit (XLA may drop a bf16 round trip)."""
+  from jax_cake.reference import split_bf16x3
+  a = rand(22, (64, 64), jnp.float32)
+  hi, lo = jax.jit(split_bf16x3)(a)
+  assert np.any(np.asarray(lo, np.float32) != 0)
+  np.testing.assert_allclose(np.asarray(hi, np.float64) + np.asarray(lo, np.float64), np.asarray(a, np.float64), rtol=2e-5, atol=0)
