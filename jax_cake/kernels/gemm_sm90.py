@@ -19,9 +19,11 @@ output itself. Reduce-add variants instead TMA-add every split into batch l of C
 (arrival order).
 
 FP32 wgrad (long K = T) uses two-level accumulation (`promote`): wgmma accumulates
-4 K tiles from zero, then that partial is added to the running fp32 accumulator. A single
-wgmma accumulation chain over K = 16k loses ~1.9e-5 relative (measured on the H200);
-with promotion every 4 K tiles it measured 2.7e-7.
+_PROMOTE_EVERY K tiles from zero, then that partial is added to the running fp32
+accumulator. The error of one wgmma chain grows linearly with its length (H200,
+2026-11-29: 1.86e-5 relative for one chain over K = 16384, i.e. 256 K tiles; 9.0e-6 at
+128 tiles; 2.1e-6 at 32 tiles; 2.7e-7 at 4 tiles), about 7e-8 per K tile. bf16 output
+(target 1e-2) does not promote.
 
 Ragged edges: TMA loads zero-fill out-of-bounds rows/columns of A and B (including the
 K tail), and TMA stores clip out-of-bounds rows/columns of C, so no predication is
@@ -52,11 +54,14 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
 # A 256-thread CTA (one consumer) already gets up to 255 registers: no reconfiguration.
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
-# Two-level accumulation interval in K tiles (64 each): a wgmma chain of 16 x k16.
-# The truncation error of one chain grows linearly with its length; every 4 tiles
-# keeps it ~60x below a single chain over K = 16k while stalling on wgmma only on
-# one tile in four.
-_PROMOTE_EVERY = 4
+# Two-level accumulation interval in K tiles (64 each). Each promotion drains the
+# wgmma pipeline (wait_group(0)), so fewer promotions cost less time; the chain error
+# grows ~linearly with the interval (~7e-8 per K tile, see the module docstring):
+# 16 tiles predicts ~1.1e-6 relative, 9x under the 1e-5 fp32 target and independent
+# of T (was 4: 2.7e-7 measured, at a 13 % time cost against bf16 output). With two
+# consumer warpgroups the second one promotes half an interval later (a first chain
+# of 8 tiles), so the two drains do not coincide.
+_PROMOTE_EVERY = 16
 
 
 @dsl_user_op
@@ -106,6 +111,10 @@ class GemmSm90:
             raise ValueError(f"store must be 'plain' or 'add', got {variant.store!r}")
         if variant.store == "add" and variant.out_dtype != "float32":
             raise ValueError("store='add' needs float32 output")
+        if variant.promote and variant.tile_n > 128:
+            # 64 x tile_n fp32 per consumer thread twice (partial + total): 256
+            # registers at tile_n = 256, over the 232 a consumer gets.
+            raise ValueError("promote (fp32 wgrad) needs tile_n <= 128: the second accumulator does not fit")
         self.variant = variant
         self.reduce_add = variant.store == "add"
         self.promote = variant.promote
@@ -371,6 +380,7 @@ class GemmSm90:
             if cutlass.const_expr(self.promote):
                 acc_k = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
             num_k_blocks = cute.size(tCrA, mode=[2])
+            promote_phase = mma_wg * (_PROMOTE_EVERY // 2)
 
             # Epilogue plumbing shared by all tiles.
             c_layout = self.c_layout
@@ -422,7 +432,9 @@ class GemmSm90:
                         release_state.advance()
                     read_state.advance()
                     if cutlass.const_expr(self.promote):
-                        if kt % _PROMOTE_EVERY == _PROMOTE_EVERY - 1:
+                        # Consumer warpgroups promote half an interval apart, so one
+                        # keeps the tensor cores busy while the other drains.
+                        if (kt + promote_phase) % _PROMOTE_EVERY == _PROMOTE_EVERY - 1:
                             cute.nvgpu.warpgroup.wait_group(0)
                             _fence_tensor(acc_k)
                             acc.store(acc.load() + acc_k.load())

@@ -63,7 +63,7 @@ class GemmVariant:
 
     @property
     def promote(self) -> bool:
-        """Two-level fp32 accumulation (one K tile per wgmma chain): fp32 wgrad only."""
+        """Two-level fp32 accumulation (16 K tiles per wgmma chain, gemm_sm90._PROMOTE_EVERY): fp32 wgrad only."""
         return self.program == "wgrad" and self.out_dtype == "float32"
 
     @property
@@ -97,13 +97,18 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # compute-bound shapes (T ~ 16k with d_out or d_in >= 512).
     GemmVariant("fwd", 128, 256, cluster_m=2),
     GemmVariant("dgrad", 128, 256, cluster_m=2),
-    # wgrad: M = d_out. 64-row tile for skinny d_out, 128-row for the rest. N = 128:
-    # the fp32 variants (also the split-K partials of bf16 dw) keep a second
-    # accumulator for two-level accumulation, which does not fit beside a 256 tile.
+    # wgrad: M = d_out. 64-row tile for skinny d_out, 128-row for the rest. The fp32
+    # variants (also the split-K partials of bf16 dw) keep a second accumulator for
+    # two-level accumulation, which does not fit beside a 256-column tile: fp32 dw has
+    # N = 128 only. bf16 dw (no promotion, target 1e-2) also has 128 x 256, with
+    # splits = 1 only (ordered split-K needs the fp32 variant of the same tile, atomic
+    # split-K its fp32 "add" variant): planners must check `supports(...)`, not just
+    # the tile list.
     GemmVariant("wgrad", 64, 128, out_dtype="float32"),
     GemmVariant("wgrad", 64, 128, out_dtype="bfloat16"),
     GemmVariant("wgrad", 128, 128, out_dtype="float32"),
     GemmVariant("wgrad", 128, 128, out_dtype="bfloat16"),
+    GemmVariant("wgrad", 128, 256, out_dtype="bfloat16"),
     GemmVariant("wgrad", 128, 128, cluster_m=2, out_dtype="float32"),
     GemmVariant("wgrad", 128, 128, cluster_m=2, out_dtype="bfloat16"),
     # wgrad arrival-order split-K (reduction=2): fp32 reduce-add into dw or workspace
