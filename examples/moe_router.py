@@ -13,6 +13,7 @@ Task: regress a fixed random linear map of the tokens; loss must go down.
     python examples/moe_router.py                       # E = 256
     python examples/moe_router.py --experts=16 --tokens=256   # quick CPU run
 """
+
 import functools
 import math
 import pathlib
@@ -38,8 +39,12 @@ flags.DEFINE_integer("d_ff", 256, "Expert hidden width.")
 flags.DEFINE_integer("experts", 256, "Number of experts E.")
 flags.DEFINE_integer("top_k", 2, "Experts per token.")
 flags.DEFINE_float("capacity_factor", 1.25, "Capacity C = ceil(T * top_k / E * factor).")
-flags.DEFINE_float("aux_weight", 0.1, "Weight of the load-balancing loss (above Switch's "
-                   "0.01: this task gives all experts the same job, so only it spreads tokens).")
+flags.DEFINE_float(
+    "aux_weight",
+    0.1,
+    "Weight of the load-balancing loss (above Switch's "
+    "0.01: this task gives all experts the same job, so only it spreads tokens).",
+)
 flags.DEFINE_float("lr", 3e-3, "Adam learning rate.")
 flags.DEFINE_integer("seed", 0, "Seed for weights, data and the target map.")
 flags.DEFINE_bool("deterministic", True, "Bitwise reproducible GEMMs (see jax_cake.plan).")
@@ -65,12 +70,12 @@ def moe_layer(params, x, *, top_k, capacity, deterministic):
     experts = params["router"].shape[0]
     logits = jax_cake.router_logits(x, params["router"], deterministic=deterministic)
     probs = jax.nn.softmax(logits, axis=-1)
-    top_p, top_e = jax.lax.top_k(probs, top_k)                      # [T, k]
+    top_p, top_e = jax.lax.top_k(probs, top_k)  # [T, k]
     gates = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
 
     # Slot of each route inside its expert, first choices of all tokens before second
     # choices (choice-major order), so a full expert drops second choices first.
-    route_e = top_e.T.reshape(-1)                                  # [k * T]
+    route_e = top_e.T.reshape(-1)  # [k * T]
     route_gate = gates.T.reshape(-1)
     route_token = jnp.tile(jnp.arange(tokens), top_k)
     onehot = jax.nn.one_hot(route_e, experts, dtype=jnp.int32)
@@ -81,10 +86,8 @@ def moe_layer(params, x, *, top_k, capacity, deterministic):
     x_bf16 = x.astype(BF16)
     expert_in = jnp.zeros((experts, capacity, x.shape[1]), BF16)
     expert_in = expert_in.at[route_e, slot].set(x_bf16[route_token], mode="drop")
-    hidden = jax.nn.gelu(jax_cake.batched_projection(expert_in, params["w_up"],
-                                                     deterministic=deterministic))
-    expert_out = jax_cake.batched_projection(hidden, params["w_down"],
-                                             deterministic=deterministic)   # [E, C, d]
+    hidden = jax.nn.gelu(jax_cake.batched_projection(expert_in, params["w_up"], deterministic=deterministic))
+    expert_out = jax_cake.batched_projection(hidden, params["w_down"], deterministic=deterministic)  # [E, C, d]
 
     # Combine: gather each kept route's output, weight by its gate, sum over choices.
     routed = expert_out.at[route_e, slot].get(mode="fill", fill_value=0).astype(F32)
@@ -118,8 +121,7 @@ def main(argv):
     params = init_params(param_key, FLAGS.experts, FLAGS.d_model, FLAGS.d_ff)
     target_map = jax.random.normal(map_key, (FLAGS.d_model,) * 2, F32) / math.sqrt(FLAGS.d_model)
     opt_state = tuple(jax.tree.map(jnp.zeros_like, params) for _ in range(2))
-    layer = functools.partial(moe_layer, top_k=FLAGS.top_k, capacity=capacity,
-                              deterministic=FLAGS.deterministic)
+    layer = functools.partial(moe_layer, top_k=FLAGS.top_k, capacity=capacity, deterministic=FLAGS.deterministic)
 
     def loss_fn(params, x):
         y, balance, dropped = layer(params, x)
@@ -128,27 +130,31 @@ def main(argv):
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, step):
-        x = jax.random.normal(jax.random.fold_in(data_key, step),
-                              (FLAGS.tokens, FLAGS.d_model), F32)
+        x = jax.random.normal(jax.random.fold_in(data_key, step), (FLAGS.tokens, FLAGS.d_model), F32)
         grads, metrics = jax.grad(loss_fn, has_aux=True)(params, x)
         params, opt_state = adam(params, grads, opt_state, step, FLAGS.lr)
         return params, opt_state, metrics
 
-    print(f"backend {jax.default_backend()}, T {FLAGS.tokens}, E {FLAGS.experts}, "
-          f"top_k {FLAGS.top_k}, capacity {capacity}, deterministic {FLAGS.deterministic}")
+    print(
+        f"backend {jax.default_backend()}, T {FLAGS.tokens}, E {FLAGS.experts}, "
+        f"top_k {FLAGS.top_k}, capacity {capacity}, deterministic {FLAGS.deterministic}"
+    )
     times, losses = [], []
     for step in range(FLAGS.steps):
         start = time.perf_counter()
-        params, opt_state, (task, balance, dropped) = train_step(params, opt_state,
-                                                                 jnp.int32(step))
+        params, opt_state, (task, balance, dropped) = train_step(params, opt_state, jnp.int32(step))
         losses.append(float(task))  # blocks until the step is done
         times.append(time.perf_counter() - start)
         if step % FLAGS.log_every == 0 or step == FLAGS.steps - 1:
-            print(f"step {step:5d}  loss {losses[-1]:.6f}  balance {float(balance):.4f}  "
-                  f"dropped {100 * float(dropped):.1f}%")
+            print(
+                f"step {step:5d}  loss {losses[-1]:.6f}  balance {float(balance):.4f}  "
+                f"dropped {100 * float(dropped):.1f}%"
+            )
     print(f"loss {losses[0]:.6f} -> {losses[-1]:.6f}")
-    print(f"median step time {1e3 * statistics.median(times[1:]):.3f} ms "
-          f"over {FLAGS.steps - 1} steps (first step with compile {1e3 * times[0]:.0f} ms)")
+    print(
+        f"median step time {1e3 * statistics.median(times[1:]):.3f} ms "
+        f"over {FLAGS.steps - 1} steps (first step with compile {1e3 * times[0]:.0f} ms)"
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ On CPU it runs on 8 fake devices; on GPUs it uses all of them (a mesh of 1 works
 
     python examples/shard_map_projection.py
 """
+
 import os
 import pathlib
 import sys
@@ -22,8 +23,7 @@ import sys
 # platform, so it changes nothing when a GPU is the default backend; a device count
 # already given in XLA_FLAGS wins.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 from absl import app, flags, logging  # noqa: E402  (imports after the XLA_FLAGS set-up above)
 import jax  # noqa: E402
@@ -59,8 +59,7 @@ def main(argv):
     if not FLAGS["verbosity"].present:  # hide jax's INFO line about the absent TPU backend
         logging.set_verbosity(logging.WARNING)
     # Auto axes: shard_map reshards its inputs itself, so callers pass plain arrays.
-    mesh = jax.make_mesh((jax.device_count(),), ("devices",),
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((jax.device_count(),), ("devices",), axis_types=(jax.sharding.AxisType.Auto,))
     n = mesh.size
     if FLAGS.tokens % n or FLAGS.d_out % n:
         raise app.UsageError(f"tokens and d_out must be multiples of the {n} devices")
@@ -72,10 +71,8 @@ def main(argv):
     def project(x, w):
         return jax_cake.dense_projection(x, w, deterministic=FLAGS.deterministic)
 
-    data_parallel = jax.shard_map(project, mesh=mesh, in_specs=(P("devices"), P()),
-                                  out_specs=P("devices"))
-    tensor_parallel = jax.shard_map(project, mesh=mesh, in_specs=(P(), P("devices")),
-                                    out_specs=P(None, "devices"))
+    data_parallel = jax.shard_map(project, mesh=mesh, in_specs=(P("devices"), P()), out_specs=P("devices"))
+    tensor_parallel = jax.shard_map(project, mesh=mesh, in_specs=(P(), P("devices")), out_specs=P(None, "devices"))
 
     @jax.jit(static_argnums=0)
     def forward_and_grads(fn, x, w, dy):
@@ -84,8 +81,10 @@ def main(argv):
         return (y, *vjp(dy.astype(y.dtype)))
 
     expected = forward_and_grads(project, x, w, dy)
-    print(f"mesh: {n} {jax.default_backend()} device(s) on axis 'devices'; "
-          f"T {FLAGS.tokens}, d_in {FLAGS.d_in}, d_out {FLAGS.d_out}")
+    print(
+        f"mesh: {n} {jax.default_backend()} device(s) on axis 'devices'; "
+        f"T {FLAGS.tokens}, d_in {FLAGS.d_in}, d_out {FLAGS.d_out}"
+    )
     failed = False
     for name, fn in (("data_parallel", data_parallel), ("tensor_parallel", tensor_parallel)):
         got = forward_and_grads(fn, x, w, dy)
@@ -93,8 +92,7 @@ def main(argv):
             diff = max_rel_diff(g, e)
             ok = g.dtype == e.dtype and diff <= TOLERANCE[e.dtype]
             failed |= not ok
-            print(f"{name:16s} {label:2s} {str(g.dtype):8s} max_rel_diff {diff:.3e} "
-                  f"{'ok' if ok else 'FAIL'}")
+            print(f"{name:16s} {label:2s} {str(g.dtype):8s} max_rel_diff {diff:.3e} {'ok' if ok else 'FAIL'}")
     print("FAIL" if failed else "PASS: sharded gradients match the unsharded ones")
     return int(failed)
 

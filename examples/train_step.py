@@ -13,6 +13,7 @@ Runs on CPU (XLA fallback) and on a supported GPU (AOT kernels):
     python examples/train_step.py
     python examples/train_step.py --steps=200 --batch=16 --seq=512 --d_model=1024
 """
+
 import functools
 import math
 import pathlib
@@ -38,8 +39,11 @@ flags.DEFINE_integer("d_model", 128, "Model width; a multiple of 8 keeps the GPU
 flags.DEFINE_integer("heads", 4, "Attention heads; must divide d_model.")
 flags.DEFINE_float("lr", 3e-3, "Adam learning rate.")
 flags.DEFINE_integer("seed", 0, "Seed for weights, data and the target map.")
-flags.DEFINE_bool("deterministic", True, "Bitwise reproducible weight gradients; "
-                  "False lets the planner pick split-K / stream-K where measured faster.")
+flags.DEFINE_bool(
+    "deterministic",
+    True,
+    "Bitwise reproducible weight gradients; False lets the planner pick split-K / stream-K where measured faster.",
+)
 flags.DEFINE_integer("log_every", 10, "Print the loss every this many steps.")
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -47,12 +51,18 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 def init_params(key, d_model):
     """Float32 master weights, each [d_out, d_in] as dense_projection expects."""
-    shapes = {"wq": (d_model, d_model), "wk": (d_model, d_model), "wv": (d_model, d_model),
-              "wo": (d_model, d_model), "w_up": (4 * d_model, d_model),
-              "w_down": (d_model, 4 * d_model)}
+    shapes = {
+        "wq": (d_model, d_model),
+        "wk": (d_model, d_model),
+        "wv": (d_model, d_model),
+        "wo": (d_model, d_model),
+        "w_up": (4 * d_model, d_model),
+        "w_down": (d_model, 4 * d_model),
+    }
     keys = jax.random.split(key, len(shapes))
-    params = {name: jax.random.normal(k, shape, F32) / math.sqrt(shape[1])
-              for k, (name, shape) in zip(keys, shapes.items())}
+    params = {
+        name: jax.random.normal(k, shape, F32) / math.sqrt(shape[1]) for k, (name, shape) in zip(keys, shapes.items())
+    }
     params["attn_norm"] = jnp.ones((d_model,), F32)
     params["mlp_norm"] = jnp.ones((d_model,), F32)
     return params
@@ -67,6 +77,7 @@ def rms_norm(x, scale):
 
 def block(params, x, *, heads, deterministic):
     """One pre-norm transformer block. x: bf16 [batch, seq, d_model] -> same."""
+
     def proj(h, name):
         return jax_cake.dense_projection(h, params[name], deterministic=deterministic)
 
@@ -96,8 +107,8 @@ def adam(params, grads, state, step, lr, b1=0.9, b2=0.999, eps=1e-8):
 
 def make_train_step(target_map, *, batch, seq, heads, lr, deterministic, data_key):
     remat_block = jax.checkpoint(
-        lambda p, x: block(p, x, heads=heads, deterministic=deterministic),
-        policy=jax_cake.remat.save_projections)
+        lambda p, x: block(p, x, heads=heads, deterministic=deterministic), policy=jax_cake.remat.save_projections
+    )
 
     def loss_fn(params, x):
         y = remat_block(params, x).astype(F32)
@@ -107,8 +118,7 @@ def make_train_step(target_map, *, batch, seq, heads, lr, deterministic, data_ke
     @functools.partial(jax.jit, donate_argnums=(0, 1))  # update weights in place
     def train_step(params, opt_state, step):
         # Fresh synthetic batch per step, generated on the device (no host transfer).
-        x = jax.random.normal(jax.random.fold_in(data_key, step),
-                              (batch, seq, target_map.shape[0]), F32).astype(BF16)
+        x = jax.random.normal(jax.random.fold_in(data_key, step), (batch, seq, target_map.shape[0]), F32).astype(BF16)
         loss, grads = jax.value_and_grad(loss_fn)(params, x)
         params, opt_state = adam(params, grads, opt_state, step, lr)
         return params, opt_state, loss
@@ -126,15 +136,32 @@ def main(argv):
     params = init_params(param_key, FLAGS.d_model)
     target_map = jax.random.normal(map_key, (FLAGS.d_model,) * 2, F32) / math.sqrt(FLAGS.d_model)
     opt_state = tuple(jax.tree.map(jnp.zeros_like, params) for _ in range(2))
-    train_step = make_train_step(target_map, batch=FLAGS.batch, seq=FLAGS.seq,
-                                 heads=FLAGS.heads, lr=FLAGS.lr,
-                                 deterministic=FLAGS.deterministic, data_key=data_key)
-    print(f"backend {jax.default_backend()}, tokens/step {FLAGS.batch * FLAGS.seq}, "
-          f"d_model {FLAGS.d_model}, deterministic {FLAGS.deterministic}")
+    train_step = make_train_step(
+        target_map,
+        batch=FLAGS.batch,
+        seq=FLAGS.seq,
+        heads=FLAGS.heads,
+        lr=FLAGS.lr,
+        deterministic=FLAGS.deterministic,
+        data_key=data_key,
+    )
+    print(
+        f"backend {jax.default_backend()}, tokens/step {FLAGS.batch * FLAGS.seq}, "
+        f"d_model {FLAGS.d_model}, deterministic {FLAGS.deterministic}"
+    )
     # What the MLP down-projection's weight gradient runs (kernel program or XLA) and why.
-    print(jax_cake.explain(jax_cake.plan(
-        "wgrad", tokens=FLAGS.batch * FLAGS.seq, d_in=4 * FLAGS.d_model, d_out=FLAGS.d_model,
-        out_dtype=F32, deterministic=FLAGS.deterministic)))
+    print(
+        jax_cake.explain(
+            jax_cake.plan(
+                "wgrad",
+                tokens=FLAGS.batch * FLAGS.seq,
+                d_in=4 * FLAGS.d_model,
+                d_out=FLAGS.d_model,
+                out_dtype=F32,
+                deterministic=FLAGS.deterministic,
+            )
+        )
+    )
 
     times, losses = [], []
     for step in range(FLAGS.steps):
@@ -145,8 +172,10 @@ def main(argv):
         if step % FLAGS.log_every == 0 or step == FLAGS.steps - 1:
             print(f"step {step:5d}  loss {losses[-1]:.6f}")
     print(f"loss {losses[0]:.6f} -> {losses[-1]:.6f}")
-    print(f"median step time {1e3 * statistics.median(times[1:]):.3f} ms "
-          f"over {FLAGS.steps - 1} steps (first step with compile {1e3 * times[0]:.0f} ms)")
+    print(
+        f"median step time {1e3 * statistics.median(times[1:]):.3f} ms "
+        f"over {FLAGS.steps - 1} steps (first step with compile {1e3 * times[0]:.0f} ms)"
+    )
 
 
 if __name__ == "__main__":

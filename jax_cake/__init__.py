@@ -1,8 +1,8 @@
 """jax_cake: fast, reproducible projection GEMMs for JAX training.
 
-    import jax_cake as jc
-    y = jc.dense_projection(x, w, deterministic=True)    # y = x @ w.T
-    print(jc.explain(jc.plan("wgrad", tokens=16384, d_in=4096, d_out=48)))
+import jax_cake as jc
+y = jc.dense_projection(x, w, deterministic=True)    # y = x @ w.T
+print(jc.explain(jc.plan("wgrad", tokens=16384, d_in=4096, d_out=48)))
 """
 
 from jax_cake import remat

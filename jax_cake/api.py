@@ -25,208 +25,219 @@ from jax_cake import remat
 
 
 def _check_array(fn: str, name: str, a: Any) -> None:
-  if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-    raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}")
+    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}")
 
 
 def _check_dtype(fn: str, name: str, a: Any, allowed: tuple, hint: str) -> None:
-  if jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in allowed]:
-    names = " or ".join(jnp.dtype(d).name for d in allowed)
-    raise TypeError(f"{fn}: {name} must be {names}, got {jnp.dtype(a.dtype).name}{hint}")
+    if jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in allowed]:
+        names = " or ".join(jnp.dtype(d).name for d in allowed)
+        raise TypeError(f"{fn}: {name} must be {names}, got {jnp.dtype(a.dtype).name}{hint}")
 
 
 def _check_rank(fn: str, name: str, a: Any, rank: int, layout: str) -> None:
-  if a.ndim != rank:
-    raise ValueError(f"{fn}: {name} must have rank {rank} ({layout}), got shape {tuple(a.shape)}")
+    if a.ndim != rank:
+        raise ValueError(f"{fn}: {name} must have rank {rank} ({layout}), got shape {tuple(a.shape)}")
 
 
 def _check_deterministic(fn: str, deterministic: Any) -> bool:
-  if not isinstance(deterministic, (bool, np.bool_)):
-    raise TypeError(f"{fn}: deterministic must be a Python bool, got {type(deterministic).__name__} {deterministic!r}")
-  return bool(deterministic)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(
+            f"{fn}: deterministic must be a Python bool, got {type(deterministic).__name__} {deterministic!r}"
+        )
+    return bool(deterministic)
 
 
 # --- shard_map support --------------------------------------------------------------
 
 
 def _varying_axes(a) -> frozenset:
-  mat = getattr(jax.typeof(a), "mat", None)
-  return frozenset(getattr(mat, "varying", ()) or ())
+    mat = getattr(jax.typeof(a), "mat", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
 
 
 def _to_common_varying(*arrays):
-  """Makes every operand varying over the union of their varying manual axes.
+    """Makes every operand varying over the union of their varying manual axes.
 
-  Inside shard_map a replicated weight next to token-sharded activations would
-  otherwise give the custom_vjp backward a cotangent whose manual axes do not match
-  the input (FACTS.md). pcast's transpose sums the gradient over the added axes, which
-  is exactly the data-parallel weight-gradient reduction.
-  """
-  union = frozenset().union(*(_varying_axes(a) for a in arrays))
-  if not union:
-    return arrays
-  out = []
-  for a in arrays:
-    missing = tuple(sorted(union - _varying_axes(a)))
-    out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-  return tuple(out)
+    Inside shard_map a replicated weight next to token-sharded activations would
+    otherwise give the custom_vjp backward a cotangent whose manual axes do not match
+    the input (FACTS.md). pcast's transpose sums the gradient over the added axes, which
+    is exactly the data-parallel weight-gradient reduction.
+    """
+    union = frozenset().union(*(_varying_axes(a) for a in arrays))
+    if not union:
+        return arrays
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(union - _varying_axes(a)))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return tuple(out)
 
 
 # --- the projection core (dense and batched share it) -------------------------------
 
 
 def _plans(x3, w3, deterministic: bool, w_dtype: str):
-  b, t, d_in = x3.shape
-  d_out = w3.shape[1]
-  device = device_lib.current(x3, w3)
-  sizes = dict(tokens=t, d_in=d_in, d_out=d_out, batch=b, device=device)
-  return (
-      make_plan("fwd", **sizes),
-      make_plan("dgrad", **sizes),
-      make_plan("wgrad", **sizes, out_dtype=w_dtype, deterministic=deterministic),
-  )
+    b, t, d_in = x3.shape
+    d_out = w3.shape[1]
+    device = device_lib.current(x3, w3)
+    sizes = dict(tokens=t, d_in=d_in, d_out=d_out, batch=b, device=device)
+    return (
+        make_plan("fwd", **sizes),
+        make_plan("dgrad", **sizes),
+        make_plan("wgrad", **sizes, out_dtype=w_dtype, deterministic=deterministic),
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _projection(x3, w3, deterministic: bool, w_dtype: str):
-  fwd_plan, _, _ = _plans(x3, w3, deterministic, w_dtype)
-  return primitives.fwd(x3, w3.astype(jnp.bfloat16), fwd_plan)
+    fwd_plan, _, _ = _plans(x3, w3, deterministic, w_dtype)
+    return primitives.fwd(x3, w3.astype(jnp.bfloat16), fwd_plan)
 
 
 def _projection_fwd(x3, w3, deterministic, w_dtype):
-  w_bf16 = w3.astype(jnp.bfloat16)
-  fwd_plan, _, _ = _plans(x3, w3, deterministic, w_dtype)
-  return primitives.fwd(x3, w_bf16, fwd_plan), (x3, w_bf16)
+    w_bf16 = w3.astype(jnp.bfloat16)
+    fwd_plan, _, _ = _plans(x3, w3, deterministic, w_dtype)
+    return primitives.fwd(x3, w_bf16, fwd_plan), (x3, w_bf16)
 
 
 def _projection_bwd(deterministic, w_dtype, residuals, dy):
-  x3, w_bf16 = residuals
-  _, dgrad_plan, wgrad_plan = _plans(x3, w_bf16, deterministic, w_dtype)
-  dy = dy.astype(jnp.bfloat16)
-  dx = primitives.dgrad(dy, w_bf16, dgrad_plan)
-  dw = primitives.wgrad(dy, x3, wgrad_plan)
-  return dx, dw
+    x3, w_bf16 = residuals
+    _, dgrad_plan, wgrad_plan = _plans(x3, w_bf16, deterministic, w_dtype)
+    dy = dy.astype(jnp.bfloat16)
+    dx = primitives.dgrad(dy, w_bf16, dgrad_plan)
+    dw = primitives.wgrad(dy, x3, wgrad_plan)
+    return dx, dw
 
 
 _projection.defvjp(_projection_fwd, _projection_bwd)
 
 
 def dense_projection(x, w, *, deterministic: bool = True):
-  """y = x @ w.T with BF16 operands and FP32 accumulation.
+    """y = x @ w.T with BF16 operands and FP32 accumulation.
 
-  Args:
-    x: [..., d_in] bfloat16 activations (any number of leading token dimensions).
-    w: [d_out, d_in] bfloat16 or float32 weight. A float32 weight is a master weight:
-      it is rounded to bfloat16 for the products, and its gradient is float32, written
-      from the kernel's FP32 accumulator (no bfloat16 rounding).
-    deterministic: keyword-only. True (default): bitwise identical results on every
-      run for the same inputs, shapes and GPU. False: the planner may pick a faster
-      split-K program whose weight-gradient sum order can vary, where measured faster.
+    Args:
+      x: [..., d_in] bfloat16 activations (any number of leading token dimensions).
+      w: [d_out, d_in] bfloat16 or float32 weight. A float32 weight is a master weight:
+        it is rounded to bfloat16 for the products, and its gradient is float32, written
+        from the kernel's FP32 accumulator (no bfloat16 rounding).
+      deterministic: keyword-only. True (default): bitwise identical results on every
+        run for the same inputs, shapes and GPU. False: the planner may pick a faster
+        split-K program whose weight-gradient sum order can vary, where measured faster.
 
-  Returns:
-    y: [..., d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.
-  """
-  fn = "dense_projection"
-  deterministic = _check_deterministic(fn, deterministic)
-  _check_array(fn, "x", x)
-  _check_array(fn, "w", w)
-  _check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
-  _check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
-  if x.ndim < 1:
-    raise ValueError(f"{fn}: x must have rank >= 1 ([..., d_in]), got a scalar")
-  _check_rank(fn, "w", w, 2, "[d_out, d_in]")
-  if x.shape[-1] != w.shape[1]:
-    raise ValueError(f"{fn}: x's last dimension (d_in={x.shape[-1]}) must equal w.shape[1] (d_in={w.shape[1]}); w is [d_out, d_in]")
-  lead = x.shape[:-1]
-  x3 = jnp.reshape(x, (1, math.prod(lead), x.shape[-1]))
-  x3, w = _to_common_varying(x3, w)
-  y3 = _projection(x3, w[None], deterministic, jnp.dtype(w.dtype).name)
-  return remat.name_output(jnp.reshape(y3, lead + (w.shape[0],)))
+    Returns:
+      y: [..., d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.
+    """
+    fn = "dense_projection"
+    deterministic = _check_deterministic(fn, deterministic)
+    _check_array(fn, "x", x)
+    _check_array(fn, "w", w)
+    _check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
+    _check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
+    if x.ndim < 1:
+        raise ValueError(f"{fn}: x must have rank >= 1 ([..., d_in]), got a scalar")
+    _check_rank(fn, "w", w, 2, "[d_out, d_in]")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"{fn}: x's last dimension (d_in={x.shape[-1]}) must equal w.shape[1] (d_in={w.shape[1]}); w is [d_out, d_in]"
+        )
+    lead = x.shape[:-1]
+    x3 = jnp.reshape(x, (1, math.prod(lead), x.shape[-1]))
+    x3, w = _to_common_varying(x3, w)
+    y3 = _projection(x3, w[None], deterministic, jnp.dtype(w.dtype).name)
+    return remat.name_output(jnp.reshape(y3, lead + (w.shape[0],)))
 
 
 def batched_projection(x, w, *, deterministic: bool = True):
-  """y[b] = x[b] @ w[b].T for every batch entry b (e.g. MLA head rows), one launch.
+    """y[b] = x[b] @ w[b].T for every batch entry b (e.g. MLA head rows), one launch.
 
-  Args:
-    x: [B, T, d_in] bfloat16.
-    w: [B, d_out, d_in] bfloat16 or float32 (master weight, as in dense_projection).
-    deterministic: keyword-only, as in dense_projection.
+    Args:
+      x: [B, T, d_in] bfloat16.
+      w: [B, d_out, d_in] bfloat16 or float32 (master weight, as in dense_projection).
+      deterministic: keyword-only, as in dense_projection.
 
-  Returns:
-    y: [B, T, d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.
-  """
-  fn = "batched_projection"
-  deterministic = _check_deterministic(fn, deterministic)
-  _check_array(fn, "x", x)
-  _check_array(fn, "w", w)
-  _check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
-  _check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
-  _check_rank(fn, "x", x, 3, "[B, T, d_in]")
-  _check_rank(fn, "w", w, 3, "[B, d_out, d_in]")
-  if x.shape[0] != w.shape[0]:
-    raise ValueError(f"{fn}: x and w must have the same batch size B, got x.shape[0]={x.shape[0]} and w.shape[0]={w.shape[0]}")
-  if x.shape[2] != w.shape[2]:
-    raise ValueError(f"{fn}: x.shape[2] (d_in={x.shape[2]}) must equal w.shape[2] (d_in={w.shape[2]}); w is [B, d_out, d_in]")
-  x, w = _to_common_varying(x, w)
-  return remat.name_output(_projection(x, w, deterministic, jnp.dtype(w.dtype).name))
+    Returns:
+      y: [B, T, d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.
+    """
+    fn = "batched_projection"
+    deterministic = _check_deterministic(fn, deterministic)
+    _check_array(fn, "x", x)
+    _check_array(fn, "w", w)
+    _check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
+    _check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
+    _check_rank(fn, "x", x, 3, "[B, T, d_in]")
+    _check_rank(fn, "w", w, 3, "[B, d_out, d_in]")
+    if x.shape[0] != w.shape[0]:
+        raise ValueError(
+            f"{fn}: x and w must have the same batch size B, got x.shape[0]={x.shape[0]} and w.shape[0]={w.shape[0]}"
+        )
+    if x.shape[2] != w.shape[2]:
+        raise ValueError(
+            f"{fn}: x.shape[2] (d_in={x.shape[2]}) must equal w.shape[2] (d_in={w.shape[2]}); w is [B, d_out, d_in]"
+        )
+    x, w = _to_common_varying(x, w)
+    return remat.name_output(_projection(x, w, deterministic, jnp.dtype(w.dtype).name))
 
 
 # --- the router -----------------------------------------------------------------------
 
 
 def _router_plans(x, w, deterministic: bool):
-  t, d = x.shape
-  sizes = dict(tokens=t, d_in=d, d_out=w.shape[0], out_dtype=jnp.float32, device=device_lib.current(x, w))
-  return (make_plan("router_fwd", **sizes), make_plan("router_dgrad", **sizes),
-          make_plan("router_wgrad", **sizes, deterministic=deterministic))
+    t, d = x.shape
+    sizes = dict(tokens=t, d_in=d, d_out=w.shape[0], out_dtype=jnp.float32, device=device_lib.current(x, w))
+    return (
+        make_plan("router_fwd", **sizes),
+        make_plan("router_dgrad", **sizes),
+        make_plan("router_wgrad", **sizes, deterministic=deterministic),
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _router(x, w, deterministic: bool):
-  fwd_plan, _, _ = _router_plans(x, w, deterministic)
-  return primitives.router_fwd(x, w, fwd_plan)
+    fwd_plan, _, _ = _router_plans(x, w, deterministic)
+    return primitives.router_fwd(x, w, fwd_plan)
 
 
 def _router_fwd(x, w, deterministic):
-  fwd_plan, _, _ = _router_plans(x, w, deterministic)
-  return primitives.router_fwd(x, w, fwd_plan), (x, w)
+    fwd_plan, _, _ = _router_plans(x, w, deterministic)
+    return primitives.router_fwd(x, w, fwd_plan), (x, w)
 
 
 def _router_bwd(deterministic, residuals, g):
-  x, w = residuals
-  _, dgrad_plan, wgrad_plan = _router_plans(x, w, deterministic)
-  g = g.astype(jnp.float32)
-  return primitives.router_dgrad(g, w, dgrad_plan), primitives.router_wgrad(g, x, wgrad_plan)
+    x, w = residuals
+    _, dgrad_plan, wgrad_plan = _router_plans(x, w, deterministic)
+    g = g.astype(jnp.float32)
+    return primitives.router_dgrad(g, w, dgrad_plan), primitives.router_wgrad(g, x, wgrad_plan)
 
 
 _router.defvjp(_router_fwd, _router_bwd)
 
 
 def router_logits(x, w, *, deterministic: bool = True):
-  """FP32 MoE router logits = x @ w.T by BF16x3 emulation.
+    """FP32 MoE router logits = x @ w.T by BF16x3 emulation.
 
-  Each FP32 operand is split into hi + lo bfloat16 parts and hi*hi + hi*lo + lo*hi are
-  accumulated in FP32 (the accuracy of jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3).
-  The backward uses the same emulation for dx and dw.
+    Each FP32 operand is split into hi + lo bfloat16 parts and hi*hi + hi*lo + lo*hi are
+    accumulated in FP32 (the accuracy of jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3).
+    The backward uses the same emulation for dx and dw.
 
-  Args:
-    x: [T, d] float32 tokens.
-    w: [E, d] float32 router weight (E = 256 experts is the tuned case).
-    deterministic: keyword-only, as in dense_projection (applies to dw).
+    Args:
+      x: [T, d] float32 tokens.
+      w: [E, d] float32 router weight (E = 256 experts is the tuned case).
+      deterministic: keyword-only, as in dense_projection (applies to dw).
 
-  Returns:
-    logits: [T, E] float32.
-  """
-  fn = "router_logits"
-  deterministic = _check_deterministic(fn, deterministic)
-  _check_array(fn, "x", x)
-  _check_array(fn, "w", w)
-  hint = " (the router takes FP32 inputs; its BF16x3 split happens inside)"
-  _check_dtype(fn, "x", x, (jnp.float32,), hint)
-  _check_dtype(fn, "w", w, (jnp.float32,), hint)
-  _check_rank(fn, "x", x, 2, "[T, d]")
-  _check_rank(fn, "w", w, 2, "[E, d]")
-  if x.shape[1] != w.shape[1]:
-    raise ValueError(f"{fn}: x.shape[1] (d={x.shape[1]}) must equal w.shape[1] (d={w.shape[1]}); w is [E, d]")
-  x, w = _to_common_varying(x, w)
-  return remat.name_output(_router(x, w, deterministic))
+    Returns:
+      logits: [T, E] float32.
+    """
+    fn = "router_logits"
+    deterministic = _check_deterministic(fn, deterministic)
+    _check_array(fn, "x", x)
+    _check_array(fn, "w", w)
+    hint = " (the router takes FP32 inputs; its BF16x3 split happens inside)"
+    _check_dtype(fn, "x", x, (jnp.float32,), hint)
+    _check_dtype(fn, "w", w, (jnp.float32,), hint)
+    _check_rank(fn, "x", x, 2, "[T, d]")
+    _check_rank(fn, "w", w, 2, "[E, d]")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"{fn}: x.shape[1] (d={x.shape[1]}) must equal w.shape[1] (d={w.shape[1]}); w is [E, d]")
+    x, w = _to_common_varying(x, w)
+    return remat.name_output(_router(x, w, deterministic))

@@ -71,8 +71,23 @@ MODE_XLA_FLAGS = {
 }
 WALL_LABEL = "host wall time (no GPU)"
 DEVICE_LABEL = "CUPTI device time (jax profiler)"
-COLUMNS = ("GPU", "SMs", "d_in -> d_out", "out", "T", "op", "mode", "det us", "split us", "XLA us", "cuBLAS us",
-           "new us", "det/new", "XLA/new", "cuBLAS/new")
+COLUMNS = (
+    "GPU",
+    "SMs",
+    "d_in -> d_out",
+    "out",
+    "T",
+    "op",
+    "mode",
+    "det us",
+    "split us",
+    "XLA us",
+    "cuBLAS us",
+    "new us",
+    "det/new",
+    "XLA/new",
+    "cuBLAS/new",
+)
 _ARM_COLUMN = {"det": "det us", "split": "split us", "xla": "XLA us", "cublas": "cuBLAS us", "new": "new us"}
 
 FLAGS = flags.FLAGS
@@ -80,22 +95,22 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # chil
 
 
 def define_flags(arms_default: Sequence[str] = ARMS, with_ops: bool = True) -> None:
-  """The flags shared by bench and tune (tune has its own arms and fixed ops)."""
-  flags.DEFINE_list("tokens", [str(t) for t in GRID_TOKENS], "Token counts T.")
-  flags.DEFINE_list("d_in", [str(d) for d in GRID_D_IN], "Input widths d_in.")
-  flags.DEFINE_list("d_out", [str(d) for d in GRID_D_OUT], "Output widths d_out.")
-  flags.DEFINE_list("out_dtype", list(OUT_DTYPES), "Weight / wgrad output dtypes.")
-  if with_ops:
-    flags.DEFINE_list("ops", list(OPS), f"Ops, from {OPS}.")
-  flags.DEFINE_list("modes", list(MODES), "g = command buffers on, e = off.")
-  flags.DEFINE_list("arms", list(arms_default), "Arms: det, split[/sN][/tMxNxK], new, xla, cublas.")
-  flags.DEFINE_integer("runs", 3, "Runs (one fresh process per run and mode).")
-  flags.DEFINE_integer("groups", 10, "Paired groups per run.")
-  flags.DEFINE_integer("steps", 10, "Timed steps per arm and group.")
-  flags.DEFINE_integer("flush_mb", 128, "L2 flush buffer, MiB (>= 2x L2).")
-  flags.DEFINE_enum("timer", None, ["device", "wall"], "Default: device on a GPU, wall otherwise.")
-  flags.DEFINE_string("child_out", None, "Internal: run one (run, mode) child and write its samples here.")
-  flags.DEFINE_integer("run_index", 0, "Internal: the run a child measures.")
+    """The flags shared by bench and tune (tune has its own arms and fixed ops)."""
+    flags.DEFINE_list("tokens", [str(t) for t in GRID_TOKENS], "Token counts T.")
+    flags.DEFINE_list("d_in", [str(d) for d in GRID_D_IN], "Input widths d_in.")
+    flags.DEFINE_list("d_out", [str(d) for d in GRID_D_OUT], "Output widths d_out.")
+    flags.DEFINE_list("out_dtype", list(OUT_DTYPES), "Weight / wgrad output dtypes.")
+    if with_ops:
+        flags.DEFINE_list("ops", list(OPS), f"Ops, from {OPS}.")
+    flags.DEFINE_list("modes", list(MODES), "g = command buffers on, e = off.")
+    flags.DEFINE_list("arms", list(arms_default), "Arms: det, split[/sN][/tMxNxK], new, xla, cublas.")
+    flags.DEFINE_integer("runs", 3, "Runs (one fresh process per run and mode).")
+    flags.DEFINE_integer("groups", 10, "Paired groups per run.")
+    flags.DEFINE_integer("steps", 10, "Timed steps per arm and group.")
+    flags.DEFINE_integer("flush_mb", 128, "L2 flush buffer, MiB (>= 2x L2).")
+    flags.DEFINE_enum("timer", None, ["device", "wall"], "Default: device on a GPU, wall otherwise.")
+    flags.DEFINE_string("child_out", None, "Internal: run one (run, mode) child and write its samples here.")
+    flags.DEFINE_integer("run_index", 0, "Internal: the run a child measures.")
 
 
 # --- what is measured ----------------------------------------------------------------------
@@ -103,156 +118,155 @@ def define_flags(arms_default: Sequence[str] = ARMS, with_ops: bool = True) -> N
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-  tokens: int
-  d_in: int
-  d_out: int
-  out: str  # w's dtype = the wgrad output dtype
+    tokens: int
+    d_in: int
+    d_out: int
+    out: str  # w's dtype = the wgrad output dtype
 
-  @property
-  def label(self) -> str:
-    return f"T={self.tokens} {self.d_in}->{self.d_out} {self.out}"
+    @property
+    def label(self) -> str:
+        return f"T={self.tokens} {self.d_in}->{self.d_out} {self.out}"
 
 
-def grid_points(tokens: Iterable[int], d_in: Iterable[int], d_out: Iterable[int],
-                out: Iterable[str]) -> list[Point]:
-  tokens, d_out, out = list(tokens), list(d_out), list(out)  # iterated once per outer value
-  return [Point(t, i, o, dt) for i in d_in for o in d_out for dt in out for t in tokens]
+def grid_points(tokens: Iterable[int], d_in: Iterable[int], d_out: Iterable[int], out: Iterable[str]) -> list[Point]:
+    tokens, d_out, out = list(tokens), list(d_out), list(out)  # iterated once per outer value
+    return [Point(t, i, o, dt) for i in d_in for o in d_out for dt in out for t in tokens]
 
 
 @dataclasses.dataclass(frozen=True)
 class ArmSpec:
-  """An arm name parsed: 'det', 'new', 'xla', 'cublas' or 'split[/sN][/tMxNxK]'."""
+    """An arm name parsed: 'det', 'new', 'xla', 'cublas' or 'split[/sN][/tMxNxK]'."""
 
-  name: str
-  kind: str
-  splits: int | None = None
-  tile: tuple[int, int, int] | None = None
+    name: str
+    kind: str
+    splits: int | None = None
+    tile: tuple[int, int, int] | None = None
 
 
 def parse_arm(name: str) -> ArmSpec:
-  kind, *opts = name.split("/")
-  if kind not in ARMS or (opts and kind != "split"):
-    raise ValueError(f"arm {name!r}: expected one of {ARMS}, options only on split")
-  splits = tile = None
-  for opt in opts:
-    if re.fullmatch(r"s\d+", opt):
-      splits = int(opt[1:])
-    elif re.fullmatch(r"t\d+x\d+x\d+", opt):
-      tile = tuple(int(v) for v in opt[1:].split("x"))
-    else:
-      raise ValueError(f"arm {name!r}: option {opt!r} is neither sN (splits) nor tMxNxK (tile)")
-  return ArmSpec(name, kind, splits, tile)
+    kind, *opts = name.split("/")
+    if kind not in ARMS or (opts and kind != "split"):
+        raise ValueError(f"arm {name!r}: expected one of {ARMS}, options only on split")
+    splits = tile = None
+    for opt in opts:
+        if re.fullmatch(r"s\d+", opt):
+            splits = int(opt[1:])
+        elif re.fullmatch(r"t\d+x\d+x\d+", opt):
+            tile = tuple(int(v) for v in opt[1:].split("x"))
+        else:
+            raise ValueError(f"arm {name!r}: option {opt!r} is neither sN (splits) nor tMxNxK (tile)")
+    return ArmSpec(name, kind, splits, tile)
 
 
 def split_arm_name(splits: int | None, tile: Sequence[int] | None) -> str:
-  return "split" + (f"/s{splits}" if splits else "") + (f"/t{'x'.join(map(str, tile))}" if tile else "")
+    return "split" + (f"/s{splits}" if splits else "") + (f"/t{'x'.join(map(str, tile))}" if tile else "")
 
 
 # --- one step of each op, per arm ----------------------------------------------------------
 
 
 def op_fn(op: str, project: Callable) -> Callable:
-  """(x, w, dy) -> the op's outputs, built from a projection y = project(x, w).
+    """(x, w, dy) -> the op's outputs, built from a projection y = project(x, w).
 
-  jax.vjp against only the differentiated inputs lets XLA drop the unused gradient's
-  GEMM and the unused forward. 2fwd+bwd is the checkpointed step written out: the
-  step's forward, and the backward's recomputed forward (kept apart from the first by
-  a barrier, as a remat recompute is) next to dgrad and wgrad.
-  """
-  import jax
+    jax.vjp against only the differentiated inputs lets XLA drop the unused gradient's
+    GEMM and the unused forward. 2fwd+bwd is the checkpointed step written out: the
+    step's forward, and the backward's recomputed forward (kept apart from the first by
+    a barrier, as a remat recompute is) next to dgrad and wgrad.
+    """
+    import jax
 
-  if op == "fwd":
-    return lambda x, w, dy: (project(x, w),)
-  if op == "dgrad":
-    return lambda x, w, dy: jax.vjp(lambda x_: project(x_, w), x)[1](dy)
-  if op == "wgrad":
-    return lambda x, w, dy: jax.vjp(lambda w_: project(x, w_), w)[1](dy)
-  if op == "bwd":
-    return lambda x, w, dy: jax.vjp(project, x, w)[1](dy)
-  if op == "2fwd+bwd":
+    if op == "fwd":
+        return lambda x, w, dy: (project(x, w),)
+    if op == "dgrad":
+        return lambda x, w, dy: jax.vjp(lambda x_: project(x_, w), x)[1](dy)
+    if op == "wgrad":
+        return lambda x, w, dy: jax.vjp(lambda w_: project(x, w_), w)[1](dy)
+    if op == "bwd":
+        return lambda x, w, dy: jax.vjp(project, x, w)[1](dy)
+    if op == "2fwd+bwd":
 
-    def step(x, w, dy):
-      y = project(x, w)
-      x2, w2, _ = jax.lax.optimization_barrier((x, w, y))
-      return (y, project(x2, w2)) + jax.vjp(project, x2, w2)[1](dy)
+        def step(x, w, dy):
+            y = project(x, w)
+            x2, w2, _ = jax.lax.optimization_barrier((x, w, y))
+            return (y, project(x2, w2)) + jax.vjp(project, x2, w2)[1](dy)
 
-    return step
-  raise ValueError(f"op {op!r}: expected one of {OPS}")
+        return step
+    raise ValueError(f"op {op!r}: expected one of {OPS}")
 
 
 def jax_projection(arm: ArmSpec) -> Callable:
-  import jax.numpy as jnp
+    import jax.numpy as jnp
 
-  import jax_cake
+    import jax_cake
 
-  if arm.kind == "xla":
-    return lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16).T)
-  return lambda x, w: jax_cake.dense_projection(x, w, deterministic=arm.kind == "det")
+    if arm.kind == "xla":
+        return lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16).T)
+    return lambda x, w: jax_cake.dense_projection(x, w, deterministic=arm.kind == "det")
 
 
 @contextlib.contextmanager
 def planning_for(arm: ArmSpec):
-  """The planner state an arm is traced under (split forces the split-K program)."""
-  if arm.kind != "split":
-    yield
-    return
-  from jax_cake import planner
+    """The planner state an arm is traced under (split forces the split-K program)."""
+    if arm.kind != "split":
+        yield
+        return
+    from jax_cake import planner
 
-  with planner.force("split", splits=arm.splits, tile=arm.tile):
-    yield
+    with planner.force("split", splits=arm.splits, tile=arm.tile):
+        yield
 
 
 def flush(buf):
-  """Rewrites the whole L2-flush buffer (read + write, so L2 holds none of x, w, dy)."""
-  import jax.numpy as jnp
+    """Rewrites the whole L2-flush buffer (read + write, so L2 holds none of x, w, dy)."""
+    import jax.numpy as jnp
 
-  return buf ^ jnp.uint32(0x9E3779B9)
+    return buf ^ jnp.uint32(0x9E3779B9)
 
 
 def steps_program(step: Callable | None, steps: int) -> Callable:
-  """(buf, x, w, dy) -> (buf, every step's outputs): `steps` x (step, flush).
+    """(buf, x, w, dy) -> (buf, every step's outputs): `steps` x (step, flush).
 
-  The op comes first: the flush that ends the previous call (or the warm-up) left L2
-  cold, and a busy kernel enqueued right after dispatch meets the op, not a flush
-  (tune's op_first). step=None gives the flush-only program (marker calibration).
-  The barriers order flush -> step -> flush (XLA keeps the order as control
-  dependencies) and give every step its own operands, so XLA cannot CSE the repeated
-  steps. Every step's outputs are returned: XLA drops unused barrier results, and
-  with them the step.
-  """
-  import jax
+    The op comes first: the flush that ends the previous call (or the warm-up) left L2
+    cold, and a busy kernel enqueued right after dispatch meets the op, not a flush
+    (tune's op_first). step=None gives the flush-only program (marker calibration).
+    The barriers order flush -> step -> flush (XLA keeps the order as control
+    dependencies) and give every step its own operands, so XLA cannot CSE the repeated
+    steps. Every step's outputs are returned: XLA drops unused barrier results, and
+    with them the step.
+    """
+    import jax
 
-  def program(buf, x, w, dy):
-    outs = []
-    for _ in range(steps):
-      buf, x, w, dy = jax.lax.optimization_barrier((buf, x, w, dy))
-      if step is not None:
-        buf, out = jax.lax.optimization_barrier((buf, step(x, w, dy)))
-        outs.append(out)
-      buf = flush(buf)
-    return buf, outs
+    def program(buf, x, w, dy):
+        outs = []
+        for _ in range(steps):
+            buf, x, w, dy = jax.lax.optimization_barrier((buf, x, w, dy))
+            if step is not None:
+                buf, out = jax.lax.optimization_barrier((buf, step(x, w, dy)))
+                outs.append(out)
+            buf = flush(buf)
+        return buf, outs
 
-  return program
+    return program
 
 
 def compile_arm(arm: ArmSpec, op: str, steps: int, args) -> Callable:
-  """AOT-compiles the arm's steps program (jit's cache would ignore planner.force)."""
-  import jax
+    """AOT-compiles the arm's steps program (jit's cache would ignore planner.force)."""
+    import jax
 
-  with planning_for(arm):
-    return jax.jit(steps_program(op_fn(op, jax_projection(arm)), steps), donate_argnums=0).lower(*args).compile()
+    with planning_for(arm):
+        return jax.jit(steps_program(op_fn(op, jax_projection(arm)), steps), donate_argnums=0).lower(*args).compile()
 
 
 def make_inputs(point: Point, flush_mb: int, seed: int = 0):
-  import jax
-  import jax.numpy as jnp
+    import jax
+    import jax.numpy as jnp
 
-  kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
-  x = jax.random.normal(kx, (point.tokens, point.d_in), jnp.bfloat16)
-  w = (jax.random.normal(kw, (point.d_out, point.d_in), jnp.float32) * 0.02).astype(point.out)
-  dy = jax.random.normal(kd, (point.tokens, point.d_out), jnp.bfloat16)
-  buf = jnp.zeros((flush_mb * 2**20 // 4,), jnp.uint32)
-  return buf, x, w, dy
+    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (point.tokens, point.d_in), jnp.bfloat16)
+    w = (jax.random.normal(kw, (point.d_out, point.d_in), jnp.float32) * 0.02).astype(point.out)
+    dy = jax.random.normal(kd, (point.tokens, point.d_out), jnp.bfloat16)
+    buf = jnp.zeros((flush_mb * 2**20 // 4,), jnp.uint32)
+    return buf, x, w, dy
 
 
 # --- timers ---------------------------------------------------------------------------------
@@ -261,152 +275,159 @@ BUSY_KERNEL_TAG = "jax_cake_busy"  # tune's SM-holding kernel: not part of any s
 
 
 def _base_name(name: str) -> str:
-  """Kernel name without XLA's numeric suffixes (loop_xor_fusion_1 -> loop_xor_fusion)."""
-  return re.sub(r"([._]\d+)+$", "", name)
+    """Kernel name without XLA's numeric suffixes (loop_xor_fusion_1 -> loop_xor_fusion)."""
+    return re.sub(r"([._]\d+)+$", "", name)
 
 
 def device_events(xspace: bytes) -> tuple[list, list]:
-  """(start_ns, end_ns, name) of the GPU stream events in a profile, by start time:
-  (everything else, tune's busy kernels)."""
-  from jax.profiler import ProfileData
+    """(start_ns, end_ns, name) of the GPU stream events in a profile, by start time:
+    (everything else, tune's busy kernels)."""
+    from jax.profiler import ProfileData
 
-  events = []
-  for plane in ProfileData.from_serialized_xspace(xspace).planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      if "Stream" not in line.name:  # skip derived lines (XLA Ops, Modules) that repeat kernels
-        continue
-      events += [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events]
-  events.sort()
-  return ([e for e in events if BUSY_KERNEL_TAG not in e[2]], [e for e in events if BUSY_KERNEL_TAG in e[2]])
+    events = []
+    for plane in ProfileData.from_serialized_xspace(xspace).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "Stream" not in line.name:  # skip derived lines (XLA Ops, Modules) that repeat kernels
+                continue
+            events += [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events]
+    events.sort()
+    return ([e for e in events if BUSY_KERNEL_TAG not in e[2]], [e for e in events if BUSY_KERNEL_TAG in e[2]])
 
 
-def step_spans(events, markers: set[str], calls: int, steps: int,
-               kernels_per_flush: int = 1) -> list[list[tuple[int, int]]]:
-  """Per call, each step's (first begin, last end) in ns: the events up to its flush.
+def step_spans(
+    events, markers: set[str], calls: int, steps: int, kernels_per_flush: int = 1
+) -> list[list[tuple[int, int]]]:
+    """Per call, each step's (first begin, last end) in ns: the events up to its flush.
 
-  The profile starts on an idle GPU with the first call's first step; every
-  `kernels_per_flush` marker events make one flush, and each call brings `steps`.
-  """
-  spans, current, pending = [], None, 0
-  for start, end, name in events:
-    if _base_name(name) in markers:
-      pending += 1
-      if pending == kernels_per_flush:
-        spans.append(current)
-        current, pending = None, 0
-    else:
-      current = (start, end) if current is None else (min(current[0], start), max(current[1], end))
-  if len(spans) != calls * steps:
-    names = sorted({_base_name(n) for _, _, n in events})
-    raise RuntimeError(f"device timer: found {len(spans)} flushes, expected {calls * steps} "
-                       f"({calls} calls x {steps} steps); markers {sorted(markers)}, kernels seen {names}")
-  if None in spans:
-    raise RuntimeError("device timer: a step with no device events before its flush (was the op dropped?)")
-  return [spans[c * steps:(c + 1) * steps] for c in range(calls)]
+    The profile starts on an idle GPU with the first call's first step; every
+    `kernels_per_flush` marker events make one flush, and each call brings `steps`.
+    """
+    spans, current, pending = [], None, 0
+    for start, end, name in events:
+        if _base_name(name) in markers:
+            pending += 1
+            if pending == kernels_per_flush:
+                spans.append(current)
+                current, pending = None, 0
+        else:
+            current = (start, end) if current is None else (min(current[0], start), max(current[1], end))
+    if len(spans) != calls * steps:
+        names = sorted({_base_name(n) for _, _, n in events})
+        raise RuntimeError(
+            f"device timer: found {len(spans)} flushes, expected {calls * steps} "
+            f"({calls} calls x {steps} steps); markers {sorted(markers)}, kernels seen {names}"
+        )
+    if None in spans:
+        raise RuntimeError("device timer: a step with no device events before its flush (was the op dropped?)")
+    return [spans[c * steps : (c + 1) * steps] for c in range(calls)]
 
 
 _markers_cache: dict[tuple[int, int], tuple[set[str], int]] = {}  # (names, kernels per flush)
 
 
 class DeviceTimer:
-  """Times jax calls from the CUPTI timeline: profile a batch of calls, then split it."""
+    """Times jax calls from the CUPTI timeline: profile a batch of calls, then split it."""
 
-  def __init__(self, buf, steps: int):
-    import jax
-    from jax._src.lib import _profiler
+    def __init__(self, buf, steps: int):
+        import jax
+        from jax._src.lib import _profiler
 
-    self._profiler, self.buf, self.steps = _profiler, buf, steps
-    key = (buf.size, steps)
-    if key not in _markers_cache:  # learn the flush kernels from a flush-only call
-      flush_only = jax.jit(steps_program(None, steps), donate_argnums=0).lower(buf, None, None, None).compile()
-      self.buf = flush_only(self.buf, None, None, None)[0].block_until_ready()
-      session = _profiler.ProfilerSession(_profiler.ProfileOptions())
-      self.buf = flush_only(self.buf, None, None, None)[0].block_until_ready()
-      events = device_events(session.stop())[0]
-      if not events or len(events) % steps:
-        raise RuntimeError(f"device timer: {len(events)} GPU events for {steps} flushes "
-                           "(none: is another CUPTI client such as nsys attached?)")
-      _markers_cache[key] = ({_base_name(n) for _, _, n in events}, len(events) // steps)
-    self.markers, self.kernels_per_flush = _markers_cache[key]
+        self._profiler, self.buf, self.steps = _profiler, buf, steps
+        key = (buf.size, steps)
+        if key not in _markers_cache:  # learn the flush kernels from a flush-only call
+            flush_only = jax.jit(steps_program(None, steps), donate_argnums=0).lower(buf, None, None, None).compile()
+            self.buf = flush_only(self.buf, None, None, None)[0].block_until_ready()
+            session = _profiler.ProfilerSession(_profiler.ProfileOptions())
+            self.buf = flush_only(self.buf, None, None, None)[0].block_until_ready()
+            events = device_events(session.stop())[0]
+            if not events or len(events) % steps:
+                raise RuntimeError(
+                    f"device timer: {len(events)} GPU events for {steps} flushes "
+                    "(none: is another CUPTI client such as nsys attached?)"
+                )
+            _markers_cache[key] = ({_base_name(n) for _, _, n in events}, len(events) // steps)
+        self.markers, self.kernels_per_flush = _markers_cache[key]
 
-  def time_calls(self, calls: Sequence[Callable], keep: Callable | None = None) -> list[list[float]]:
-    """Runs each call(buf) -> buf in order; returns each call's step times in us.
+    def time_calls(self, calls: Sequence[Callable], keep: Callable | None = None) -> list[list[float]]:
+        """Runs each call(buf) -> buf in order; returns each call's step times in us.
 
-    keep(step_span, busy_spans) -> bool drops the steps it rejects (tune's contention).
-    """
-    session = self._profiler.ProfilerSession(self._profiler.ProfileOptions())
-    for call in calls:
-      self.buf = call(self.buf)
-      self.buf.block_until_ready()
-    events, busy = device_events(session.stop())
-    busy_spans = [(b, e) for b, e, _ in busy]
-    return [[(e - b) / 1e3 for b, e in call if keep is None or keep((b, e), busy_spans)]
-            for call in step_spans(events, self.markers, len(calls), self.steps, self.kernels_per_flush)]
+        keep(step_span, busy_spans) -> bool drops the steps it rejects (tune's contention).
+        """
+        session = self._profiler.ProfilerSession(self._profiler.ProfileOptions())
+        for call in calls:
+            self.buf = call(self.buf)
+            self.buf.block_until_ready()
+        events, busy = device_events(session.stop())
+        busy_spans = [(b, e) for b, e, _ in busy]
+        return [
+            [(e - b) / 1e3 for b, e in call if keep is None or keep((b, e), busy_spans)]
+            for call in step_spans(events, self.markers, len(calls), self.steps, self.kernels_per_flush)
+        ]
 
 
 class WallTimer:
-  """Host wall time per step of each call, flush included: for runs without a GPU."""
+    """Host wall time per step of each call, flush included: for runs without a GPU."""
 
-  def __init__(self, buf, steps: int):
-    self.buf, self.steps = buf, steps
+    def __init__(self, buf, steps: int):
+        self.buf, self.steps = buf, steps
 
-  def time_calls(self, calls: Sequence[Callable], keep: Callable | None = None) -> list[list[float]]:
-    if keep is not None:
-      raise ValueError("step filters need the device timeline (--timer=device)")
-    out = []
-    for call in calls:
-      t0 = time.perf_counter()
-      self.buf = call(self.buf)
-      self.buf.block_until_ready()
-      out.append([(time.perf_counter() - t0) * 1e6 / self.steps] * self.steps)
-    return out
+    def time_calls(self, calls: Sequence[Callable], keep: Callable | None = None) -> list[list[float]]:
+        if keep is not None:
+            raise ValueError("step filters need the device timeline (--timer=device)")
+        out = []
+        for call in calls:
+            t0 = time.perf_counter()
+            self.buf = call(self.buf)
+            self.buf.block_until_ready()
+            out.append([(time.perf_counter() - t0) * 1e6 / self.steps] * self.steps)
+        return out
 
 
 def cublas_group_times(op: str, point: Point, steps: int, groups: int, flush_mb: int) -> list[float] | None:
-  """Median step time per group of torch.mm with CUDA events, L2 flushed per step;
-  None without a CUDA torch."""
-  try:
-    import torch
-  except ImportError:
-    return None
-  if not torch.cuda.is_available():
-    return None
-  g = torch.Generator(device="cuda").manual_seed(0)
-  x = torch.randn(point.tokens, point.d_in, device="cuda", dtype=torch.bfloat16, generator=g)
-  w = torch.randn(point.d_out, point.d_in, device="cuda", dtype=torch.bfloat16, generator=g)
-  dy = torch.randn(point.tokens, point.d_out, device="cuda", dtype=torch.bfloat16, generator=g)
-  buf = torch.zeros(flush_mb * 2**20 // 4, device="cuda", dtype=torch.int32)
+    """Median step time per group of torch.mm with CUDA events, L2 flushed per step;
+    None without a CUDA torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(point.tokens, point.d_in, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(point.d_out, point.d_in, device="cuda", dtype=torch.bfloat16, generator=g)
+    dy = torch.randn(point.tokens, point.d_out, device="cuda", dtype=torch.bfloat16, generator=g)
+    buf = torch.zeros(flush_mb * 2**20 // 4, device="cuda", dtype=torch.int32)
 
-  def wgrad():
-    if point.out == "float32":  # fp32 out from the fp32 accumulator, no bf16 rounding
-      return torch.mm(dy.t(), x, out_dtype=torch.float32)
-    return torch.mm(dy.t(), x)
+    def wgrad():
+        if point.out == "float32":  # fp32 out from the fp32 accumulator, no bf16 rounding
+            return torch.mm(dy.t(), x, out_dtype=torch.float32)
+        return torch.mm(dy.t(), x)
 
-  try:
-    wgrad()
-  except (TypeError, RuntimeError) as e:  # a torch without mm(out_dtype=): no fp32 cuBLAS baseline
-    print(f"cuBLAS arm skipped: {e}", file=sys.stderr)
-    return None
+    try:
+        wgrad()
+    except (TypeError, RuntimeError) as e:  # a torch without mm(out_dtype=): no fp32 cuBLAS baseline
+        print(f"cuBLAS arm skipped: {e}", file=sys.stderr)
+        return None
 
-  parts = {"fwd": [lambda: x @ w.t()], "dgrad": [lambda: dy @ w], "wgrad": [wgrad]}
-  parts["bwd"] = parts["dgrad"] + parts["wgrad"]
-  parts["2fwd+bwd"] = parts["fwd"] * 2 + parts["bwd"]
-  out = []
-  for _ in range(groups + 1):  # the first group warms up cuBLAS
-    times = []
-    for _ in range(steps):
-      buf.bitwise_xor_(0x1E3779B9)
-      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      start.record()
-      for part in parts[op]:
-        part()
-      end.record()
-      end.synchronize()
-      times.append(start.elapsed_time(end) * 1e3)
-    out.append(statistics.median(times))
-  return out[1:]
+    parts = {"fwd": [lambda: x @ w.t()], "dgrad": [lambda: dy @ w], "wgrad": [wgrad]}
+    parts["bwd"] = parts["dgrad"] + parts["wgrad"]
+    parts["2fwd+bwd"] = parts["fwd"] * 2 + parts["bwd"]
+    out = []
+    for _ in range(groups + 1):  # the first group warms up cuBLAS
+        times = []
+        for _ in range(steps):
+            buf.bitwise_xor_(0x1E3779B9)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for part in parts[op]:
+                part()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        out.append(statistics.median(times))
+    return out[1:]
 
 
 # --- a child: one (run, mode) -----------------------------------------------------------------
@@ -415,242 +436,324 @@ def cublas_group_times(op: str, point: Point, steps: int, groups: int, flush_mb:
 _compiled: dict[tuple, Callable] = {}
 
 
-def measure_point(point: Point, op: str, arms: Sequence[ArmSpec], timer_kind: str, steps: int, groups: int,
-                  flush_mb: int, around_call: Callable = contextlib.nullcontext,
-                  keep: Callable | None = None) -> dict[str, list[float | None]]:
-  """{arm name: per-group median step time in us} for one point and op.
+def measure_point(
+    point: Point,
+    op: str,
+    arms: Sequence[ArmSpec],
+    timer_kind: str,
+    steps: int,
+    groups: int,
+    flush_mb: int,
+    around_call: Callable = contextlib.nullcontext,
+    keep: Callable | None = None,
+) -> dict[str, list[float | None]]:
+    """{arm name: per-group median step time in us} for one point and op.
 
-  around_call(): a context manager entered around each arm call; keep: a step filter
-  (both for tune's busy kernel). A group none of whose steps was kept is None.
-  """
-  import jax
+    around_call(): a context manager entered around each arm call; keep: a step filter
+    (both for tune's busy kernel). A group none of whose steps was kept is None.
+    """
+    import jax
 
-  buf, x, w, dy = make_inputs(point, flush_mb)
-  jax_arms = [a for a in arms if a.kind != "cublas"]
-  compiled = {}
-  for a in jax_arms:  # tune measures a point again per contention cell: compile once
-    key = (a, op, steps, point, flush_mb)
-    if key not in _compiled:
-      _compiled[key] = compile_arm(a, op, steps, (buf, x, w, dy))
-    compiled[a.name] = _compiled[key]
-  timer = DeviceTimer(buf, steps) if timer_kind == "device" else WallTimer(buf, steps)
-  for a in jax_arms:  # warm-up: graph instantiation, autotuning, lazy loading
-    timer.buf = compiled[a.name](timer.buf, x, w, dy)[0]
-  jax.block_until_ready(timer.buf)
+    buf, x, w, dy = make_inputs(point, flush_mb)
+    jax_arms = [a for a in arms if a.kind != "cublas"]
+    compiled = {}
+    for a in jax_arms:  # tune measures a point again per contention cell: compile once
+        key = (a, op, steps, point, flush_mb)
+        if key not in _compiled:
+            _compiled[key] = compile_arm(a, op, steps, (buf, x, w, dy))
+        compiled[a.name] = _compiled[key]
+    timer = DeviceTimer(buf, steps) if timer_kind == "device" else WallTimer(buf, steps)
+    for a in jax_arms:  # warm-up: graph instantiation, autotuning, lazy loading
+        timer.buf = compiled[a.name](timer.buf, x, w, dy)[0]
+    jax.block_until_ready(timer.buf)
 
-  def call(name):
-    def run(buf):
-      with around_call():
-        return compiled[name](buf, x, w, dy)[0]
-    return run
+    def call(name):
+        def run(buf):
+            with around_call():
+                return compiled[name](buf, x, w, dy)[0]
 
-  groups_out = {a.name: [] for a in jax_arms}
-  for g in range(groups):
-    order = [jax_arms[(g + i) % len(jax_arms)].name for i in range(len(jax_arms))]
-    for name, times in zip(order, timer.time_calls([call(n) for n in order], keep)):
-      groups_out[name].append(statistics.median(times) if times else None)
-  if any(a.kind == "cublas" for a in arms):
-    times = cublas_group_times(op, point, steps, groups, flush_mb)
-    if times is not None:
-      groups_out["cublas"] = times
-  return groups_out
+        return run
+
+    groups_out = {a.name: [] for a in jax_arms}
+    for g in range(groups):
+        order = [jax_arms[(g + i) % len(jax_arms)].name for i in range(len(jax_arms))]
+        for name, times in zip(order, timer.time_calls([call(n) for n in order], keep)):
+            groups_out[name].append(statistics.median(times) if times else None)
+    if any(a.kind == "cublas" for a in arms):
+        times = cublas_group_times(op, point, steps, groups, flush_mb)
+        if times is not None:
+            groups_out["cublas"] = times
+    return groups_out
 
 
 def device_header(timer_kind: str) -> dict:
-  import jax
+    import jax
 
-  dev = jax.devices()[0]
-  driver = "n/a"
-  if dev.platform == "gpu":
-    try:
-      driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30).stdout.split("\n")[0].strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-      driver = "unknown"
-  return {
-      "gpu": dev.device_kind.replace("NVIDIA ", "") if dev.platform == "gpu" else f"none ({dev.platform})",
-      "sms": getattr(dev, "core_count", None),
-      "compute_capability": getattr(dev, "compute_capability", None),
-      "driver": driver,
-      "jax": jax.__version__,
-      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-      "timer": DEVICE_LABEL if timer_kind == "device" else WALL_LABEL,
-  }
+    dev = jax.devices()[0]
+    driver = "n/a"
+    if dev.platform == "gpu":
+        try:
+            driver = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                .stdout.split("\n")[0]
+                .strip()
+                or "unknown"
+            )
+        except (OSError, subprocess.SubprocessError):
+            driver = "unknown"
+    return {
+        "gpu": dev.device_kind.replace("NVIDIA ", "") if dev.platform == "gpu" else f"none ({dev.platform})",
+        "sms": getattr(dev, "core_count", None),
+        "compute_capability": getattr(dev, "compute_capability", None),
+        "driver": driver,
+        "jax": jax.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "timer": DEVICE_LABEL if timer_kind == "device" else WALL_LABEL,
+    }
 
 
 def default_timer() -> str:
-  import jax
+    import jax
 
-  return "device" if jax.devices()[0].platform == "gpu" else "wall"
+    return "device" if jax.devices()[0].platform == "gpu" else "wall"
 
 
-def collect(points: Sequence[Point], ops: Sequence[str], arms: Sequence[ArmSpec], mode: str, run: int, *,
-            steps: int, groups: int, flush_mb: int, timer_kind: str, tags: dict | None = None,
-            around_call: Callable = contextlib.nullcontext, keep: Callable | None = None) -> list[dict]:
-  """Samples for every point x op in this process: one dict per arm with its groups.
+def collect(
+    points: Sequence[Point],
+    ops: Sequence[str],
+    arms: Sequence[ArmSpec],
+    mode: str,
+    run: int,
+    *,
+    steps: int,
+    groups: int,
+    flush_mb: int,
+    timer_kind: str,
+    tags: dict | None = None,
+    around_call: Callable = contextlib.nullcontext,
+    keep: Callable | None = None,
+) -> list[dict]:
+    """Samples for every point x op in this process: one dict per arm with its groups.
 
-  tags are copied into every sample (tune's contention cell: busy SMs, launch order).
-  """
-  samples, total, t0 = [], len(points) * len(ops), time.time()
-  for i, (point, op) in enumerate((p, o) for p in points for o in ops):
-    print(f"[{mode} run {run}] {i + 1}/{total} {point.label} {op} {tags or ''} {time.time() - t0:.0f}s",
-          file=sys.stderr, flush=True)
-    for arm, groups_us in measure_point(point, op, arms, timer_kind, steps, groups, flush_mb, around_call,
-                                        keep).items():
-      samples.append({**dataclasses.asdict(point), **(tags or {}), "op": op, "mode": mode, "run": run, "arm": arm,
-                      "groups_us": groups_us})
-  return samples
+    tags are copied into every sample (tune's contention cell: busy SMs, launch order).
+    """
+    samples, total, t0 = [], len(points) * len(ops), time.time()
+    for i, (point, op) in enumerate((p, o) for p in points for o in ops):
+        print(
+            f"[{mode} run {run}] {i + 1}/{total} {point.label} {op} {tags or ''} {time.time() - t0:.0f}s",
+            file=sys.stderr,
+            flush=True,
+        )
+        for arm, groups_us in measure_point(
+            point, op, arms, timer_kind, steps, groups, flush_mb, around_call, keep
+        ).items():
+            samples.append(
+                {
+                    **dataclasses.asdict(point),
+                    **(tags or {}),
+                    "op": op,
+                    "mode": mode,
+                    "run": run,
+                    "arm": arm,
+                    "groups_us": groups_us,
+                }
+            )
+    return samples
 
 
 def write_child_output(path: str, header: dict, samples: Sequence[dict]) -> None:
-  with open(path, "w") as f:
-    json.dump({"header": header, "samples": list(samples)}, f)
+    with open(path, "w") as f:
+        json.dump({"header": header, "samples": list(samples)}, f)
 
 
 def run_children(module: str, argv_flags: Sequence[str], modes: Sequence[str], runs: int) -> tuple[dict, list[dict]]:
-  """Runs `python -m module --child_out=...` per (run, mode); returns header and samples."""
-  header, samples = {}, []
-  with tempfile.TemporaryDirectory() as tmp:
-    for run in range(runs):
-      for mode in (modes if run % 2 == 0 else list(reversed(modes))):
-        out = os.path.join(tmp, f"{mode}_{run}.json")
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {MODE_XLA_FLAGS[mode]}".strip()
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, env.get("PYTHONPATH")]))
-        # CUPTI's serial KERNEL activity kind (some XLA versions' default) would serialize
-        # kernels of different streams: tune's busy kernel could never overlap the op.
-        env["TF_GPU_CUPTI_FORCE_CONCURRENT_KERNEL"] = "1"
-        cmd = [sys.executable, "-m", module, *argv_flags, f"--modes={mode}", f"--run_index={run}",
-               f"--child_out={out}"]
-        subprocess.run(cmd, env=env, check=True)
-        with open(out) as f:
-          data = json.load(f)
-        header = data["header"]
-        samples.extend(data["samples"])
-  return header, samples
+    """Runs `python -m module --child_out=...` per (run, mode); returns header and samples."""
+    header, samples = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in range(runs):
+            for mode in modes if run % 2 == 0 else list(reversed(modes)):
+                out = os.path.join(tmp, f"{mode}_{run}.json")
+                env = dict(os.environ)
+                env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {MODE_XLA_FLAGS[mode]}".strip()
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, env.get("PYTHONPATH")]))
+                # CUPTI's serial KERNEL activity kind (some XLA versions' default) would serialize
+                # kernels of different streams: tune's busy kernel could never overlap the op.
+                env["TF_GPU_CUPTI_FORCE_CONCURRENT_KERNEL"] = "1"
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    module,
+                    *argv_flags,
+                    f"--modes={mode}",
+                    f"--run_index={run}",
+                    f"--child_out={out}",
+                ]
+                subprocess.run(cmd, env=env, check=True)
+                with open(out) as f:
+                    data = json.load(f)
+                header = data["header"]
+                samples.extend(data["samples"])
+    return header, samples
 
 
 # --- report -------------------------------------------------------------------------------------
 
 
 def run_medians(samples: Sequence[dict]) -> dict[tuple, float]:
-  """{(point, op, mode, arm): median over runs of each run's median group time}."""
-  per_run: dict[tuple, list[float]] = {}
-  for s in samples:
-    key = (Point(s["tokens"], s["d_in"], s["d_out"], s["out"]), s["op"], s["mode"], s["arm"])
-    per_run.setdefault(key, []).append(statistics.median(g for g in s["groups_us"] if g is not None))
-  return {k: statistics.median(v) for k, v in per_run.items()}
+    """{(point, op, mode, arm): median over runs of each run's median group time}."""
+    per_run: dict[tuple, list[float]] = {}
+    for s in samples:
+        key = (Point(s["tokens"], s["d_in"], s["d_out"], s["out"]), s["op"], s["mode"], s["arm"])
+        per_run.setdefault(key, []).append(statistics.median(g for g in s["groups_us"] if g is not None))
+    return {k: statistics.median(v) for k, v in per_run.items()}
 
 
 def table_rows(header: dict, samples: Sequence[dict]) -> list[dict]:
-  medians = run_medians(samples)
-  rows = []
-  order = lambda k: (MODES.index(k[2]), k[0].d_in, k[0].d_out, OUT_DTYPES.index(k[0].out), k[0].tokens,
-                     OPS.index(k[1]))
-  for point, op, mode in sorted({k[:3] for k in medians}, key=order):
-    us = {arm: medians.get((point, op, mode, arm)) for arm in ARMS}
-    row = {"GPU": header["gpu"], "SMs": header["sms"] or "n/a", "d_in -> d_out": f"{point.d_in} -> {point.d_out}",
-           "out": {"float32": "FP32", "bfloat16": "BF16"}[point.out], "T": point.tokens, "op": op, "mode": mode}
-    for arm, column in _ARM_COLUMN.items():
-      row[column] = us[arm]
-    for base, column in (("det", "det/new"), ("xla", "XLA/new"), ("cublas", "cuBLAS/new")):
-      row[column] = us[base] / us["new"] if us[base] and us["new"] else None
-    rows.append(row)
-  return rows
+    medians = run_medians(samples)
+    rows = []
+    order = lambda k: (
+        MODES.index(k[2]),
+        k[0].d_in,
+        k[0].d_out,
+        OUT_DTYPES.index(k[0].out),
+        k[0].tokens,
+        OPS.index(k[1]),
+    )
+    for point, op, mode in sorted({k[:3] for k in medians}, key=order):
+        us = {arm: medians.get((point, op, mode, arm)) for arm in ARMS}
+        row = {
+            "GPU": header["gpu"],
+            "SMs": header["sms"] or "n/a",
+            "d_in -> d_out": f"{point.d_in} -> {point.d_out}",
+            "out": {"float32": "FP32", "bfloat16": "BF16"}[point.out],
+            "T": point.tokens,
+            "op": op,
+            "mode": mode,
+        }
+        for arm, column in _ARM_COLUMN.items():
+            row[column] = us[arm]
+        for base, column in (("det", "det/new"), ("xla", "XLA/new"), ("cublas", "cuBLAS/new")):
+            row[column] = us[base] / us["new"] if us[base] and us["new"] else None
+        rows.append(row)
+    return rows
 
 
 def _fmt(v) -> str:
-  if v is None:
-    return "n/a"
-  return f"{v:.2f}" if isinstance(v, float) and v >= 10 else (f"{v:.3f}" if isinstance(v, float) else str(v))
+    if v is None:
+        return "n/a"
+    return f"{v:.2f}" if isinstance(v, float) and v >= 10 else (f"{v:.3f}" if isinstance(v, float) else str(v))
 
 
 def header_line(header: dict) -> str:
-  return (f"GPU {header['gpu']}, {header['sms'] or 'n/a'} SMs, driver {header['driver']}, jax {header['jax']}, "
-          f"{header['date']}; latencies: {header['timer']}, us, median over runs of per-run median group times; "
-          "ratios = baseline us / new us (above 1: new is faster)")
+    return (
+        f"GPU {header['gpu']}, {header['sms'] or 'n/a'} SMs, driver {header['driver']}, jax {header['jax']}, "
+        f"{header['date']}; latencies: {header['timer']}, us, median over runs of per-run median group times; "
+        "ratios = baseline us / new us (above 1: new is faster)"
+    )
 
 
 def geomean_lines(rows: Sequence[dict]) -> list[str]:
-  lines = []
-  for op in OPS:
-    for mode in MODES:
-      picked = [r for r in rows if r["op"] == op and r["mode"] == mode]
-      parts = []
-      for column in ("det/new", "XLA/new", "cuBLAS/new"):
-        vals = [r[column] for r in picked if r[column]]
-        if vals:
-          gm = math.exp(sum(math.log(v) for v in vals) / len(vals))
-          parts.append(f"{column} {gm:.3f} ({min(vals):.3f} to {max(vals):.3f})")
-      if parts:
-        lines.append(f"- {op} {mode} ({len(picked)} rows): " + "; ".join(parts))
-  return lines
+    lines = []
+    for op in OPS:
+        for mode in MODES:
+            picked = [r for r in rows if r["op"] == op and r["mode"] == mode]
+            parts = []
+            for column in ("det/new", "XLA/new", "cuBLAS/new"):
+                vals = [r[column] for r in picked if r[column]]
+                if vals:
+                    gm = math.exp(sum(math.log(v) for v in vals) / len(vals))
+                    parts.append(f"{column} {gm:.3f} ({min(vals):.3f} to {max(vals):.3f})")
+            if parts:
+                lines.append(f"- {op} {mode} ({len(picked)} rows): " + "; ".join(parts))
+    return lines
 
 
 def markdown(header: dict, rows: Sequence[dict]) -> str:
-  out = [header_line(header), "", "Geomeans over rows (range in parentheses):", *geomean_lines(rows), "",
-         "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-  out += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
-  return "\n".join(out) + "\n"
+    out = [
+        header_line(header),
+        "",
+        "Geomeans over rows (range in parentheses):",
+        *geomean_lines(rows),
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    out += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(out) + "\n"
 
 
 def write_csv(path: str, rows: Sequence[dict]) -> None:
-  with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=COLUMNS)
-    writer.writeheader()
-    for r in rows:
-      writer.writerow({c: "" if r[c] is None else r[c] for c in COLUMNS})
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({c: "" if r[c] is None else r[c] for c in COLUMNS})
 
 
 # --- entry point -------------------------------------------------------------------------------
 
 
 def selected(argv_name: str, allowed: Sequence[str]) -> list[str]:
-  values = list(getattr(FLAGS, argv_name))
-  bad = [v for v in values if v not in allowed]
-  if bad:
-    raise app.UsageError(f"--{argv_name}: {bad} not in {list(allowed)}")
-  return values
+    values = list(getattr(FLAGS, argv_name))
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise app.UsageError(f"--{argv_name}: {bad} not in {list(allowed)}")
+    return values
 
 
 def child_argv(names: Iterable[str]) -> list[str]:
-  """The parent's flag values for a child, as --name=value."""
-  out = []
-  for name in names:
-    value = getattr(FLAGS, name)
-    if value is not None:
-      out.append(f"--{name}={','.join(map(str, value)) if isinstance(value, list) else value}")
-  return out
+    """The parent's flag values for a child, as --name=value."""
+    out = []
+    for name in names:
+        value = getattr(FLAGS, name)
+        if value is not None:
+            out.append(f"--{name}={','.join(map(str, value)) if isinstance(value, list) else value}")
+    return out
 
 
 SHARED_FLAGS = ("tokens", "d_in", "d_out", "out_dtype", "ops", "arms", "groups", "steps", "flush_mb", "timer")
 
 
 def main(argv):
-  del argv
-  points = grid_points(map(int, FLAGS.tokens), map(int, FLAGS.d_in), map(int, FLAGS.d_out),
-                       selected("out_dtype", OUT_DTYPES))
-  ops, modes = selected("ops", OPS), selected("modes", MODES)
-  arms = [parse_arm(a) for a in FLAGS.arms]
-  if FLAGS.child_out:
-    timer_kind = FLAGS.timer or default_timer()
-    samples = collect(points, ops, arms, modes[0], FLAGS.run_index, steps=FLAGS.steps, groups=FLAGS.groups,
-                      flush_mb=FLAGS.flush_mb, timer_kind=timer_kind)
-    write_child_output(FLAGS.child_out, device_header(timer_kind), samples)
-    return
-  header, samples = run_children("jax_cake.bench", child_argv(SHARED_FLAGS), modes, FLAGS.runs)
-  rows = table_rows(header, samples)
-  text = markdown(header, rows)
-  print(text)
-  if FLAGS.md:
-    with open(FLAGS.md, "w") as f:
-      f.write(text)
-  if FLAGS.csv:
-    write_csv(FLAGS.csv, rows)
+    del argv
+    points = grid_points(
+        map(int, FLAGS.tokens), map(int, FLAGS.d_in), map(int, FLAGS.d_out), selected("out_dtype", OUT_DTYPES)
+    )
+    ops, modes = selected("ops", OPS), selected("modes", MODES)
+    arms = [parse_arm(a) for a in FLAGS.arms]
+    if FLAGS.child_out:
+        timer_kind = FLAGS.timer or default_timer()
+        samples = collect(
+            points,
+            ops,
+            arms,
+            modes[0],
+            FLAGS.run_index,
+            steps=FLAGS.steps,
+            groups=FLAGS.groups,
+            flush_mb=FLAGS.flush_mb,
+            timer_kind=timer_kind,
+        )
+        write_child_output(FLAGS.child_out, device_header(timer_kind), samples)
+        return
+    header, samples = run_children("jax_cake.bench", child_argv(SHARED_FLAGS), modes, FLAGS.runs)
+    rows = table_rows(header, samples)
+    text = markdown(header, rows)
+    print(text)
+    if FLAGS.md:
+        with open(FLAGS.md, "w") as f:
+            f.write(text)
+    if FLAGS.csv:
+        write_csv(FLAGS.csv, rows)
 
 
 if __name__ == "__main__":
-  define_flags()
-  flags.DEFINE_string("csv", None, "Write the table as CSV here.")
-  flags.DEFINE_string("md", None, "Write the markdown table here.")
-  app.run(main)
+    define_flags()
+    flags.DEFINE_string("csv", None, "Write the table as CSV here.")
+    flags.DEFINE_string("md", None, "Write the markdown table here.")
+    app.run(main)

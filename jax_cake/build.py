@@ -32,18 +32,30 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 FFI_DIR = REPO_ROOT / "ffi"
 LIBRARY_NAME = "libjax_cake_ffi.so"
 # Handler symbols the library must export (checked after linking, and by tests).
-HANDLER_SYMBOLS = ("JaxCakeFwd", "JaxCakeDgrad", "JaxCakeWgrad", "JaxCakeRouterFwd", "JaxCakeRouterDgrad", "JaxCakeRouterWgrad")
+HANDLER_SYMBOLS = (
+    "JaxCakeFwd",
+    "JaxCakeDgrad",
+    "JaxCakeWgrad",
+    "JaxCakeRouterFwd",
+    "JaxCakeRouterDgrad",
+    "JaxCakeRouterWgrad",
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("arch", ["sm_90a"], "GPU architectures to build for (only sm_90a kernels exist so far).")
 flags.DEFINE_string("out_dir", str(REPO_ROOT / "build" / "lib"), "Where libjax_cake_ffi.so is written.")
 flags.DEFINE_string("obj_dir", None, "Where exported kernel objects go (default: <out_dir>/../obj).")
 flags.DEFINE_bool("compile_only", False, "Compile and export the kernels only; skip the C++ build and link.")
-flags.DEFINE_string("ffi_headers_jaxlib", "0.10.2",
-                    "Build the handlers against the XLA FFI headers of this jaxlib version (the oldest supported), "
-                    "fetched once with pip into build/ffi_headers/ when the installed jaxlib is another version. "
-                    "'installed' uses the installed jaxlib's headers (the library then needs that jaxlib or newer).")
-flags.DEFINE_string("cuda_home", None, "CUDA toolkit root (default: $CUDA_HOME, else nvcc's parent, else /usr/local/cuda).")
+flags.DEFINE_string(
+    "ffi_headers_jaxlib",
+    "0.10.2",
+    "Build the handlers against the XLA FFI headers of this jaxlib version (the oldest supported), "
+    "fetched once with pip into build/ffi_headers/ when the installed jaxlib is another version. "
+    "'installed' uses the installed jaxlib's headers (the library then needs that jaxlib or newer).",
+)
+flags.DEFINE_string(
+    "cuda_home", None, "CUDA toolkit root (default: $CUDA_HOME, else nvcc's parent, else /usr/local/cuda)."
+)
 
 
 def _log(msg: str) -> None:
@@ -103,18 +115,37 @@ def ffi_include_dir(version: str, cache: pathlib.Path) -> pathlib.Path:
     import zipfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
-               "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_27_x86_64", "--platform", "manylinux_2_28_x86_64",
-               "-d", tmp, f"jaxlib=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.11",
+            "--platform",
+            "manylinux2014_x86_64",
+            "--platform",
+            "manylinux_2_27_x86_64",
+            "--platform",
+            "manylinux_2_28_x86_64",
+            "-d",
+            tmp,
+            f"jaxlib=={version}",
+        ]
         if subprocess.run(cmd).returncode != 0:
-            _log(f"warning: could not fetch jaxlib {version}'s FFI headers; building against the installed jaxlib "
-                 f"{jaxlib.__version__}'s, so the library needs jaxlib >= {jaxlib.__version__}")
+            _log(
+                f"warning: could not fetch jaxlib {version}'s FFI headers; building against the installed jaxlib "
+                f"{jaxlib.__version__}'s, so the library needs jaxlib >= {jaxlib.__version__}"
+            )
             return installed
         (wheel,) = pathlib.Path(tmp).glob("jaxlib-*.whl")
         with zipfile.ZipFile(wheel) as z:
             for name in z.namelist():
                 if name.startswith("jaxlib/include/"):
-                    dest = target / name[len("jaxlib/include/"):]
+                    dest = target / name[len("jaxlib/include/") :]
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     dest.write_bytes(z.read(name))
     _log(f"FFI headers of jaxlib {version} in {target}")
@@ -189,8 +220,8 @@ def write_variant_table(variants: list, obj_dir: pathlib.Path) -> pathlib.Path:
             t = f"{n}_Tensor_{key}_t"
             lines += [
                 f"  {t} {op};",
-                f"  static_assert(sizeof({op}.dynamic_shapes) == 3 * sizeof(int64_t), \"shape arity\");",
-                f"  static_assert(sizeof({op}.dynamic_strides) == 2 * sizeof(int64_t), \"stride arity\");",
+                f'  static_assert(sizeof({op}.dynamic_shapes) == 3 * sizeof(int64_t), "shape arity");',
+                f'  static_assert(sizeof({op}.dynamic_strides) == 2 * sizeof(int64_t), "stride arity");',
                 f"  {op}.data = g.{op}.data;",
                 f"  for (int i = 0; i < 3; ++i) {op}.dynamic_shapes[i] = g.{op}.shape[i];",
                 f"  for (int i = 0; i < 2; ++i) {op}.dynamic_strides[i] = g.{op}.stride[i];",
@@ -217,33 +248,78 @@ def write_variant_table(variants: list, obj_dir: pathlib.Path) -> pathlib.Path:
 
 
 # ------------------------------------------------------------------ native build
-def build_library(variants: list, router: list, arch: str, obj_dir: pathlib.Path, out_dir: pathlib.Path,
-                  cuda: pathlib.Path, ffi_include: pathlib.Path) -> pathlib.Path:
+def build_library(
+    variants: list,
+    router: list,
+    arch: str,
+    obj_dir: pathlib.Path,
+    out_dir: pathlib.Path,
+    cuda: pathlib.Path,
+    ffi_include: pathlib.Path,
+) -> pathlib.Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     nvcc = cuda / "bin" / "nvcc"
     if not nvcc.exists():
         nvcc = pathlib.Path(shutil.which("nvcc") or "nvcc")
     gencode = f"-gencode=arch=compute_{arch[3:]},code=sm_{arch[3:]}"
     reduce_obj = obj_dir / "splitk_reduce.o"
-    _run([str(nvcc), "-c", str(FFI_DIR / "splitk_reduce.cu"), "-o", str(reduce_obj), "-O3", "-std=c++17",
-          gencode, "-Xcompiler", "-fPIC", "--cudart", "static"])
+    _run(
+        [
+            str(nvcc),
+            "-c",
+            str(FFI_DIR / "splitk_reduce.cu"),
+            "-o",
+            str(reduce_obj),
+            "-O3",
+            "-std=c++17",
+            gencode,
+            "-Xcompiler",
+            "-fPIC",
+            "--cudart",
+            "static",
+        ]
+    )
     ffi_objs = []
     for source in ("jax_cake_ffi.cc", "router_ffi.cc"):
         ffi_objs.append(obj_dir / source.replace(".cc", ".o"))
-        _run(["g++", "-c", str(FFI_DIR / source), "-o", str(ffi_objs[-1]), "-O2", "-std=c++17", "-fPIC",
-              f"-I{ffi_include}", f"-I{cuda / 'include'}", f"-I{obj_dir}"])
+        _run(
+            [
+                "g++",
+                "-c",
+                str(FFI_DIR / source),
+                "-o",
+                str(ffi_objs[-1]),
+                "-O2",
+                "-std=c++17",
+                "-fPIC",
+                f"-I{ffi_include}",
+                f"-I{cuda / 'include'}",
+                f"-I{obj_dir}",
+            ]
+        )
     lib = out_dir / LIBRARY_NAME
     tmp = out_dir / (LIBRARY_NAME + ".tmp")
-    cudart_dirs = [d for d in (cuda / "lib64", cuda / "lib", cuda / "targets" / "x86_64-linux" / "lib")
-                   if (d / "libcudart_static.a").exists()]
+    cudart_dirs = [
+        d
+        for d in (cuda / "lib64", cuda / "lib", cuda / "targets" / "x86_64-linux" / "lib")
+        if (d / "libcudart_static.a").exists()
+    ]
     if not cudart_dirs:
         raise RuntimeError(f"libcudart_static.a not found under {cuda}")
     cmd = ["g++", "-shared", "-fPIC", "-o", str(tmp), *map(str, ffi_objs), str(reduce_obj)]
     cmd += [str(obj_dir / f"{v.name}.o") for v in variants]
     cmd += [str(e["object"]) for e in router if e["name"]]
-    cmd += [f"-L{cutlass_runtime_lib_dir()}", "-lcuda_dialect_runtime_static",
-            f"-L{cudart_dirs[0]}", "-lcudart_static", "-ldl", "-lpthread", "-lrt",
-            "-Wl,--no-undefined", "-Wl,--exclude-libs,ALL"]
+    cmd += [
+        f"-L{cutlass_runtime_lib_dir()}",
+        "-lcuda_dialect_runtime_static",
+        f"-L{cudart_dirs[0]}",
+        "-lcudart_static",
+        "-ldl",
+        "-lpthread",
+        "-lrt",
+        "-Wl,--no-undefined",
+        "-Wl,--exclude-libs,ALL",
+    ]
     _run(cmd)
     tmp.replace(lib)  # atomic: a running process never sees a half-written library
     out = subprocess.run(["nm", "-D", "--defined-only", str(lib)], check=True, capture_output=True, text=True).stdout

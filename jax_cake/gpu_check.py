@@ -189,9 +189,16 @@ def wgrad_tile(d_out):
 
 
 # wgrad tiles compiled for bf16 dw only (variants.py), timed and checked separately.
-_BF16_ONLY_WGRAD_TILES = tuple(sorted(
-    {v.tile for v in variants.VARIANTS if v.program == "wgrad" and v.out_dtype == "bfloat16" and v.cluster == (1, 1)}
-    - {v.tile for v in variants.VARIANTS if v.program == "wgrad" and v.out_dtype == "float32"}))
+_BF16_ONLY_WGRAD_TILES = tuple(
+    sorted(
+        {
+            v.tile
+            for v in variants.VARIANTS
+            if v.program == "wgrad" and v.out_dtype == "bfloat16" and v.cluster == (1, 1)
+        }
+        - {v.tile for v in variants.VARIANTS if v.program == "wgrad" and v.out_dtype == "float32"}
+    )
+)
 
 
 def wgrad_splits(B, T, d_out, d_in):
@@ -216,7 +223,9 @@ def _one_shape(B, T, d_in, d_out, label, *, extra_splits=(), raster=0, full=True
     ok &= report(f"fwd[{label}]", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad} tile={fwd_tile(d_out)}")
     dx = call("jax_cake_dgrad", dy, w, tile=dgrad_tile(d_in), raster=raster)
     e, bad = rel_err(dx, ref_dgrad(dy, w))
-    ok &= report(f"dgrad[{label}]", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad} tile={dgrad_tile(d_in)}")
+    ok &= report(
+        f"dgrad[{label}]", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad} tile={dgrad_tile(d_in)}"
+    )
     ref_w = ref_wgrad(dy, x)
     tile = wgrad_tile(d_out)
     auto = wgrad_splits(B, T, d_out, d_in)
@@ -288,7 +297,9 @@ def raster_and_tiles():
     for tile in _BF16_ONLY_WGRAD_TILES:
         for r in (0, 1):
             e, bad = rel_err(call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=BF16, raster=r), ref_wgrad(dy, x))
-            ok &= report(f"wgrad_bf16_tile{tile[:2]}_raster{r}", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
+            ok &= report(
+                f"wgrad_bf16_tile{tile[:2]}_raster{r}", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}"
+            )
     return ok
 
 
@@ -299,7 +310,11 @@ def bad_plan_is_an_error():
     try:
         jax.block_until_ready(call("jax_cake_fwd", x, w, tile=(64, 64, 64)))
     except Exception as e:  # noqa: BLE001
-        return report("bad_plan_is_an_error", "INVALID_ARGUMENT" in str(e) or "no compiled" in str(e), str(e).splitlines()[0][:160])
+        return report(
+            "bad_plan_is_an_error",
+            "INVALID_ARGUMENT" in str(e) or "no compiled" in str(e),
+            str(e).splitlines()[0][:160],
+        )
     return report("bad_plan_is_an_error", False, "no error raised")
 
 
@@ -328,14 +343,18 @@ def determinism():
             for _ in range(19):
                 again = np.asarray(call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=dt, splits=s, reduction=1))
                 same += int(np.array_equal(first.view(np.uint8), again.view(np.uint8)))
-            ok &= report(f"ordered_bitwise_{jnp.dtype(dt).name}[T{T}_{d_in}->{d_out}_s{s}]", same == 20, f"{same}/20 identical")
+            ok &= report(
+                f"ordered_bitwise_{jnp.dtype(dt).name}[T{T}_{d_in}->{d_out}_s{s}]", same == 20, f"{same}/20 identical"
+            )
         ordered = to_torch(call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32, splits=s, reduction=1)).double()
         worst = 0.0
         for _ in range(5):
             at = call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32, splits=s, reduction=2)
             e, bad = rel_err(at, ordered)
             worst = max(worst, e if bad == 0 else float("inf"))
-        ok &= report(f"atomic_vs_ordered[T{T}_{d_in}->{d_out}_s{s}]", worst < 1e-5, f"max rel diff={worst:.2e} over 5 runs")
+        ok &= report(
+            f"atomic_vs_ordered[T{T}_{d_in}->{d_out}_s{s}]", worst < 1e-5, f"max rel diff={worst:.2e} over 5 runs"
+        )
         det = call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32)
         again = call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32)
         ok &= report(f"nosplit_bitwise[T{T}_{d_in}->{d_out}]", bool(np.array_equal(np.asarray(det), np.asarray(again))))
@@ -374,7 +393,9 @@ def cuda_graph():
     for i in range(4):
         y = call("jax_cake_fwd", xe, w, tile=fwd_tile(d_out))
         dx = call("jax_cake_dgrad", y, w, tile=dgrad_tile(d_in))
-        eager.append(np.asarray(call("jax_cake_wgrad", y, dx, tile=wgrad_tile(d_out), out_dtype=F32, splits=4, reduction=1)))
+        eager.append(
+            np.asarray(call("jax_cake_wgrad", y, dx, tile=wgrad_tile(d_out), out_dtype=F32, splits=4, reduction=1))
+        )
         xe = dx
     eager_same = all(np.array_equal(results[0][i], eager[i]) for i in range(4))
     files = glob.glob(os.path.join(_DUMP_DIR, "*graph_chain*thunk_sequence_after_thunk_passes.txt"))
@@ -415,15 +436,42 @@ def clusters():
         ref_w = ref_wgrad(dy, x)
         for splits, red in ((1, 0), (3, 1)):
             for dt, tol in ((F32, F32_TOL), (BF16, BF16_TOL)):
-                dw = call("jax_cake_wgrad", dy, x, tile=(128, 128, 64), cluster=c2, out_dtype=dt, splits=splits, reduction=red)
+                dw = call(
+                    "jax_cake_wgrad", dy, x, tile=(128, 128, 64), cluster=c2, out_dtype=dt, splits=splits, reduction=red
+                )
                 e, bad = rel_err(dw, ref_w)
-                ok &= report(f"wgrad_{jnp.dtype(dt).name}_s{splits}_r{red}[{label}]", e < tol and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
+                ok &= report(
+                    f"wgrad_{jnp.dtype(dt).name}_s{splits}_r{red}[{label}]",
+                    e < tol and bad == 0,
+                    f"rel_err={e:.2e} nonfinite={bad}",
+                )
     x, dy = rand((1, 16172, 4096)), rand((1, 16172, 512))
-    first = np.asarray(call("jax_cake_wgrad", dy, x, tile=(128, 128, 64), cluster=c2, out_dtype=F32, splits=2, reduction=1))
-    same = sum(
-        int(np.array_equal(first, np.asarray(call("jax_cake_wgrad", dy, x, tile=(128, 128, 64), cluster=c2, out_dtype=F32, splits=2, reduction=1))))
-        for _ in range(9)
-    ) + 1
+    first = np.asarray(
+        call("jax_cake_wgrad", dy, x, tile=(128, 128, 64), cluster=c2, out_dtype=F32, splits=2, reduction=1)
+    )
+    same = (
+        sum(
+            int(
+                np.array_equal(
+                    first,
+                    np.asarray(
+                        call(
+                            "jax_cake_wgrad",
+                            dy,
+                            x,
+                            tile=(128, 128, 64),
+                            cluster=c2,
+                            out_dtype=F32,
+                            splits=2,
+                            reduction=1,
+                        )
+                    ),
+                )
+            )
+            for _ in range(9)
+        )
+        + 1
+    )
     ok &= report("c2x1_ordered_bitwise[T16172_4096->512_s2]", same == 10, f"{same}/10 identical")
     return ok
 
@@ -484,13 +532,35 @@ def timing_clusters():
         cells = []
         for c in ((1, 1), (2, 1)):
             for r in (0, 1):
-                cells.append(_time_jit(ffi("jax_cake_fwd", jax.ShapeDtypeStruct((1, T, d_out), BF16), _attrs((128, 256, 64), raster=r, cluster=c)), xs, w))
+                cells.append(
+                    _time_jit(
+                        ffi(
+                            "jax_cake_fwd",
+                            jax.ShapeDtypeStruct((1, T, d_out), BF16),
+                            _attrs((128, 256, 64), raster=r, cluster=c),
+                        ),
+                        xs,
+                        w,
+                    )
+                )
         TIMING_ROWS.append(f"| {T} | {d_in}->{d_out} | fwd | (128, 256) | " + " | ".join(_fmt(v) for v in cells) + " |")
         cells = []
         for c in ((1, 1), (2, 1)):
             for r in (0, 1):
-                cells.append(_time_jit(ffi("jax_cake_dgrad", jax.ShapeDtypeStruct((1, T, d_in), BF16), _attrs((128, 256, 64), raster=r, cluster=c)), dys, w))
-        TIMING_ROWS.append(f"| {T} | {d_in}->{d_out} | dgrad | (128, 256) | " + " | ".join(_fmt(v) for v in cells) + " |")
+                cells.append(
+                    _time_jit(
+                        ffi(
+                            "jax_cake_dgrad",
+                            jax.ShapeDtypeStruct((1, T, d_in), BF16),
+                            _attrs((128, 256, 64), raster=r, cluster=c),
+                        ),
+                        dys,
+                        w,
+                    )
+                )
+        TIMING_ROWS.append(
+            f"| {T} | {d_in}->{d_out} | dgrad | (128, 256) | " + " | ".join(_fmt(v) for v in cells) + " |"
+        )
         for dt, dname in ((F32, "float32"), (BF16, "bfloat16")):
             cells = []
             outs = (jax.ShapeDtypeStruct((1, d_out, d_in), dt), jax.ShapeDtypeStruct((16,), jnp.uint8))
@@ -498,7 +568,9 @@ def timing_clusters():
                 for r in (0, 1):
                     f = ffi("jax_cake_wgrad", outs, _attrs((128, 128, 64), raster=r, cluster=c))
                     cells.append(_time_jit(lambda x, dy, f=f: f(dy, x)[0], xs, dys[0]))
-            TIMING_ROWS.append(f"| {T} | {d_in}->{d_out} | wgrad {dname} | (128, 128) | " + " | ".join(_fmt(v) for v in cells) + " |")
+            TIMING_ROWS.append(
+                f"| {T} | {d_in}->{d_out} | wgrad {dname} | (128, 128) | " + " | ".join(_fmt(v) for v in cells) + " |"
+            )
         del xs, dys
     return report("timing_clusters", True, f"{len(shapes) * 4} rows")
 
@@ -520,8 +592,13 @@ def _router_register():
 
 
 def _router_attrs(tile, splits=1, reduction=0):
-    return dict(tile_m=np.int64(tile[0]), tile_n=np.int64(tile[1]), tile_k=np.int64(tile[2]),
-                splits=np.int64(splits), reduction=np.int64(reduction))
+    return dict(
+        tile_m=np.int64(tile[0]),
+        tile_n=np.int64(tile[1]),
+        tile_k=np.int64(tile[2]),
+        splits=np.int64(splits),
+        reduction=np.int64(reduction),
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -539,11 +616,11 @@ def _router_fn(target, out_shape, ws_bytes, attrs_key):
 
 def router_call(target, a, b, *, tile, splits=1, reduction=0):
     """One router FFI call on NaN-poisoned output memory. a, b as the FFI contract."""
-    if target == "jax_cake_router_fwd":      # x [T, d], w [E, d] -> [T, E]
+    if target == "jax_cake_router_fwd":  # x [T, d], w [E, d] -> [T, E]
         shape = (a.shape[0], b.shape[0])
     elif target == "jax_cake_router_dgrad":  # g [T, E], w [E, d] -> [T, d]
         shape = (a.shape[0], b.shape[1])
-    else:                                    # g [T, E], x [T, d] -> [E, d]
+    else:  # g [T, E], x [T, d] -> [E, d]
         shape = (a.shape[1], b.shape[1])
     ws = router_variants.workspace_bytes(splits, reduction, shape[0], shape[1]) if target.endswith("wgrad") else 16
     key = tuple(sorted((k, int(v)) for k, v in _router_attrs(tile, splits, reduction).items()))
@@ -574,8 +651,11 @@ def _router_shape(T, d, E, label, *, fwd_tiles, splits_list):
     e_x3, _ = _router_err(x3, ref)
     for tile in fwd_tiles:
         e, bad = _router_err(router_call("jax_cake_router_fwd", x, w, tile=tile), ref)
-        ok &= report(f"router_fwd[{label}]", e < ROUTER_TOL and bad == 0,
-                     f"rel_err={e:.2e} (XLA X3 {e_x3:.2e}) nonfinite={bad} tile={tile}")
+        ok &= report(
+            f"router_fwd[{label}]",
+            e < ROUTER_TOL and bad == 0,
+            f"rel_err={e:.2e} (XLA X3 {e_x3:.2e}) nonfinite={bad} tile={tile}",
+        )
     e, bad = _router_err(router_call("jax_cake_router_dgrad", g, w, tile=ROUTER_TILE), tg @ tw)
     ok &= report(f"router_dgrad[{label}]", e < ROUTER_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
     ref_w = tg.t() @ tx
@@ -635,12 +715,14 @@ def router_timing():
         s = router_variants.default_splits(E, d, T)
         ws = router_variants.workspace_bytes(s, 1 if s > 1 else 0, E, d)
         fwd = lambda x, w: jax.ffi.ffi_call("jax_cake_router_fwd", jax.ShapeDtypeStruct((T, E), F32))(
-            x, w, **_router_attrs(tile))
+            x, w, **_router_attrs(tile)
+        )
         dgrad = lambda g, w: jax.ffi.ffi_call("jax_cake_router_dgrad", jax.ShapeDtypeStruct((T, d), F32))(
-            g, w, **_router_attrs(tile))
+            g, w, **_router_attrs(tile)
+        )
         wgrad = lambda g, x: jax.ffi.ffi_call(
-            "jax_cake_router_wgrad", (jax.ShapeDtypeStruct((E, d), F32), jax.ShapeDtypeStruct((ws,), jnp.uint8)))(
-            g, x, **_router_attrs(tile, s, 1 if s > 1 else 0))[0]
+            "jax_cake_router_wgrad", (jax.ShapeDtypeStruct((E, d), F32), jax.ShapeDtypeStruct((ws,), jnp.uint8))
+        )(g, x, **_router_attrs(tile, s, 1 if s > 1 else 0))[0]
         ours = {
             "fwd": _time_jit(lambda x, w: fwd(x, w), xs, w),
             "dgrad": _time_jit(lambda g, w: dgrad(g, w), gs, w),
@@ -661,7 +743,9 @@ def router_timing():
         targets = {"fwd": "<= 165" if d == 4096 else "-", "fwd+bwd": "<= 500" if d == 4096 else "-"}
         for op in ("fwd", "dgrad", "wgrad", "fwd+bwd"):
             extra = f" (wgrad splits {s})" if op in ("wgrad", "fwd+bwd") else ""
-            TIMING_ROWS.append(f"| {T}, {d}, {E} | {op}{extra} | {_fmt(ours[op])} | {_fmt(xla[op])} | {targets.get(op, '-')} |")
+            TIMING_ROWS.append(
+                f"| {T}, {d}, {E} | {op}{extra} | {_fmt(ours[op])} | {_fmt(xla[op])} | {targets.get(op, '-')} |"
+            )
         del xs, gs
     return report("router_timing", True, "rows added to the timing table")
 
@@ -732,7 +816,9 @@ def timing():
                 f_at = ffi("jax_cake_wgrad", outs2, _attrs(wt, splits=s, reduction=2))
                 t_at = _time_jit(lambda x, dy: f_at(dy, x)[0], xs, dy0)
             t_xla = _time_jit(
-                lambda x, dy: jax.lax.dot_general(dy, x, (((1,), (1,)), ((0,), (0,))), preferred_element_type=dt), xs, dy0
+                lambda x, dy: jax.lax.dot_general(dy, x, (((1,), (1,)), ((0,), (0,))), preferred_element_type=dt),
+                xs,
+                dy0,
             )
             t_cb = None
             try:
@@ -777,8 +863,13 @@ def public_api():
     """dense_projection under jit + grad on the GPU: custom calls present, values against
     float64, bitwise repeatable over 20 runs for deterministic=True."""
     native.ensure_registered()
-    for T, d_in, d_out, w_dtype, det in [(16172, 4096, 48, F32, True), (16231, 5120, 512, F32, False),
-                                         (16384, 4096, 1024, BF16, True), (1011, 256, 64, BF16, False), (37, 64, 32, F32, True)]:
+    for T, d_in, d_out, w_dtype, det in [
+        (16172, 4096, 48, F32, True),
+        (16231, 5120, 512, F32, False),
+        (16384, 4096, 1024, BF16, True),
+        (1011, 256, 64, BF16, False),
+        (37, 64, 32, F32, True),
+    ]:
         x, w, dy = rand((T, d_in)), rand((d_out, d_in), w_dtype), rand((T, d_out))
         step = jax.jit(functools.partial(_api_vjp, jax_cake.dense_projection, deterministic=det))
         text = step.lower(x, w, dy).as_text()
@@ -787,16 +878,25 @@ def public_api():
         xr, wr, dyr = (to_torch(a).double() for a in (x, w.astype(BF16), dy))
         errs = [rel_err(y, xr @ wr.T), rel_err(dx, dyr @ wr), rel_err(dw, dyr.T @ xr)]
         dw_tol = F32_TOL if w_dtype == F32 else BF16_TOL
-        ok = calls == [1, 1, 1] and all(b == 0 for _, b in errs) and errs[0][0] < BF16_TOL and errs[1][0] < BF16_TOL \
-            and errs[2][0] < dw_tol and dw.dtype == w_dtype
+        ok = (
+            calls == [1, 1, 1]
+            and all(b == 0 for _, b in errs)
+            and errs[0][0] < BF16_TOL
+            and errs[1][0] < BF16_TOL
+            and errs[2][0] < dw_tol
+            and dw.dtype == w_dtype
+        )
         repeat = ""
         if det:
             first = [np.asarray(a) for a in (y, dx, dw)]
             same = all(all(np.array_equal(f, np.asarray(b)) for f, b in zip(first, step(x, w, dy))) for _ in range(20))
             ok = ok and same
             repeat = f" bitwise_20_runs={same}"
-        report(f"public_api T={T} {d_in}->{d_out} w={jnp.dtype(w_dtype).name} det={det}", ok,
-               f"calls={calls} err y={errs[0][0]:.2e} dx={errs[1][0]:.2e} dw={errs[2][0]:.2e}{repeat}")
+        report(
+            f"public_api T={T} {d_in}->{d_out} w={jnp.dtype(w_dtype).name} det={det}",
+            ok,
+            f"calls={calls} err y={errs[0][0]:.2e} dx={errs[1][0]:.2e} dw={errs[2][0]:.2e}{repeat}",
+        )
 
 
 @check
@@ -809,6 +909,7 @@ def public_api_checkpoint():
     def loss(policy, x, w1, w2):
         def block(x, w1, w2):
             return jax_cake.dense_projection(jax.nn.gelu(jax_cake.dense_projection(x, w1)), w2)
+
         if policy != "none":
             block = jax.checkpoint(block, policy=policy)
         return jnp.sum(block(x, w1, w2).astype(F32) ** 2)
@@ -818,10 +919,15 @@ def public_api_checkpoint():
         g = jax.jit(jax.grad(functools.partial(loss, policy), argnums=(1, 2)))
         fwd_calls = _custom_calls(g.lower(x, w1, w2).as_text(), "jax_cake_fwd")
         results[name] = (fwd_calls, [np.asarray(a) for a in g(x, w1, w2)])
-    same = all(np.array_equal(a, b) for r in ("remat", "save_projections") for a, b in zip(results[r][1], results["none"][1]))
+    same = all(
+        np.array_equal(a, b) for r in ("remat", "save_projections") for a, b in zip(results[r][1], results["none"][1])
+    )
     calls = {k: v[0] for k, v in results.items()}
-    report("public_api_checkpoint", same and calls == {"none": 2, "remat": 3, "save_projections": 2},
-           f"fwd custom calls {calls}, gradients bitwise equal to the un-checkpointed step: {same}")
+    report(
+        "public_api_checkpoint",
+        same and calls == {"none": 2, "remat": 3, "save_projections": 2},
+        f"fwd custom calls {calls}, gradients bitwise equal to the un-checkpointed step: {same}",
+    )
 
 
 @check
@@ -835,9 +941,18 @@ def public_api_batched():
         xr, wr, dyr = (to_torch(a).double() for a in (x, w.astype(BF16), dy))
         errs = [rel_err(y, xr @ wr.transpose(1, 2)), rel_err(dx, dyr @ wr), rel_err(dw, dyr.transpose(1, 2) @ xr)]
         dw_tol = F32_TOL if w_dtype == F32 else BF16_TOL
-        ok = calls == [1, 1, 1] and all(b == 0 for _, b in errs) and errs[0][0] < BF16_TOL and errs[1][0] < BF16_TOL and errs[2][0] < dw_tol
-        report(f"public_api_batched B={B} T={T} {d_in}->{d_out}", ok,
-               f"calls={calls} err y={errs[0][0]:.2e} dx={errs[1][0]:.2e} dw={errs[2][0]:.2e}")
+        ok = (
+            calls == [1, 1, 1]
+            and all(b == 0 for _, b in errs)
+            and errs[0][0] < BF16_TOL
+            and errs[1][0] < BF16_TOL
+            and errs[2][0] < dw_tol
+        )
+        report(
+            f"public_api_batched B={B} T={T} {d_in}->{d_out}",
+            ok,
+            f"calls={calls} err y={errs[0][0]:.2e} dx={errs[1][0]:.2e} dw={errs[2][0]:.2e}",
+        )
 
 
 @check
@@ -857,8 +972,11 @@ def public_api_router():
         # then the public op runs XLA's BF16x3 and holds no router custom call.
         expected_calls = [1, 1, 1] if jax_cake.planner.planning.ROUTER_KERNELS_ENABLED else [0, 0, 0]
         ok = calls == expected_calls and all(b == 0 and e < 5e-6 for e, b in errs) and same
-        report(f"public_api_router T={T} d={d}", ok,
-               f"calls={calls} err logits={errs[0][0]:.2e} dx={errs[1][0]:.2e} dw={errs[2][0]:.2e} repeatable={same}")
+        report(
+            f"public_api_router T={T} d={d}",
+            ok,
+            f"calls={calls} err logits={errs[0][0]:.2e} dx={errs[1][0]:.2e} dw={errs[2][0]:.2e} repeatable={same}",
+        )
 
 
 @check

@@ -21,8 +21,14 @@ _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 _REPO_ROOT = _PACKAGE_DIR.parent
 
 # FFI target name -> exported handler symbol ("jax_cake_fwd" -> "JaxCakeFwd").
-TARGETS = ("jax_cake_fwd", "jax_cake_dgrad", "jax_cake_wgrad",
-           "jax_cake_router_fwd", "jax_cake_router_dgrad", "jax_cake_router_wgrad")
+TARGETS = (
+    "jax_cake_fwd",
+    "jax_cake_dgrad",
+    "jax_cake_wgrad",
+    "jax_cake_router_fwd",
+    "jax_cake_router_dgrad",
+    "jax_cake_router_wgrad",
+)
 # Exported functions that load each kernel family's CUDA modules.
 _MODULE_LOADERS = ("jax_cake_load_modules", "jax_cake_router_load_modules")
 

@@ -37,133 +37,130 @@ STEP_OPS = ("bwd", "2fwd+bwd")
 
 @dataclasses.dataclass(frozen=True)
 class PairedRun:
-  """One run's paired groups: det[i] and split[i] were timed in the same group."""
+    """One run's paired groups: det[i] and split[i] were timed in the same group."""
 
-  det: tuple[float, ...]
-  split: tuple[float, ...]
+    det: tuple[float, ...]
+    split: tuple[float, ...]
 
-  def __post_init__(self):
-    if len(self.det) != len(self.split):
-      raise ValueError(
-          f"PairedRun needs one split time per det time, got {len(self.det)} det and"
-          f" {len(self.split)} split")
-    if not self.det:
-      raise ValueError("PairedRun needs at least one paired group")
-    if min(self.det + self.split) <= 0:
-      raise ValueError("PairedRun times must be positive microseconds")
+    def __post_init__(self):
+        if len(self.det) != len(self.split):
+            raise ValueError(
+                f"PairedRun needs one split time per det time, got {len(self.det)} det and {len(self.split)} split"
+            )
+        if not self.det:
+            raise ValueError("PairedRun needs at least one paired group")
+        if min(self.det + self.split) <= 0:
+            raise ValueError("PairedRun times must be positive microseconds")
 
 
 @dataclasses.dataclass(frozen=True)
 class Check:
-  """One cell of the rule: which condition, where, whether it held, the numbers."""
+    """One cell of the rule: which condition, where, whether it held, the numbers."""
 
-  condition: str  # "a", "b" or "c"
-  cell: str  # e.g. "g run 2", "16 SMs busy_first", "bwd e"
-  passed: bool
-  detail: str  # the numbers, e.g. "p=0.0010 (10/10 wins) r=0.930 < 0.99"
+    condition: str  # "a", "b" or "c"
+    cell: str  # e.g. "g run 2", "16 SMs busy_first", "bwd e"
+    passed: bool
+    detail: str  # the numbers, e.g. "p=0.0010 (10/10 wins) r=0.930 < 0.99"
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-  """The rule's decision for one point and the checks behind it."""
+    """The rule's decision for one point and the checks behind it."""
 
-  keep_split: bool
-  checks: tuple[Check, ...]
+    keep_split: bool
+    checks: tuple[Check, ...]
 
-  @property
-  def failed(self) -> tuple[Check, ...]:
-    return tuple(c for c in self.checks if not c.passed)
+    @property
+    def failed(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if not c.passed)
 
-  def explain(self) -> str:
-    """Multi-line text for `jax_cake.explain` / tune: decision, then every check."""
-    head = ("split-K kept: (a), (b) and (c) hold" if self.keep_split else
-            "deterministic program: failed " +
-            ", ".join(f"({c.condition}) {c.cell}" for c in self.failed))
-    lines = [head]
-    for c in self.checks:
-      lines.append(f"  ({c.condition}) {c.cell}: {'ok' if c.passed else 'FAIL'} "
-                   f"{c.detail}")
-    return "\n".join(lines)
+    def explain(self) -> str:
+        """Multi-line text for `jax_cake.explain` / tune: decision, then every check."""
+        head = (
+            "split-K kept: (a), (b) and (c) hold"
+            if self.keep_split
+            else "deterministic program: failed " + ", ".join(f"({c.condition}) {c.cell}" for c in self.failed)
+        )
+        lines = [head]
+        for c in self.checks:
+            lines.append(f"  ({c.condition}) {c.cell}: {'ok' if c.passed else 'FAIL'} {c.detail}")
+        return "\n".join(lines)
 
-  def evidence(self) -> str:
-    """One line for a plan-table row: 'a: ...; b: ...; c: ...'."""
-    parts = []
-    for cond in ("a", "b", "c"):
-      cells = [f"{c.cell} {c.detail}" + ("" if c.passed else " FAIL")
-               for c in self.checks if c.condition == cond]
-      parts.append(f"{cond}: " + ", ".join(cells))
-    return "; ".join(parts)
+    def evidence(self) -> str:
+        """One line for a plan-table row: 'a: ...; b: ...; c: ...'."""
+        parts = []
+        for cond in ("a", "b", "c"):
+            cells = [f"{c.cell} {c.detail}" + ("" if c.passed else " FAIL") for c in self.checks if c.condition == cond]
+            parts.append(f"{cond}: " + ", ".join(cells))
+        return "; ".join(parts)
 
 
 def sign_test_p(wins: int, n: int) -> float:
-  """One-sided exact binomial p: P(X >= wins) for X ~ Binomial(n, 1/2)."""
-  if not 0 <= wins <= n:
-    raise ValueError(f"wins must be in [0, n], got wins={wins}, n={n}")
-  return sum(math.comb(n, i) for i in range(wins, n + 1)) / 2**n
+    """One-sided exact binomial p: P(X >= wins) for X ~ Binomial(n, 1/2)."""
+    if not 0 <= wins <= n:
+        raise ValueError(f"wins must be in [0, n], got wins={wins}, n={n}")
+    return sum(math.comb(n, i) for i in range(wins, n + 1)) / 2**n
 
 
 def _run_check(mode: str, index: int, run: PairedRun) -> Check:
-  wins = sum(s < d for d, s in zip(run.det, run.split))  # ties are non-wins
-  n = len(run.det)
-  p = sign_test_p(wins, n)
-  ratio = statistics.median(s / d for d, s in zip(run.det, run.split))
-  passed = p < SIGN_TEST_P_MAX and ratio < OP_RATIO_MAX
-  return Check("a", f"{mode} run {index}", passed,
-               f"p={p:.4f} ({wins}/{n} wins) r={ratio:.3f}")
+    wins = sum(s < d for d, s in zip(run.det, run.split))  # ties are non-wins
+    n = len(run.det)
+    p = sign_test_p(wins, n)
+    ratio = statistics.median(s / d for d, s in zip(run.det, run.split))
+    passed = p < SIGN_TEST_P_MAX and ratio < OP_RATIO_MAX
+    return Check("a", f"{mode} run {index}", passed, f"p={p:.4f} ({wins}/{n} wins) r={ratio:.3f}")
 
 
 def check_op(runs_by_mode: Mapping[str, Sequence[PairedRun]]) -> list[Check]:
-  """Condition (a) over {mode: [PairedRun, ...]} of the op (e.g. wgrad) itself."""
-  checks = []
-  for mode in MODES:
-    runs = runs_by_mode.get(mode, ())
-    if not runs:
-      checks.append(Check("a", f"{mode}", False, "no runs"))
-    checks.extend(_run_check(mode, i, run) for i, run in enumerate(runs))
-  return checks
+    """Condition (a) over {mode: [PairedRun, ...]} of the op (e.g. wgrad) itself."""
+    checks = []
+    for mode in MODES:
+        runs = runs_by_mode.get(mode, ())
+        if not runs:
+            checks.append(Check("a", f"{mode}", False, "no runs"))
+        checks.extend(_run_check(mode, i, run) for i, run in enumerate(runs))
+    return checks
 
 
 def ratio_of_medians(runs: Sequence[PairedRun]) -> float:
-  """split/det of the medians over runs of each run's median group time."""
-  det = statistics.median(statistics.median(r.det) for r in runs)
-  split = statistics.median(statistics.median(r.split) for r in runs)
-  return split / det
+    """split/det of the medians over runs of each run's median group time."""
+    det = statistics.median(statistics.median(r.det) for r in runs)
+    split = statistics.median(statistics.median(r.split) for r in runs)
+    return split / det
 
 
-def check_contention(
-    runs_by_cell: Mapping[tuple[int, str], Sequence[PairedRun]]) -> list[Check]:
-  """Condition (b) over {(busy_sms, launch_order): [PairedRun, ...]}.
+def check_contention(runs_by_cell: Mapping[tuple[int, str], Sequence[PairedRun]]) -> list[Check]:
+    """Condition (b) over {(busy_sms, launch_order): [PairedRun, ...]}.
 
-  Every (busy SMs, order) cell of BUSY_SMS x LAUNCH_ORDERS needs data; each cell's
-  ratio of medians over its runs must be <= CONTENTION_RATIO_MAX.
-  """
-  checks = []
-  for sms in BUSY_SMS:
-    for order in LAUNCH_ORDERS:
-      runs = runs_by_cell.get((sms, order), ())
-      cell = f"{sms} SMs {order}"
-      if not runs:
-        checks.append(Check("b", cell, False, "no runs"))
-        continue
-      r = ratio_of_medians(runs)
-      checks.append(Check("b", cell, r <= CONTENTION_RATIO_MAX, f"r={r:.3f}"))
-  return checks
+    Every (busy SMs, order) cell of BUSY_SMS x LAUNCH_ORDERS needs data; each cell's
+    ratio of medians over its runs must be <= CONTENTION_RATIO_MAX.
+    """
+    checks = []
+    for sms in BUSY_SMS:
+        for order in LAUNCH_ORDERS:
+            runs = runs_by_cell.get((sms, order), ())
+            cell = f"{sms} SMs {order}"
+            if not runs:
+                checks.append(Check("b", cell, False, "no runs"))
+                continue
+            r = ratio_of_medians(runs)
+            checks.append(Check("b", cell, r <= CONTENTION_RATIO_MAX, f"r={r:.3f}"))
+    return checks
 
 
-def check_steps(
-    runs_by_cell: Mapping[tuple[str, str], Sequence[PairedRun]]) -> list[Check]:
-  """Condition (c) over {(op, mode): [PairedRun, ...]}, op in STEP_OPS."""
-  checks = []
-  for op in STEP_OPS:
-    for mode in MODES:
-      runs = runs_by_cell.get((op, mode), ())
-      cell = f"{op} {mode}"
-      if not runs:
-        checks.append(Check("c", cell, False, "no runs"))
-        continue
-      r = ratio_of_medians(runs)
-      checks.append(Check("c", cell, r <= STEP_RATIO_MAX, f"r={r:.4f}"))
-  return checks
+def check_steps(runs_by_cell: Mapping[tuple[str, str], Sequence[PairedRun]]) -> list[Check]:
+    """Condition (c) over {(op, mode): [PairedRun, ...]}, op in STEP_OPS."""
+    checks = []
+    for op in STEP_OPS:
+        for mode in MODES:
+            runs = runs_by_cell.get((op, mode), ())
+            cell = f"{op} {mode}"
+            if not runs:
+                checks.append(Check("c", cell, False, "no runs"))
+                continue
+            r = ratio_of_medians(runs)
+            checks.append(Check("c", cell, r <= STEP_RATIO_MAX, f"r={r:.4f}"))
+    return checks
 
 
 def decide(
@@ -171,6 +168,6 @@ def decide(
     contention: Mapping[tuple[int, str], Sequence[PairedRun]],
     steps: Mapping[tuple[str, str], Sequence[PairedRun]],
 ) -> Verdict:
-  """The whole rule for one point; see the module docstring for the inputs."""
-  checks = tuple(check_op(op) + check_contention(contention) + check_steps(steps))
-  return Verdict(keep_split=all(c.passed for c in checks), checks=checks)
+    """The whole rule for one point; see the module docstring for the inputs."""
+    checks = tuple(check_op(op) + check_contention(contention) + check_steps(steps))
+    return Verdict(keep_split=all(c.passed for c in checks), checks=checks)

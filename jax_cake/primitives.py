@@ -31,104 +31,111 @@ _ROUTER_ATTRIBUTES = ("tile_m", "tile_n", "tile_k", "splits", "reduction")
 
 @functools.cache
 def _gpu_present() -> bool:
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
 
 
 def _result_type(operand, shape, dtype, keep_batch_spec: bool = True):
-  """The operand's type (sharding, varying manual axes) with a new shape and dtype.
+    """The operand's type (sharding, varying manual axes) with a new shape and dtype.
 
-  The leading batch axis keeps the operand's sharding spec; the other axes are
-  unsharded, as the custom call computes them whole.
-  """
-  aval = jax.typeof(operand)
-  spec = aval.sharding.spec
-  lead = (spec[0] if len(spec) else None,) if keep_batch_spec else (None,)
-  sharding = aval.sharding.update(spec=jax.sharding.PartitionSpec(*lead, *([None] * (len(shape) - 1))))
-  return aval.update(shape=shape, dtype=jnp.dtype(dtype), sharding=sharding)
+    The leading batch axis keeps the operand's sharding spec; the other axes are
+    unsharded, as the custom call computes them whole.
+    """
+    aval = jax.typeof(operand)
+    spec = aval.sharding.spec
+    lead = (spec[0] if len(spec) else None,) if keep_batch_spec else (None,)
+    sharding = aval.sharding.update(spec=jax.sharding.PartitionSpec(*lead, *([None] * (len(shape) - 1))))
+    return aval.update(shape=shape, dtype=jnp.dtype(dtype), sharding=sharding)
 
 
 def _ffi(target: str, plan: Plan, results, *operands):
-  if _gpu_present():
-    from jax_cake import native  # only a GPU process needs the library
+    if _gpu_present():
+        from jax_cake import native  # only a GPU process needs the library
 
-    native.ensure_registered()
-  attributes = plan.ffi_attributes()
-  if target.startswith("jax_cake_router_"):
-    attributes = {name: attributes[name] for name in _ROUTER_ATTRIBUTES}
-  # vmap of a custom call: one call per batch element (correct; fold batches into T for speed).
-  return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*operands, **attributes)
+        native.ensure_registered()
+    attributes = plan.ffi_attributes()
+    if target.startswith("jax_cake_router_"):
+        attributes = {name: attributes[name] for name in _ROUTER_ATTRIBUTES}
+    # vmap of a custom call: one call per batch element (correct; fold batches into T for speed).
+    return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*operands, **attributes)
 
 
 def _dispatch(plan: Plan, ref_fn, cuda_fn, *operands):
-  if not plan.uses_kernel:
-    return ref_fn(*operands)
-  return jax.lax.platform_dependent(*operands, default=ref_fn, cuda=cuda_fn)
+    if not plan.uses_kernel:
+        return ref_fn(*operands)
+    return jax.lax.platform_dependent(*operands, default=ref_fn, cuda=cuda_fn)
 
 
 def fwd(x, w, plan: Plan):
-  """y[B, T, d_out] bf16 = x[B, T, d_in] . w[B, d_out, d_in]^T (bf16 operands)."""
-  b, t, _ = x.shape
-  d_out = w.shape[1]
+    """y[B, T, d_out] bf16 = x[B, T, d_in] . w[B, d_out, d_in]^T (bf16 operands)."""
+    b, t, _ = x.shape
+    d_out = w.shape[1]
 
-  def cuda(x, w):
-    return _ffi(FWD_TARGET, plan, _result_type(x, (b, t, d_out), jnp.bfloat16), x, w)
+    def cuda(x, w):
+        return _ffi(FWD_TARGET, plan, _result_type(x, (b, t, d_out), jnp.bfloat16), x, w)
 
-  return _dispatch(plan, reference.fwd, cuda, x, w)
+    return _dispatch(plan, reference.fwd, cuda, x, w)
 
 
 def dgrad(dy, w, plan: Plan):
-  """dx[B, T, d_in] bf16 = dy[B, T, d_out] . w[B, d_out, d_in]."""
-  b, t, _ = dy.shape
-  d_in = w.shape[2]
+    """dx[B, T, d_in] bf16 = dy[B, T, d_out] . w[B, d_out, d_in]."""
+    b, t, _ = dy.shape
+    d_in = w.shape[2]
 
-  def cuda(dy, w):
-    return _ffi(DGRAD_TARGET, plan, _result_type(dy, (b, t, d_in), jnp.bfloat16), dy, w)
+    def cuda(dy, w):
+        return _ffi(DGRAD_TARGET, plan, _result_type(dy, (b, t, d_in), jnp.bfloat16), dy, w)
 
-  return _dispatch(plan, reference.dgrad, cuda, dy, w)
+    return _dispatch(plan, reference.dgrad, cuda, dy, w)
 
 
 def wgrad(dy, x, plan: Plan):
-  """dw[B, d_out, d_in] in plan.out_dtype = dy[B, T, d_out]^T . x[B, T, d_in]."""
-  b, _, d_out = dy.shape
-  d_in = x.shape[2]
+    """dw[B, d_out, d_in] in plan.out_dtype = dy[B, T, d_out]^T . x[B, T, d_in]."""
+    b, _, d_out = dy.shape
+    d_in = x.shape[2]
 
-  def ref(dy, x):
-    return reference.wgrad(dy, x, plan.out_dtype)
+    def ref(dy, x):
+        return reference.wgrad(dy, x, plan.out_dtype)
 
-  def cuda(dy, x):
-    results = (_result_type(dy, (b, d_out, d_in), plan.out_dtype),
-               _result_type(dy, (plan.workspace_bytes,), jnp.uint8, keep_batch_spec=False))
-    dw, _workspace = _ffi(WGRAD_TARGET, plan, results, dy, x)
-    return dw
+    def cuda(dy, x):
+        results = (
+            _result_type(dy, (b, d_out, d_in), plan.out_dtype),
+            _result_type(dy, (plan.workspace_bytes,), jnp.uint8, keep_batch_spec=False),
+        )
+        dw, _workspace = _ffi(WGRAD_TARGET, plan, results, dy, x)
+        return dw
 
-  return _dispatch(plan, ref, cuda, dy, x)
+    return _dispatch(plan, ref, cuda, dy, x)
 
 
 def router_fwd(x, w, plan: Plan):
-  """logits[T, E] f32 = x[T, d] . w[E, d]^T by BF16x3."""
-  def cuda(x, w):
-    return _ffi(ROUTER_FWD_TARGET, plan, _result_type(x, (x.shape[0], w.shape[0]), jnp.float32), x, w)
+    """logits[T, E] f32 = x[T, d] . w[E, d]^T by BF16x3."""
 
-  return _dispatch(plan, reference.router_fwd, cuda, x, w)
+    def cuda(x, w):
+        return _ffi(ROUTER_FWD_TARGET, plan, _result_type(x, (x.shape[0], w.shape[0]), jnp.float32), x, w)
+
+    return _dispatch(plan, reference.router_fwd, cuda, x, w)
 
 
 def router_dgrad(g, w, plan: Plan):
-  """dx[T, d] f32 = g[T, E] . w[E, d] by BF16x3."""
-  def cuda(g, w):
-    return _ffi(ROUTER_DGRAD_TARGET, plan, _result_type(g, (g.shape[0], w.shape[1]), jnp.float32), g, w)
+    """dx[T, d] f32 = g[T, E] . w[E, d] by BF16x3."""
 
-  return _dispatch(plan, reference.router_dgrad, cuda, g, w)
+    def cuda(g, w):
+        return _ffi(ROUTER_DGRAD_TARGET, plan, _result_type(g, (g.shape[0], w.shape[1]), jnp.float32), g, w)
+
+    return _dispatch(plan, reference.router_dgrad, cuda, g, w)
 
 
 def router_wgrad(g, x, plan: Plan):
-  """dw[E, d] f32 = g[T, E]^T . x[T, d] by BF16x3."""
-  def cuda(g, x):
-    results = (_result_type(g, (g.shape[1], x.shape[1]), jnp.float32, keep_batch_spec=False),
-               _result_type(g, (plan.workspace_bytes,), jnp.uint8, keep_batch_spec=False))
-    dw, _workspace = _ffi(ROUTER_WGRAD_TARGET, plan, results, g, x)
-    return dw
+    """dw[E, d] f32 = g[T, E]^T . x[T, d] by BF16x3."""
 
-  return _dispatch(plan, reference.router_wgrad, cuda, g, x)
+    def cuda(g, x):
+        results = (
+            _result_type(g, (g.shape[1], x.shape[1]), jnp.float32, keep_batch_spec=False),
+            _result_type(g, (plan.workspace_bytes,), jnp.uint8, keep_batch_spec=False),
+        )
+        dw, _workspace = _ffi(ROUTER_WGRAD_TARGET, plan, results, g, x)
+        return dw
+
+    return _dispatch(plan, reference.router_wgrad, cuda, g, x)

@@ -19,59 +19,59 @@ _BF16 = jnp.bfloat16
 
 
 def _bmm(a, b, contract_a: int, contract_b: int):
-  """Batched a . b over one contracted axis each, batch axis 0, FP32 accumulation."""
-  return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((0,), (0,))), preferred_element_type=_F32)
+    """Batched a . b over one contracted axis each, batch axis 0, FP32 accumulation."""
+    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((0,), (0,))), preferred_element_type=_F32)
 
 
 def fwd(x, w):
-  """y[B, T, d_out] (bf16) = x[B, T, d_in] . w[B, d_out, d_in]^T."""
-  return _bmm(x, w, 2, 2).astype(_BF16)
+    """y[B, T, d_out] (bf16) = x[B, T, d_in] . w[B, d_out, d_in]^T."""
+    return _bmm(x, w, 2, 2).astype(_BF16)
 
 
 def dgrad(dy, w):
-  """dx[B, T, d_in] (bf16) = dy[B, T, d_out] . w[B, d_out, d_in]."""
-  return _bmm(dy, w, 2, 1).astype(_BF16)
+    """dx[B, T, d_in] (bf16) = dy[B, T, d_out] . w[B, d_out, d_in]."""
+    return _bmm(dy, w, 2, 1).astype(_BF16)
 
 
 def wgrad(dy, x, out_dtype):
-  """dw[B, d_out, d_in] (out_dtype, from the FP32 sum) = dy[B, T, d_out]^T . x[B, T, d_in]."""
-  return _bmm(dy, x, 1, 1).astype(out_dtype)
+    """dw[B, d_out, d_in] (out_dtype, from the FP32 sum) = dy[B, T, d_out]^T . x[B, T, d_in]."""
+    return _bmm(dy, x, 1, 1).astype(out_dtype)
 
 
 def split_bf16x3(a):
-  """FP32 a -> (hi, lo) in BF16 with hi + lo carrying about 16 mantissa bits of a.
+    """FP32 a -> (hi, lo) in BF16 with hi + lo carrying about 16 mantissa bits of a.
 
-  hi is rounded with `reduce_precision`, not a convert pair: XLA may drop a
-  f32 -> bf16 -> f32 round trip as excess precision (it does on GPU), which would make
-  lo zero and the result a single BF16 pass (2.3e-3 error, seen on the H200).
-  """
-  hi = lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7)
-  lo = a - hi
-  return hi.astype(_BF16), lo.astype(_BF16)
+    hi is rounded with `reduce_precision`, not a convert pair: XLA may drop a
+    f32 -> bf16 -> f32 round trip as excess precision (it does on GPU), which would make
+    lo zero and the result a single BF16 pass (2.3e-3 error, seen on the H200).
+    """
+    hi = lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7)
+    lo = a - hi
+    return hi.astype(_BF16), lo.astype(_BF16)
 
 
 def _bf16x3(a, b, contract_a: int, contract_b: int):
-  """a . b for FP32 a, b by the BF16x3 emulation: hi*hi + hi*lo + lo*hi, FP32 sums.
+    """a . b for FP32 a, b by the BF16x3 emulation: hi*hi + hi*lo + lo*hi, FP32 sums.
 
-  The small terms are summed first so they are not lost against the large one.
-  """
-  a_hi, a_lo = split_bf16x3(a)
-  b_hi, b_lo = split_bf16x3(b)
-  dims = (((contract_a,), (contract_b,)), ((), ()))
-  dot = lambda p, q: lax.dot_general(p, q, dims, preferred_element_type=_F32)
-  return (dot(a_hi, b_lo) + dot(a_lo, b_hi)) + dot(a_hi, b_hi)
+    The small terms are summed first so they are not lost against the large one.
+    """
+    a_hi, a_lo = split_bf16x3(a)
+    b_hi, b_lo = split_bf16x3(b)
+    dims = (((contract_a,), (contract_b,)), ((), ()))
+    dot = lambda p, q: lax.dot_general(p, q, dims, preferred_element_type=_F32)
+    return (dot(a_hi, b_lo) + dot(a_lo, b_hi)) + dot(a_hi, b_hi)
 
 
 def router_fwd(x, w):
-  """logits[T, E] (f32) = x[T, d] . w[E, d]^T by BF16x3."""
-  return _bf16x3(x, w, 1, 1)
+    """logits[T, E] (f32) = x[T, d] . w[E, d]^T by BF16x3."""
+    return _bf16x3(x, w, 1, 1)
 
 
 def router_dgrad(g, w):
-  """dx[T, d] (f32) = g[T, E] . w[E, d] by BF16x3."""
-  return _bf16x3(g, w, 1, 0)
+    """dx[T, d] (f32) = g[T, E] . w[E, d] by BF16x3."""
+    return _bf16x3(g, w, 1, 0)
 
 
 def router_wgrad(g, x):
-  """dw[E, d] (f32) = g[T, E]^T . x[T, d] by BF16x3."""
-  return _bf16x3(g, x, 0, 0)
+    """dw[E, d] (f32) = g[T, E]^T . x[T, d] by BF16x3."""
+    return _bf16x3(g, x, 0, 0)

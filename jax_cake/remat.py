@@ -14,8 +14,8 @@ OUTPUT_NAME = "jax_cake.output"
 
 
 def name_output(y):
-  """Tags a jax_cake op's output so a policy can save it."""
-  return checkpoint_name(y, OUTPUT_NAME)
+    """Tags a jax_cake op's output so a policy can save it."""
+    return checkpoint_name(y, OUTPUT_NAME)
 
 
 # Save jax_cake outputs, recompute everything else (elementwise work is cheap).
@@ -23,4 +23,5 @@ save_projections = jax.checkpoint_policies.save_only_these_names(OUTPUT_NAME)
 
 # Save jax_cake outputs and XLA dots: a drop-in for dots_saveable in mixed models.
 save_projections_and_dots = jax.checkpoint_policies.save_from_both_policies(
-    save_projections, jax.checkpoint_policies.dots_saveable)
+    save_projections, jax.checkpoint_policies.dots_saveable
+)

@@ -53,16 +53,16 @@ FLAGS = flags.FLAGS
 
 
 def candidate_arms(splits: Sequence[int] = ()) -> list[str]:
-  """Split arms: the arrival-order wgrad tiles that are compiled, times split counts.
+    """Split arms: the arrival-order wgrad tiles that are compiled, times split counts.
 
-  Without jax_cake.kernels.variants, one arm: the planner's own split program.
-  """
-  try:
-    from jax_cake.kernels import variants
-  except ImportError:
-    return ["split"]
-  tiles = sorted({v.tile for v in variants.VARIANTS if v.program == "wgrad" and v.store == "add"})
-  return [bench.split_arm_name(s, t) for t in tiles for s in (list(splits) or [None])] or ["split"]
+    Without jax_cake.kernels.variants, one arm: the planner's own split program.
+    """
+    try:
+        from jax_cake.kernels import variants
+    except ImportError:
+        return ["split"]
+    tiles = sorted({v.tile for v in variants.VARIANTS if v.program == "wgrad" and v.store == "add"})
+    return [bench.split_arm_name(s, t) for t in tiles for s in (list(splits) or [None])] or ["split"]
 
 
 # --- the busy kernel for condition (b) --------------------------------------------------------
@@ -78,254 +78,311 @@ extern "C" __global__ void jax_cake_busy_sms(unsigned long long ns) {
 
 
 class BusySms:
-  """Launches jax_cake_busy_sms on a side stream of the primary context (device 0)."""
+    """Launches jax_cake_busy_sms on a side stream of the primary context (device 0)."""
 
-  def __init__(self, compute_capability: str):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-      raise RuntimeError("condition (b) needs nvcc on the PATH to build the busy kernel")
-    with tempfile.TemporaryDirectory() as tmp:
-      src, cubin = os.path.join(tmp, "busy.cu"), os.path.join(tmp, "busy.cubin")
-      Path(src).write_text(_BUSY_SOURCE)
-      arch = "sm_" + compute_capability.replace(".", "")
-      subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-o", cubin, src], check=True)
-      image = Path(cubin).read_bytes()
-    cu = self._cu = ctypes.CDLL("libcuda.so.1")
-    cu.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
-        ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    self._check(cu.cuInit(0), "cuInit")
-    self._check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-    self._check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    self._check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    self._module, self._fn, self._stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-    self._check(cu.cuModuleLoadData(ctypes.byref(self._module), image), "cuModuleLoadData")
-    self._check(cu.cuModuleGetFunction(ctypes.byref(self._fn), self._module, b"jax_cake_busy_sms"),
-                "cuModuleGetFunction")
-    smem = ctypes.c_int()
-    self._check(cu.cuDeviceGetAttribute(ctypes.byref(smem), 97, dev), "cuDeviceGetAttribute(smem opt-in)")
-    self.smem = smem.value
-    self._check(cu.cuFuncSetAttribute(self._fn, 8, self.smem), "cuFuncSetAttribute(max dynamic smem)")
-    self._check(cu.cuStreamCreate(ctypes.byref(self._stream), 1), "cuStreamCreate")  # non-blocking
+    def __init__(self, compute_capability: str):
+        nvcc = shutil.which("nvcc")
+        if nvcc is None:
+            raise RuntimeError("condition (b) needs nvcc on the PATH to build the busy kernel")
+        with tempfile.TemporaryDirectory() as tmp:
+            src, cubin = os.path.join(tmp, "busy.cu"), os.path.join(tmp, "busy.cubin")
+            Path(src).write_text(_BUSY_SOURCE)
+            arch = "sm_" + compute_capability.replace(".", "")
+            subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-o", cubin, src], check=True)
+            image = Path(cubin).read_bytes()
+        cu = self._cu = ctypes.CDLL("libcuda.so.1")
+        cu.cuLaunchKernel.argtypes = (
+            [ctypes.c_void_p]
+            + [ctypes.c_uint] * 7
+            + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        )
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self._check(cu.cuInit(0), "cuInit")
+        self._check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+        self._check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self._check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self._module, self._fn, self._stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self._check(cu.cuModuleLoadData(ctypes.byref(self._module), image), "cuModuleLoadData")
+        self._check(
+            cu.cuModuleGetFunction(ctypes.byref(self._fn), self._module, b"jax_cake_busy_sms"), "cuModuleGetFunction"
+        )
+        smem = ctypes.c_int()
+        self._check(cu.cuDeviceGetAttribute(ctypes.byref(smem), 97, dev), "cuDeviceGetAttribute(smem opt-in)")
+        self.smem = smem.value
+        self._check(cu.cuFuncSetAttribute(self._fn, 8, self.smem), "cuFuncSetAttribute(max dynamic smem)")
+        self._check(cu.cuStreamCreate(ctypes.byref(self._stream), 1), "cuStreamCreate")  # non-blocking
 
-  @staticmethod
-  def _check(code: int, what: str) -> None:
-    if code != 0:
-      raise RuntimeError(f"busy kernel: {what} returned CUDA error {code}")
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code != 0:
+            raise RuntimeError(f"busy kernel: {what} returned CUDA error {code}")
 
-  def launch(self, sms: int, ns: int) -> None:
-    arg = ctypes.c_ulonglong(ns)
-    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(arg), ctypes.c_void_p))
-    self._check(self._cu.cuLaunchKernel(self._fn, sms, 1, 1, 32, 1, 1, self.smem, self._stream, params, None),
-                "cuLaunchKernel")
+    def launch(self, sms: int, ns: int) -> None:
+        arg = ctypes.c_ulonglong(ns)
+        params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(arg), ctypes.c_void_p))
+        self._check(
+            self._cu.cuLaunchKernel(self._fn, sms, 1, 1, 32, 1, 1, self.smem, self._stream, params, None),
+            "cuLaunchKernel",
+        )
 
-  def wait(self) -> None:
-    self._check(self._cu.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+    def wait(self) -> None:
+        self._check(self._cu.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
 
-  @contextlib.contextmanager
-  def around(self, sms: int, order: str, ns: int):
-    """Wraps one jax call: the busy kernel before it or right after its dispatch."""
-    if order == "busy_first":
-      self.launch(sms, ns)
-    yield
-    if order == "op_first":
-      self.launch(sms, ns)
-    self.wait()
+    @contextlib.contextmanager
+    def around(self, sms: int, order: str, ns: int):
+        """Wraps one jax call: the busy kernel before it or right after its dispatch."""
+        if order == "busy_first":
+            self.launch(sms, ns)
+        yield
+        if order == "op_first":
+            self.launch(sms, ns)
+        self.wait()
 
 
 def keep_step(order: str):
-  """The step filter of a launch order (see the module docstring)."""
-  if order == "busy_first":
-    return lambda span, busy: any(b <= span[0] and span[1] <= e for b, e in busy)
-  return lambda span, busy: any(span[0] <= b < span[1] for b, _ in busy)
+    """The step filter of a launch order (see the module docstring)."""
+    if order == "busy_first":
+        return lambda span, busy: any(b <= span[0] and span[1] <= e for b, e in busy)
+    return lambda span, busy: any(span[0] <= b < span[1] for b, _ in busy)
 
 
 # --- the child: one (run, mode) ----------------------------------------------------------------
 
 
 def candidate_plans(points: Sequence[bench.Point], arms: Sequence[bench.ArmSpec]) -> dict[str, dict]:
-  """{point label: {arm: the wgrad Plan fields it ran}} from the planner, in this process."""
-  import jax_cake
+    """{point label: {arm: the wgrad Plan fields it ran}} from the planner, in this process."""
+    import jax_cake
 
-  out = {}
-  for p in points:
-    out[p.label] = {}
-    for arm in arms:
-      with bench.planning_for(arm):
-        plan = jax_cake.plan("wgrad", tokens=p.tokens, d_in=p.d_in, d_out=p.d_out, out_dtype=p.out,
-                             deterministic=arm.kind == "det")
-      out[p.label][arm.name] = {"program": plan.program, "tile": list(plan.tile), "splits": plan.splits,
-                                "reduction": plan.reduction}
-  return out
+    out = {}
+    for p in points:
+        out[p.label] = {}
+        for arm in arms:
+            with bench.planning_for(arm):
+                plan = jax_cake.plan(
+                    "wgrad",
+                    tokens=p.tokens,
+                    d_in=p.d_in,
+                    d_out=p.d_out,
+                    out_dtype=p.out,
+                    deterministic=arm.kind == "det",
+                )
+            out[p.label][arm.name] = {
+                "program": plan.program,
+                "tile": list(plan.tile),
+                "splits": plan.splits,
+                "reduction": plan.reduction,
+            }
+    return out
 
 
 def run_tune_child(points, arms, mode: str, run: int, out_path: str) -> None:
-  import jax
+    import jax
 
-  timer_kind = FLAGS.timer or bench.default_timer()
-  common = dict(steps=FLAGS.steps, groups=FLAGS.groups, flush_mb=FLAGS.flush_mb, timer_kind=timer_kind)
-  samples = bench.collect(points, TUNE_OPS, arms, mode, run, **common)
-  if FLAGS.contention != "none" and timer_kind != "device":
-    print("condition (b) skipped: it needs the GPU's device timeline", file=sys.stderr)
-  elif FLAGS.contention != "none":
-    busy = BusySms(jax.devices()[0].compute_capability)
-    for point in points:
-      slowest = max(statistics.median(g for g in s["groups_us"] if g is not None) for s in samples
-                    if s["op"] == "wgrad" and bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"]) == point)
-      ns = int(2 * FLAGS.steps * (slowest + 100) * 1e3)  # covers a whole call: steps x (op + flush)
-      for sms in map(int, FLAGS.busy_sms):
-        for order in plan_rule.LAUNCH_ORDERS:
-          samples += bench.collect([point], ["wgrad"], arms, mode, run, **common,
-                                   tags={"busy_sms": sms, "order": order},
-                                   around_call=lambda sms=sms, order=order: busy.around(sms, order, ns),
-                                   keep=keep_step(order))
-  header = bench.device_header(timer_kind)
-  header["plans"] = candidate_plans(points, arms)
-  bench.write_child_output(out_path, header, samples)
+    timer_kind = FLAGS.timer or bench.default_timer()
+    common = dict(steps=FLAGS.steps, groups=FLAGS.groups, flush_mb=FLAGS.flush_mb, timer_kind=timer_kind)
+    samples = bench.collect(points, TUNE_OPS, arms, mode, run, **common)
+    if FLAGS.contention != "none" and timer_kind != "device":
+        print("condition (b) skipped: it needs the GPU's device timeline", file=sys.stderr)
+    elif FLAGS.contention != "none":
+        busy = BusySms(jax.devices()[0].compute_capability)
+        for point in points:
+            slowest = max(
+                statistics.median(g for g in s["groups_us"] if g is not None)
+                for s in samples
+                if s["op"] == "wgrad" and bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"]) == point
+            )
+            ns = int(2 * FLAGS.steps * (slowest + 100) * 1e3)  # covers a whole call: steps x (op + flush)
+            for sms in map(int, FLAGS.busy_sms):
+                for order in plan_rule.LAUNCH_ORDERS:
+                    samples += bench.collect(
+                        [point],
+                        ["wgrad"],
+                        arms,
+                        mode,
+                        run,
+                        **common,
+                        tags={"busy_sms": sms, "order": order},
+                        around_call=lambda sms=sms, order=order: busy.around(sms, order, ns),
+                        keep=keep_step(order),
+                    )
+    header = bench.device_header(timer_kind)
+    header["plans"] = candidate_plans(points, arms)
+    bench.write_child_output(out_path, header, samples)
 
 
 # --- from samples to verdicts to a table --------------------------------------------------------
 
 
 def _pair(det: Sequence, cand: Sequence) -> plan_rule.PairedRun | None:
-  pairs = [(d, c) for d, c in zip(det, cand) if d is not None and c is not None]
-  return plan_rule.PairedRun(tuple(d for d, _ in pairs), tuple(c for _, c in pairs)) if pairs else None
+    pairs = [(d, c) for d, c in zip(det, cand) if d is not None and c is not None]
+    return plan_rule.PairedRun(tuple(d for d, _ in pairs), tuple(c for _, c in pairs)) if pairs else None
 
 
 def verdicts(samples: Sequence[dict], candidate: str) -> dict[bench.Point, plan_rule.Verdict]:
-  """The plan rule for `candidate` against det at every point the samples hold."""
-  groups: dict[tuple, list] = {}
-  for s in samples:
-    key = (bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"]), s["op"], s["mode"], s["run"],
-           s.get("busy_sms"), s.get("order"), s["arm"])
-    groups[key] = s["groups_us"]
-  out = {}
-  for point in {k[0] for k in groups}:
-    op_runs, contention, steps = {}, {}, {}
-    for (p, op, mode, run, sms, order, arm), det in groups.items():
-      if p != point or arm != "det" or (p, op, mode, run, sms, order, candidate) not in groups:
-        continue
-      paired = _pair(det, groups[(p, op, mode, run, sms, order, candidate)])
-      if paired is None:
-        continue
-      if sms is not None:
-        contention.setdefault((sms, order), []).append(paired)
-      elif op == "wgrad":
-        op_runs.setdefault(mode, []).append(paired)
-      else:
-        steps.setdefault((op, mode), []).append(paired)
-    out[point] = plan_rule.decide(op_runs, contention, steps)
-  return out
+    """The plan rule for `candidate` against det at every point the samples hold."""
+    groups: dict[tuple, list] = {}
+    for s in samples:
+        key = (
+            bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"]),
+            s["op"],
+            s["mode"],
+            s["run"],
+            s.get("busy_sms"),
+            s.get("order"),
+            s["arm"],
+        )
+        groups[key] = s["groups_us"]
+    out = {}
+    for point in {k[0] for k in groups}:
+        op_runs, contention, steps = {}, {}, {}
+        for (p, op, mode, run, sms, order, arm), det in groups.items():
+            if p != point or arm != "det" or (p, op, mode, run, sms, order, candidate) not in groups:
+                continue
+            paired = _pair(det, groups[(p, op, mode, run, sms, order, candidate)])
+            if paired is None:
+                continue
+            if sms is not None:
+                contention.setdefault((sms, order), []).append(paired)
+            elif op == "wgrad":
+                op_runs.setdefault(mode, []).append(paired)
+            else:
+                steps.setdefault((op, mode), []).append(paired)
+        out[point] = plan_rule.decide(op_runs, contention, steps)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """What a point runs under deterministic=False, with the rule's evidence."""
+    """What a point runs under deterministic=False, with the rule's evidence."""
 
-  point: bench.Point
-  arm: str | None  # the winning split arm, None = deterministic program
-  plan: Mapping | None  # that arm's plan fields (program, tile, splits, reduction)
-  evidence: str
+    point: bench.Point
+    arm: str | None  # the winning split arm, None = deterministic program
+    plan: Mapping | None  # that arm's plan fields (program, tile, splits, reduction)
+    evidence: str
 
 
 def choose(samples: Sequence[dict], plans: Mapping[str, Mapping], candidates: Sequence[str]) -> list[Choice]:
-  """Per point, the candidate with the lowest graph-mode wgrad median among those passing."""
-  medians = bench.run_medians([s for s in samples if s.get("busy_sms") is None])
-  by_candidate = {c: verdicts(samples, c) for c in candidates}
-  choices = []
-  for point in sorted({p for v in by_candidate.values() for p in v}, key=lambda p: dataclasses.astuple(p)):
-    passing = [c for c in candidates if by_candidate[c].get(point) and by_candidate[c][point].keep_split]
-    if not passing:
-      why = "; ".join(f"{c} failed " + ", ".join(f"({f.condition}) {f.cell} {f.detail}" for f in v.failed)
-                      for c in candidates if (v := by_candidate[c].get(point)))
-      choices.append(Choice(point, None, None, why))
-      continue
-    best = min(passing, key=lambda c: medians.get((point, "wgrad", "g", c), float("inf")))
-    choices.append(Choice(point, best, plans.get(point.label, {}).get(best), by_candidate[best][point].evidence()))
-  return choices
+    """Per point, the candidate with the lowest graph-mode wgrad median among those passing."""
+    medians = bench.run_medians([s for s in samples if s.get("busy_sms") is None])
+    by_candidate = {c: verdicts(samples, c) for c in candidates}
+    choices = []
+    for point in sorted({p for v in by_candidate.values() for p in v}, key=lambda p: dataclasses.astuple(p)):
+        passing = [c for c in candidates if by_candidate[c].get(point) and by_candidate[c][point].keep_split]
+        if not passing:
+            why = "; ".join(
+                f"{c} failed " + ", ".join(f"({f.condition}) {f.cell} {f.detail}" for f in v.failed)
+                for c in candidates
+                if (v := by_candidate[c].get(point))
+            )
+            choices.append(Choice(point, None, None, why))
+            continue
+        best = min(passing, key=lambda c: medians.get((point, "wgrad", "g", c), float("inf")))
+        choices.append(Choice(point, best, plans.get(point.label, {}).get(best), by_candidate[best][point].evidence()))
+    return choices
 
 
 def table_rows(choices: Sequence[Choice]) -> list[dict]:
-  """Plan-table rows for one SM count, in the planner's format.
+    """Plan-table rows for one SM count, in the planner's format.
 
-  Per (d_in, d_out, out): if every winning token count runs the same program, one row
-  from the lowest to the highest winning T, excluding the measured T in between where
-  the deterministic program (or another program) won; otherwise one row per winning T.
-  """
-  rows = []
-  shapes = sorted({(c.point.d_in, c.point.d_out, c.point.out) for c in choices})
-  for d_in, d_out, out in shapes:
-    mine = [c for c in choices if (c.point.d_in, c.point.d_out, c.point.out) == (d_in, d_out, out)]
-    winners = [c for c in mine if c.arm is not None]
-    programs = {json.dumps(c.plan, sort_keys=True) for c in winners}
-    spans = [winners] if len(programs) == 1 else [[c] for c in winners]
-    for span in spans:
-      tokens = [c.point.tokens for c in span]
-      lo, hi = min(tokens), max(tokens)
-      plan = span[0].plan or {}
-      rows.append({
-          "d_in": d_in, "d_out": d_out, "out": out, "min_tokens": lo, "max_tokens": hi, "program": "split",
-          "exclude_tokens": sorted(c.point.tokens for c in mine if lo <= c.point.tokens <= hi and c not in span),
-          "tile": plan.get("tile"), "splits": plan.get("splits"), "reduction": plan.get("reduction"),
-          "source": "jax_cake.tune",
-          "evidence": " | ".join(f"T={c.point.tokens} {'split' if c in span else 'det'}: {c.evidence}"
-                                 for c in mine if lo <= c.point.tokens <= hi),
-      })
-  return rows
+    Per (d_in, d_out, out): if every winning token count runs the same program, one row
+    from the lowest to the highest winning T, excluding the measured T in between where
+    the deterministic program (or another program) won; otherwise one row per winning T.
+    """
+    rows = []
+    shapes = sorted({(c.point.d_in, c.point.d_out, c.point.out) for c in choices})
+    for d_in, d_out, out in shapes:
+        mine = [c for c in choices if (c.point.d_in, c.point.d_out, c.point.out) == (d_in, d_out, out)]
+        winners = [c for c in mine if c.arm is not None]
+        programs = {json.dumps(c.plan, sort_keys=True) for c in winners}
+        spans = [winners] if len(programs) == 1 else [[c] for c in winners]
+        for span in spans:
+            tokens = [c.point.tokens for c in span]
+            lo, hi = min(tokens), max(tokens)
+            plan = span[0].plan or {}
+            rows.append(
+                {
+                    "d_in": d_in,
+                    "d_out": d_out,
+                    "out": out,
+                    "min_tokens": lo,
+                    "max_tokens": hi,
+                    "program": "split",
+                    "exclude_tokens": sorted(
+                        c.point.tokens for c in mine if lo <= c.point.tokens <= hi and c not in span
+                    ),
+                    "tile": plan.get("tile"),
+                    "splits": plan.get("splits"),
+                    "reduction": plan.get("reduction"),
+                    "source": "jax_cake.tune",
+                    "evidence": " | ".join(
+                        f"T={c.point.tokens} {'split' if c in span else 'det'}: {c.evidence}"
+                        for c in mine
+                        if lo <= c.point.tokens <= hi
+                    ),
+                }
+            )
+    return rows
 
 
 def build_table(arch: str, sms: int, source: str, rows: Sequence[dict], existing: Mapping | None = None) -> dict:
-  """The table JSON: `existing` with its range for exactly `sms` SMs replaced by `rows`."""
-  ranges = [r for r in (existing or {}).get("sm_ranges", []) if (r["min_sms"], r.get("max_sms")) != (sms, sms)]
-  ranges.append({"min_sms": sms, "max_sms": sms, "rows": list(rows)})
-  ranges.sort(key=lambda r: r["min_sms"])
-  return {"arch": arch, "source": source, "sm_ranges": ranges}
+    """The table JSON: `existing` with its range for exactly `sms` SMs replaced by `rows`."""
+    ranges = [r for r in (existing or {}).get("sm_ranges", []) if (r["min_sms"], r.get("max_sms")) != (sms, sms)]
+    ranges.append({"min_sms": sms, "max_sms": sms, "rows": list(rows)})
+    ranges.sort(key=lambda r: r["min_sms"])
+    return {"arch": arch, "source": source, "sm_ranges": ranges}
 
 
 # --- entry point ---------------------------------------------------------------------------------
 
 
 def main(argv):
-  del argv
-  points = bench.grid_points(map(int, FLAGS.tokens), map(int, FLAGS.d_in), map(int, FLAGS.d_out),
-                             bench.selected("out_dtype", bench.OUT_DTYPES))
-  candidates = FLAGS.arms or candidate_arms(list(map(int, FLAGS.splits)))
-  arms = [bench.parse_arm(a) for a in ["det", *candidates]]
-  if any(a.kind != "split" for a in arms[1:]):
-    raise app.UsageError("--arms: tune compares split candidates (split[/sN][/tMxNxK]) against det")
-  modes = bench.selected("modes", bench.MODES)
-  if FLAGS.child_out:
-    run_tune_child(points, arms, modes[0], FLAGS.run_index, FLAGS.child_out)
-    return
-  argv_flags = bench.child_argv(("tokens", "d_in", "d_out", "out_dtype", "groups", "steps", "flush_mb", "timer",
-                                 "busy_sms", "contention")) + [f"--arms={','.join(candidates)}"]
-  header, samples = bench.run_children("jax_cake.tune", argv_flags, modes, FLAGS.runs)
-  choices = choose(samples, header["plans"], candidates)
-  for c in choices:
-    print(f"{c.point.label}: {c.arm or 'det'}\n  {c.evidence}", file=sys.stderr)
-  if FLAGS.write and not header["sms"]:
-    raise app.UsageError("--write needs a GPU measurement (the children saw no SM count)")
-  cc = header.get("compute_capability") or "9.0"
-  arch = FLAGS.arch or {"9.0": "sm_90a"}.get(cc, f"sm_{cc.replace('.', '')}")
-  source = (f"jax_cake.tune {header['date']} on NVIDIA {header['gpu']} ({header['sms']} SMs), jax {header['jax']}, "
-            f"{header['timer']}, {FLAGS.runs} runs x {FLAGS.groups} groups x {FLAGS.steps} steps")
-  path = Path(FLAGS.table or TABLE_DIR / f"{arch}.json")
-  existing = json.loads(path.read_text()) if path.exists() else None
-  table = build_table(arch, header["sms"], source, table_rows(choices), existing)
-  text = json.dumps(table, indent=1) + "\n"
-  if FLAGS.write:
-    path.write_text(text)
-    print(f"wrote {path}", file=sys.stderr)
-  else:
-    print(text)
+    del argv
+    points = bench.grid_points(
+        map(int, FLAGS.tokens),
+        map(int, FLAGS.d_in),
+        map(int, FLAGS.d_out),
+        bench.selected("out_dtype", bench.OUT_DTYPES),
+    )
+    candidates = FLAGS.arms or candidate_arms(list(map(int, FLAGS.splits)))
+    arms = [bench.parse_arm(a) for a in ["det", *candidates]]
+    if any(a.kind != "split" for a in arms[1:]):
+        raise app.UsageError("--arms: tune compares split candidates (split[/sN][/tMxNxK]) against det")
+    modes = bench.selected("modes", bench.MODES)
+    if FLAGS.child_out:
+        run_tune_child(points, arms, modes[0], FLAGS.run_index, FLAGS.child_out)
+        return
+    argv_flags = bench.child_argv(
+        ("tokens", "d_in", "d_out", "out_dtype", "groups", "steps", "flush_mb", "timer", "busy_sms", "contention")
+    ) + [f"--arms={','.join(candidates)}"]
+    header, samples = bench.run_children("jax_cake.tune", argv_flags, modes, FLAGS.runs)
+    choices = choose(samples, header["plans"], candidates)
+    for c in choices:
+        print(f"{c.point.label}: {c.arm or 'det'}\n  {c.evidence}", file=sys.stderr)
+    if FLAGS.write and not header["sms"]:
+        raise app.UsageError("--write needs a GPU measurement (the children saw no SM count)")
+    cc = header.get("compute_capability") or "9.0"
+    arch = FLAGS.arch or {"9.0": "sm_90a"}.get(cc, f"sm_{cc.replace('.', '')}")
+    source = (
+        f"jax_cake.tune {header['date']} on NVIDIA {header['gpu']} ({header['sms']} SMs), jax {header['jax']}, "
+        f"{header['timer']}, {FLAGS.runs} runs x {FLAGS.groups} groups x {FLAGS.steps} steps"
+    )
+    path = Path(FLAGS.table or TABLE_DIR / f"{arch}.json")
+    existing = json.loads(path.read_text()) if path.exists() else None
+    table = build_table(arch, header["sms"], source, table_rows(choices), existing)
+    text = json.dumps(table, indent=1) + "\n"
+    if FLAGS.write:
+        path.write_text(text)
+        print(f"wrote {path}", file=sys.stderr)
+    else:
+        print(text)
 
 
 if __name__ == "__main__":
-  bench.define_flags(arms_default=(), with_ops=False)
-  flags.DEFINE_list("splits", [], "Split counts to try per tile (empty: the planner's count).")
-  flags.DEFINE_list("busy_sms", [str(s) for s in plan_rule.BUSY_SMS], "SMs the busy kernel holds, condition (b).")
-  flags.DEFINE_enum("contention", "cuda", ["cuda", "none"], "none: skip (b) (every point stays deterministic).")
-  flags.DEFINE_string("arch", None, "Table architecture (default: from the GPU, sm_90a on an H200).")
-  flags.DEFINE_string("table", None, "Table path (default jax_cake/planner/tables/<arch>.json).")
-  flags.DEFINE_bool("write", False, "Write the table file; otherwise print it.")
-  app.run(main)
+    bench.define_flags(arms_default=(), with_ops=False)
+    flags.DEFINE_list("splits", [], "Split counts to try per tile (empty: the planner's count).")
+    flags.DEFINE_list("busy_sms", [str(s) for s in plan_rule.BUSY_SMS], "SMs the busy kernel holds, condition (b).")
+    flags.DEFINE_enum("contention", "cuda", ["cuda", "none"], "none: skip (b) (every point stays deterministic).")
+    flags.DEFINE_string("arch", None, "Table architecture (default: from the GPU, sm_90a on an H200).")
+    flags.DEFINE_string("table", None, "Table path (default jax_cake/planner/tables/<arch>.json).")
+    flags.DEFINE_bool("write", False, "Write the table file; otherwise print it.")
+    app.run(main)

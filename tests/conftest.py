@@ -8,23 +8,23 @@ and the built library, and are skipped elsewhere.
 import os
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
 def _has_gpu() -> bool:
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
 
 
 def pytest_collection_modifyitems(config, items):
-  if _has_gpu():
-    return
-  skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run `pytest -m gpu` on the GPU machine)")
-  for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run `pytest -m gpu` on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -9,19 +9,19 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 
 def rand(key: int, shape, dtype):
-  """Fresh normal random values (never zeros), rounded to dtype."""
-  return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
+    """Fresh normal random values (never zeros), rounded to dtype."""
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
 
 
 def f64(a) -> np.ndarray:
-  return np.asarray(jnp.asarray(a).astype(jnp.float32), dtype=np.float64)
+    return np.asarray(jnp.asarray(a).astype(jnp.float32), dtype=np.float64)
 
 
 def rel_err(out, ref) -> float:
-  out, ref = f64(out), np.asarray(ref, np.float64)
-  assert out.shape == ref.shape, (out.shape, ref.shape)
-  assert np.all(np.isfinite(out)), "non-finite values in the output"
-  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    out, ref = f64(out), np.asarray(ref, np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert np.all(np.isfinite(out)), "non-finite values in the output"
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 H200 = AbstractDevice("NVIDIA H200", 132, "cuda")
@@ -29,6 +29,6 @@ H200 = AbstractDevice("NVIDIA H200", 132, "cuda")
 
 @contextlib.contextmanager
 def faked_device(device=H200):
-  """Plans inside the block target `device` (abstract mesh of one device)."""
-  with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
-    yield
+    """Plans inside the block target `device` (abstract mesh of one device)."""
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+        yield

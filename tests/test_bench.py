@@ -17,142 +17,187 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class CliTest(absltest.TestCase):
+    def test_tiny_shape_writes_markdown_and_csv(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            md, csv_path = os.path.join(tmp, "b.md"), os.path.join(tmp, "b.csv")
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "jax_cake.bench",
+                    "--tokens=64",
+                    "--d_in=128",
+                    "--d_out=32",
+                    "--out_dtype=float32",
+                    "--runs=1",
+                    "--groups=2",
+                    "--steps=2",
+                    "--flush_mb=1",
+                    f"--md={md}",
+                    f"--csv={csv_path}",
+                ],
+                cwd=REPO,
+                check=True,
+                capture_output=True,
+            )
+            text = open(md).read()
+            with open(csv_path) as f:
+                rows = list(csv.DictReader(f))
+        first = text.splitlines()[0]
+        self.assertIn("host wall time (no GPU)", first)
+        self.assertIn(f"jax {jax.__version__}", first)
+        self.assertRegex(first, r"\d{4}-\d{2}-\d{2}")
+        self.assertIn("| " + " | ".join(bench.COLUMNS) + " |", text)
+        table = [l for l in text.splitlines() if l.startswith("| none")]
+        self.assertLen(table, len(bench.OPS) * len(bench.MODES))
+        self.assertEqual({l.split(" | ")[5] for l in table}, set(bench.OPS))
+        self.assertRegex(text, r"- wgrad g \(1 rows\): det/new \d+\.\d{3} \(")
 
-  def test_tiny_shape_writes_markdown_and_csv(self):
-    with tempfile.TemporaryDirectory() as tmp:
-      md, csv_path = os.path.join(tmp, "b.md"), os.path.join(tmp, "b.csv")
-      subprocess.run([sys.executable, "-m", "jax_cake.bench", "--tokens=64", "--d_in=128", "--d_out=32",
-                      "--out_dtype=float32", "--runs=1", "--groups=2", "--steps=2", "--flush_mb=1",
-                      f"--md={md}", f"--csv={csv_path}"], cwd=REPO, check=True, capture_output=True)
-      text = open(md).read()
-      with open(csv_path) as f:
-        rows = list(csv.DictReader(f))
-    first = text.splitlines()[0]
-    self.assertIn("host wall time (no GPU)", first)
-    self.assertIn(f"jax {jax.__version__}", first)
-    self.assertRegex(first, r"\d{4}-\d{2}-\d{2}")
-    self.assertIn("| " + " | ".join(bench.COLUMNS) + " |", text)
-    table = [l for l in text.splitlines() if l.startswith("| none")]
-    self.assertLen(table, len(bench.OPS) * len(bench.MODES))
-    self.assertEqual({l.split(" | ")[5] for l in table}, set(bench.OPS))
-    self.assertRegex(text, r"- wgrad g \(1 rows\): det/new \d+\.\d{3} \(")
-
-    self.assertEqual(list(rows[0]), list(bench.COLUMNS))
-    self.assertLen(rows, len(bench.OPS) * len(bench.MODES))
-    for r in rows:
-      self.assertEqual((r["d_in -> d_out"], r["out"], r["T"]), ("128 -> 32", "FP32", "64"))
-      for column in ("det us", "split us", "XLA us", "new us"):
-        self.assertGreater(float(r[column]), 0)
-      self.assertAlmostEqual(float(r["det/new"]), float(r["det us"]) / float(r["new us"]), places=9)
-      self.assertEqual(r["cuBLAS us"], "")  # no CUDA torch here
+        self.assertEqual(list(rows[0]), list(bench.COLUMNS))
+        self.assertLen(rows, len(bench.OPS) * len(bench.MODES))
+        for r in rows:
+            self.assertEqual((r["d_in -> d_out"], r["out"], r["T"]), ("128 -> 32", "FP32", "64"))
+            for column in ("det us", "split us", "XLA us", "new us"):
+                self.assertGreater(float(r[column]), 0)
+            self.assertAlmostEqual(float(r["det/new"]), float(r["det us"]) / float(r["new us"]), places=9)
+            self.assertEqual(r["cuBLAS us"], "")  # no CUDA torch here
 
 
 class StepsProgramTest(parameterized.TestCase):
-  """XLA must run every timed step: no CSE of the repeated op, flush between steps."""
+    """XLA must run every timed step: no CSE of the repeated op, flush between steps."""
 
-  @parameterized.product(arm=["det", "xla"], op_and_dots=[("fwd", 1), ("dgrad", 1), ("wgrad", 1), ("bwd", 2),
-                                                         ("2fwd+bwd", 4)])
-  def test_every_step_runs_between_flushes(self, arm, op_and_dots):
-    op, dots = op_and_dots
-    steps = 3
-    args = bench.make_inputs(bench.Point(64, 128, 32, "float32"), flush_mb=1)
-    text = bench.compile_arm(bench.parse_arm(arm), op, steps, args).as_text()
-    sequence = ""  # the schedule: F = flush, D = a GEMM (a dot, or a kCustom fusion of one on CPU)
-    for line in text[text.index("ENTRY"):].splitlines():
-      if "xor_fusion" in line.split("=")[0]:
-        sequence += "F"
-      elif re.search(r"= \S+ dot\(", line) or "kind=kCustom" in line:
-        sequence += "D"
-    self.assertEqual(sequence, ("D" * dots + "F") * steps)
+    @parameterized.product(
+        arm=["det", "xla"], op_and_dots=[("fwd", 1), ("dgrad", 1), ("wgrad", 1), ("bwd", 2), ("2fwd+bwd", 4)]
+    )
+    def test_every_step_runs_between_flushes(self, arm, op_and_dots):
+        op, dots = op_and_dots
+        steps = 3
+        args = bench.make_inputs(bench.Point(64, 128, 32, "float32"), flush_mb=1)
+        text = bench.compile_arm(bench.parse_arm(arm), op, steps, args).as_text()
+        sequence = ""  # the schedule: F = flush, D = a GEMM (a dot, or a kCustom fusion of one on CPU)
+        for line in text[text.index("ENTRY") :].splitlines():
+            if "xor_fusion" in line.split("=")[0]:
+                sequence += "F"
+            elif re.search(r"= \S+ dot\(", line) or "kind=kCustom" in line:
+                sequence += "D"
+        self.assertEqual(sequence, ("D" * dots + "F") * steps)
 
 
 class ArmsLowerForTheH200Test(parameterized.TestCase):
-  """Each arm's timed program, lowered for CUDA on a faked H200, runs the program it names."""
+    """Each arm's timed program, lowered for CUDA on a faked H200, runs the program it names."""
 
-  @parameterized.named_parameters(
-      ("det", "det", "1"),  # ordered reduction: bitwise reproducible
-      ("split", "split", "2"),  # arrival order
-      ("split_8", "split/s8", "2"),
-  )
-  def test_wgrad_reduction_and_splits(self, arm, reduction):
-    steps = 2
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype)
-            for a in bench.make_inputs(bench.Point(16384, 4096, 48, "float32"), flush_mb=128)]
-    spec = bench.parse_arm(arm)
-    with faked_device(), bench.planning_for(spec):
-      program = bench.steps_program(bench.op_fn("2fwd+bwd", bench.jax_projection(spec)), steps)
-      text = jax.jit(program).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = re.findall(r"@(jax_cake_\w+)", text)
-    self.assertEqual(sorted(calls), sorted(["jax_cake_fwd"] * 2 * steps + ["jax_cake_dgrad", "jax_cake_wgrad"] * steps))
-    self.assertEqual(set(re.findall(r"reduction = (\d+)", text)), {"0", reduction})  # fwd/dgrad: 0
-    if spec.splits:
-      self.assertIn(f"splits = {spec.splits} ", text)
+    @parameterized.named_parameters(
+        ("det", "det", "1"),  # ordered reduction: bitwise reproducible
+        ("split", "split", "2"),  # arrival order
+        ("split_8", "split/s8", "2"),
+    )
+    def test_wgrad_reduction_and_splits(self, arm, reduction):
+        steps = 2
+        args = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype)
+            for a in bench.make_inputs(bench.Point(16384, 4096, 48, "float32"), flush_mb=128)
+        ]
+        spec = bench.parse_arm(arm)
+        with faked_device(), bench.planning_for(spec):
+            program = bench.steps_program(bench.op_fn("2fwd+bwd", bench.jax_projection(spec)), steps)
+            text = jax.jit(program).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        calls = re.findall(r"@(jax_cake_\w+)", text)
+        self.assertEqual(
+            sorted(calls), sorted(["jax_cake_fwd"] * 2 * steps + ["jax_cake_dgrad", "jax_cake_wgrad"] * steps)
+        )
+        self.assertEqual(set(re.findall(r"reduction = (\d+)", text)), {"0", reduction})  # fwd/dgrad: 0
+        if spec.splits:
+            self.assertIn(f"splits = {spec.splits} ", text)
 
 
 def ev(start, end, name):
-  return (start, end, name)
+    return (start, end, name)
 
 
 class StepSpansTest(absltest.TestCase):
-  markers = {"loop_xor_fusion"}
+    markers = {"loop_xor_fusion"}
 
-  def test_a_step_is_first_begin_to_last_end_before_its_flush(self):
-    events = [ev(21, 30, "gemm"), ev(31, 40, "reduce"), ev(41, 50, "loop_xor_fusion_1"), ev(52, 60, "gemm"),
-              ev(61, 70, "loop_xor_fusion")]
-    self.assertEqual(bench.step_spans(events, self.markers, calls=1, steps=2), [[(21, 40), (52, 60)]])
+    def test_a_step_is_first_begin_to_last_end_before_its_flush(self):
+        events = [
+            ev(21, 30, "gemm"),
+            ev(31, 40, "reduce"),
+            ev(41, 50, "loop_xor_fusion_1"),
+            ev(52, 60, "gemm"),
+            ev(61, 70, "loop_xor_fusion"),
+        ]
+        self.assertEqual(bench.step_spans(events, self.markers, calls=1, steps=2), [[(21, 40), (52, 60)]])
 
-  def test_back_to_back_calls_and_multi_kernel_flushes(self):
-    a, b = "flush_a", "flush_b"
-    events = [ev(3, 9, "gemm"), ev(10, 11, a), ev(11, 12, b), ev(16, 19, "gemm"), ev(20, 21, a), ev(21, 22, b)]
-    self.assertEqual(bench.step_spans(events, {a, b}, calls=2, steps=1, kernels_per_flush=2), [[(3, 9)], [(16, 19)]])
+    def test_back_to_back_calls_and_multi_kernel_flushes(self):
+        a, b = "flush_a", "flush_b"
+        events = [ev(3, 9, "gemm"), ev(10, 11, a), ev(11, 12, b), ev(16, 19, "gemm"), ev(20, 21, a), ev(21, 22, b)]
+        self.assertEqual(
+            bench.step_spans(events, {a, b}, calls=2, steps=1, kernels_per_flush=2), [[(3, 9)], [(16, 19)]]
+        )
 
-  def test_wrong_flush_count_names_the_kernels(self):
-    events = [ev(0, 1, "gemm"), ev(2, 3, "loop_xor_fusion")]
-    with self.assertRaisesRegex(RuntimeError, r"found 1 flushes, expected 2 .*gemm"):
-      bench.step_spans(events, self.markers, calls=1, steps=2)
+    def test_wrong_flush_count_names_the_kernels(self):
+        events = [ev(0, 1, "gemm"), ev(2, 3, "loop_xor_fusion")]
+        with self.assertRaisesRegex(RuntimeError, r"found 1 flushes, expected 2 .*gemm"):
+            bench.step_spans(events, self.markers, calls=1, steps=2)
 
-  def test_a_step_whose_op_was_dropped_is_an_error(self):
-    events = [ev(0, 1, "gemm"), ev(2, 3, "loop_xor_fusion"), ev(4, 5, "loop_xor_fusion")]
-    with self.assertRaisesRegex(RuntimeError, "no device events"):
-      bench.step_spans(events, self.markers, calls=1, steps=2)
+    def test_a_step_whose_op_was_dropped_is_an_error(self):
+        events = [ev(0, 1, "gemm"), ev(2, 3, "loop_xor_fusion"), ev(4, 5, "loop_xor_fusion")]
+        with self.assertRaisesRegex(RuntimeError, "no device events"):
+            bench.step_spans(events, self.markers, calls=1, steps=2)
 
 
 class ArmsAndReportTest(absltest.TestCase):
+    def test_parse_arm(self):
+        self.assertEqual(
+            bench.parse_arm("split/s16/t64x256x64"), bench.ArmSpec("split/s16/t64x256x64", "split", 16, (64, 256, 64))
+        )
+        self.assertEqual(bench.split_arm_name(16, (64, 256, 64)), "split/s16/t64x256x64")
+        self.assertEqual(bench.parse_arm("det").kind, "det")
+        for bad in ("det/s4", "split/x3", "cutlass"):
+            with self.assertRaises(ValueError):
+                bench.parse_arm(bad)
 
-  def test_parse_arm(self):
-    self.assertEqual(bench.parse_arm("split/s16/t64x256x64"),
-                     bench.ArmSpec("split/s16/t64x256x64", "split", 16, (64, 256, 64)))
-    self.assertEqual(bench.split_arm_name(16, (64, 256, 64)), "split/s16/t64x256x64")
-    self.assertEqual(bench.parse_arm("det").kind, "det")
-    for bad in ("det/s4", "split/x3", "cutlass"):
-      with self.assertRaises(ValueError):
-        bench.parse_arm(bad)
+    def test_grid_covers_every_combination(self):
+        points = bench.grid_points(bench.GRID_TOKENS, bench.GRID_D_IN, bench.GRID_D_OUT, bench.OUT_DTYPES)
+        self.assertLen(points, 3 * 2 * 6 * 2)
+        self.assertLen(set(points), len(points))
 
-  def test_grid_covers_every_combination(self):
-    points = bench.grid_points(bench.GRID_TOKENS, bench.GRID_D_IN, bench.GRID_D_OUT, bench.OUT_DTYPES)
-    self.assertLen(points, 3 * 2 * 6 * 2)
-    self.assertLen(set(points), len(points))
-
-  def test_medians_ratios_and_geomeans(self):
-    point = dict(tokens=16384, d_in=4096, d_out=48, out="float32")
-    samples = []
-    for run, scale in enumerate((1.0, 1.1, 5.0)):  # run 2 is an outlier: the median over runs ignores it
-      for arm, us in (("det", 40.0), ("new", 20.0), ("xla", 60.0)):
-        samples.append({**point, "op": "wgrad", "mode": "g", "run": run, "arm": arm,
-                        "groups_us": [us * scale, us * scale * 2, us * scale * 0.5]})
-    header = {"gpu": "H200", "sms": 132, "driver": "580.159.04", "jax": "0.11.2", "date": "2026-11-29",
-              "timer": bench.DEVICE_LABEL}
-    (row,) = bench.table_rows(header, samples)
-    self.assertAlmostEqual(row["new us"], 22.0)
-    self.assertAlmostEqual(row["det/new"], 2.0)
-    self.assertAlmostEqual(row["XLA/new"], 3.0)
-    self.assertIsNone(row["cuBLAS/new"])
-    text = bench.markdown(header, [row])
-    self.assertTrue(text.startswith("GPU H200, 132 SMs, driver 580.159.04, jax 0.11.2, 2026-11-29"))
-    self.assertIn("- wgrad g (1 rows): det/new 2.000 (2.000 to 2.000); XLA/new 3.000", text)
-    self.assertIn("| H200 | 132 | 4096 -> 48 | FP32 | 16384 | wgrad | g | 44.00 | n/a | 66.00 | n/a | 22.00 | 2.000 |"
-                  " 3.000 | n/a |", text)
+    def test_medians_ratios_and_geomeans(self):
+        point = dict(tokens=16384, d_in=4096, d_out=48, out="float32")
+        samples = []
+        for run, scale in enumerate((1.0, 1.1, 5.0)):  # run 2 is an outlier: the median over runs ignores it
+            for arm, us in (("det", 40.0), ("new", 20.0), ("xla", 60.0)):
+                samples.append(
+                    {
+                        **point,
+                        "op": "wgrad",
+                        "mode": "g",
+                        "run": run,
+                        "arm": arm,
+                        "groups_us": [us * scale, us * scale * 2, us * scale * 0.5],
+                    }
+                )
+        header = {
+            "gpu": "H200",
+            "sms": 132,
+            "driver": "580.159.04",
+            "jax": "0.11.2",
+            "date": "2026-11-29",
+            "timer": bench.DEVICE_LABEL,
+        }
+        (row,) = bench.table_rows(header, samples)
+        self.assertAlmostEqual(row["new us"], 22.0)
+        self.assertAlmostEqual(row["det/new"], 2.0)
+        self.assertAlmostEqual(row["XLA/new"], 3.0)
+        self.assertIsNone(row["cuBLAS/new"])
+        text = bench.markdown(header, [row])
+        self.assertTrue(text.startswith("GPU H200, 132 SMs, driver 580.159.04, jax 0.11.2, 2026-11-29"))
+        self.assertIn("- wgrad g (1 rows): det/new 2.000 (2.000 to 2.000); XLA/new 3.000", text)
+        self.assertIn(
+            "| H200 | 132 | 4096 -> 48 | FP32 | 16384 | wgrad | g | 44.00 | n/a | 66.00 | n/a | 22.00 | 2.000 |"
+            " 3.000 | n/a |",
+            text,
+        )
 
 
 if __name__ == "__main__":
-  absltest.main()
+    absltest.main()

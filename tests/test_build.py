@@ -20,84 +20,100 @@ HANDLERS = ("JaxCakeFwd", "JaxCakeDgrad", "JaxCakeWgrad")
 
 
 def _toolchain_missing() -> str | None:
-  if importlib.util.find_spec("nvidia_cutlass_dsl") is None:
-    return "nvidia-cutlass-dsl not installed"
-  if shutil.which("g++") is None or shutil.which("nm") is None:
-    return "g++/nm not found"
-  if shutil.which("nvcc") is None and not pathlib.Path("/usr/local/cuda/bin/nvcc").exists() and not os.environ.get("CUDA_HOME"):
-    return "CUDA toolkit (nvcc) not found"
-  return None
+    if importlib.util.find_spec("nvidia_cutlass_dsl") is None:
+        return "nvidia-cutlass-dsl not installed"
+    if shutil.which("g++") is None or shutil.which("nm") is None:
+        return "g++/nm not found"
+    if (
+        shutil.which("nvcc") is None
+        and not pathlib.Path("/usr/local/cuda/bin/nvcc").exists()
+        and not os.environ.get("CUDA_HOME")
+    ):
+        return "CUDA toolkit (nvcc) not found"
+    return None
 
 
 @pytest.mark.build
 def test_variants_module_needs_no_cutlass():
-  code = (
-    "import sys; import jax_cake.kernels.variants as v; "
-    "assert v.VARIANTS and 'cutlass' not in sys.modules; "
-    "assert len({x.name for x in v.VARIANTS}) == len(v.VARIANTS)"
-  )
-  subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    code = (
+        "import sys; import jax_cake.kernels.variants as v; "
+        "assert v.VARIANTS and 'cutlass' not in sys.modules; "
+        "assert len({x.name for x in v.VARIANTS}) == len(v.VARIANTS)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 @pytest.mark.build
 def test_kernels_compile_and_export(tmp_path):
-  """The CuTe DSL part alone (needs only the cutlass wheel): every variant compiles
-  for sm_90a and exports a header and an object, so a kernel that stops compiling
-  fails here even where no CUDA toolkit is installed."""
-  if importlib.util.find_spec("nvidia_cutlass_dsl") is None:
-    pytest.skip("nvidia-cutlass-dsl not installed")
-  obj = tmp_path / "obj"
-  env = dict(os.environ)
-  env.pop("CUTE_DSL_ARCH", None)
-  proc = subprocess.run(
-    [sys.executable, "-m", "jax_cake.build", "--compile_only", f"--out_dir={tmp_path / 'lib'}", f"--obj_dir={obj}"],
-    cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-  )
-  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-  from jax_cake.kernels.variants import VARIANTS
+    """The CuTe DSL part alone (needs only the cutlass wheel): every variant compiles
+    for sm_90a and exports a header and an object, so a kernel that stops compiling
+    fails here even where no CUDA toolkit is installed."""
+    if importlib.util.find_spec("nvidia_cutlass_dsl") is None:
+        pytest.skip("nvidia-cutlass-dsl not installed")
+    obj = tmp_path / "obj"
+    env = dict(os.environ)
+    env.pop("CUTE_DSL_ARCH", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_cake.build", "--compile_only", f"--out_dir={tmp_path / 'lib'}", f"--obj_dir={obj}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    from jax_cake.kernels.variants import VARIANTS
 
-  for v in VARIANTS:
-    assert (obj / f"{v.name}.h").is_file() and (obj / f"{v.name}.o").stat().st_size > 0, v.name
-  assert (obj / "jax_cake_variants.inc").is_file()
+    for v in VARIANTS:
+        assert (obj / f"{v.name}.h").is_file() and (obj / f"{v.name}.o").stat().st_size > 0, v.name
+    assert (obj / "jax_cake_variants.inc").is_file()
 
 
 @pytest.mark.build
 def test_aot_build_exports_handlers(tmp_path):
-  missing = _toolchain_missing()
-  if missing:
-    pytest.skip(missing)
-  out_dir = tmp_path / "lib"
-  env = dict(os.environ)
-  env.pop("CUTE_DSL_ARCH", None)  # the build must set it itself
-  proc = subprocess.run(
-    [sys.executable, "-m", "jax_cake.build", f"--out_dir={out_dir}", f"--obj_dir={tmp_path / 'obj'}"],
-    cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-  )
-  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-  lib = out_dir / "libjax_cake_ffi.so"
-  assert proc.stdout.strip().splitlines()[-1] == str(lib)
-  assert lib.is_file()
-  syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], check=True, capture_output=True, text=True).stdout
-  exported = {line.split()[-1] for line in syms.splitlines() if line.strip()}
-  for name in HANDLERS + ("jax_cake_load_modules", "jax_cake_num_variants", "jax_cake_variant_name"):
-    assert name in exported, name
-  # Only libc/libstdc++ at run time: no libcuda link, no cutlass runtime .so.
-  ldd = subprocess.run(["ldd", str(lib)], capture_output=True, text=True).stdout
-  assert "cute_dsl_runtime" not in ldd and "libcudart.so" not in ldd, ldd
-  # Every variant is in the library's table, in variants.py order.
-  code = (
-    "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
-    "lib.jax_cake_variant_name.restype = ctypes.c_char_p; "
-    "print(','.join(lib.jax_cake_variant_name(i).decode() for i in range(lib.jax_cake_num_variants())))"
-  )
-  names = subprocess.run([sys.executable, "-c", code, str(lib)], check=True, capture_output=True, text=True).stdout.strip()
-  from jax_cake.kernels.variants import VARIANTS
+    missing = _toolchain_missing()
+    if missing:
+        pytest.skip(missing)
+    out_dir = tmp_path / "lib"
+    env = dict(os.environ)
+    env.pop("CUTE_DSL_ARCH", None)  # the build must set it itself
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_cake.build", f"--out_dir={out_dir}", f"--obj_dir={tmp_path / 'obj'}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lib = out_dir / "libjax_cake_ffi.so"
+    assert proc.stdout.strip().splitlines()[-1] == str(lib)
+    assert lib.is_file()
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], check=True, capture_output=True, text=True).stdout
+    exported = {line.split()[-1] for line in syms.splitlines() if line.strip()}
+    for name in HANDLERS + ("jax_cake_load_modules", "jax_cake_num_variants", "jax_cake_variant_name"):
+        assert name in exported, name
+    # Only libc/libstdc++ at run time: no libcuda link, no cutlass runtime .so.
+    ldd = subprocess.run(["ldd", str(lib)], capture_output=True, text=True).stdout
+    assert "cute_dsl_runtime" not in ldd and "libcudart.so" not in ldd, ldd
+    # Every variant is in the library's table, in variants.py order.
+    code = (
+        "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
+        "lib.jax_cake_variant_name.restype = ctypes.c_char_p; "
+        "print(','.join(lib.jax_cake_variant_name(i).decode() for i in range(lib.jax_cake_num_variants())))"
+    )
+    names = subprocess.run(
+        [sys.executable, "-c", code, str(lib)], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    from jax_cake.kernels.variants import VARIANTS
 
-  assert names.split(",") == [v.name for v in VARIANTS]
+    assert names.split(",") == [v.name for v in VARIANTS]
 
 
 @pytest.mark.gpu
 def test_gpu_check_quick():
-  """The quick part of `python -m jax_cake.gpu_check` (GPU machine only)."""
-  proc = subprocess.run([sys.executable, "-m", "jax_cake.gpu_check", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    """The quick part of `python -m jax_cake.gpu_check` (GPU machine only)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_cake.gpu_check", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

@@ -4,6 +4,7 @@ default sizes on the GPU (`pytest -m gpu`, skipped elsewhere).
 Checks the exit status and what the example prints: the training loss went down, and
 the shard_map gradients matched the unsharded ones.
 """
+
 import os
 import pathlib
 import re
@@ -19,8 +20,14 @@ STEP_LOSS = re.compile(r"^step\s+(\d+)\s+loss\s+([0-9.eE+-]+)", re.MULTILINE)
 def run_example(name, *flags, platform="cpu"):
     env = dict(os.environ, JAX_PLATFORMS=platform)
     env.pop("XLA_FLAGS", None)  # the shard_map example sets its own device count
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / name), *flags],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / name), *flags],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -33,23 +40,40 @@ def assert_loss_went_down(stdout):
 
 
 def test_train_step():
-    assert_loss_went_down(run_example(
-        "train_step.py", "--steps=12", "--batch=2", "--seq=16", "--d_model=32", "--heads=2",
-        "--lr=1e-2", "--log_every=1"))
+    assert_loss_went_down(
+        run_example(
+            "train_step.py",
+            "--steps=12",
+            "--batch=2",
+            "--seq=16",
+            "--d_model=32",
+            "--heads=2",
+            "--lr=1e-2",
+            "--log_every=1",
+        )
+    )
 
 
 def test_moe_router():
-    assert_loss_went_down(run_example(
-        "moe_router.py", "--steps=12", "--tokens=128", "--d_model=32", "--d_ff=64",
-        "--experts=16", "--lr=1e-2", "--log_every=1"))
+    assert_loss_went_down(
+        run_example(
+            "moe_router.py",
+            "--steps=12",
+            "--tokens=128",
+            "--d_model=32",
+            "--d_ff=64",
+            "--experts=16",
+            "--lr=1e-2",
+            "--log_every=1",
+        )
+    )
 
 
 def assert_gradients_matched(stdout):
-    diffs = re.findall(r"^(\w+)\s+(y|dx|dw)\s+\S+\s+max_rel_diff\s+(\S+)\s+ok$", stdout,
-                       re.MULTILINE)
+    diffs = re.findall(r"^(\w+)\s+(y|dx|dw)\s+\S+\s+max_rel_diff\s+(\S+)\s+ok$", stdout, re.MULTILINE)
     assert {(layout, label) for layout, label, _ in diffs} == {
-        (layout, label) for layout in ("data_parallel", "tensor_parallel")
-        for label in ("y", "dx", "dw")}, stdout
+        (layout, label) for layout in ("data_parallel", "tensor_parallel") for label in ("y", "dx", "dw")
+    }, stdout
     assert "PASS" in stdout
 
 

@@ -11,116 +11,126 @@ from helpers import faked_device
 
 
 def _cuda_text(fn, *args) -> str:
-  with faked_device():
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with faked_device():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _calls(text: str, target: str) -> list[str]:
-  return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
+    return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
 
 
 def _attr(call: str, name: str) -> int:
-  return int(re.search(rf"\b{name} = (\d+) : i64", call).group(1))
+    return int(re.search(rf"\b{name} = (\d+) : i64", call).group(1))
 
 
 def _spec(shape, dtype):
-  return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def _train_step(deterministic=True):
-  def step(x, w):
-    loss = lambda x, w: jnp.sum(jc.dense_projection(x, w, deterministic=deterministic).astype(jnp.float32) ** 2)
-    return jax.grad(loss, argnums=(0, 1))(x, w)
-  return step
+    def step(x, w):
+        loss = lambda x, w: jnp.sum(jc.dense_projection(x, w, deterministic=deterministic).astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    return step
 
 
 @pytest.mark.parametrize("t,d_in,d_out", [(16172, 4096, 48), (16231, 5120, 512), (16384, 4096, 4096), (37, 64, 32)])
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
 def test_step_lowers_to_one_custom_call_per_gemm_with_the_plan(t, d_in, d_out, w_dtype):
-  text = _cuda_text(_train_step(), _spec((t, d_in), jnp.bfloat16), _spec((d_out, d_in), w_dtype))
-  fwd, dgrad, wgrad = (_calls(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
-  assert (len(fwd), len(dgrad), len(wgrad)) == (1, 1, 1), text
-  assert "dot_general" not in text  # no XLA GEMM left on the CUDA path
-  with faked_device():
-    expected = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, out_dtype=w_dtype)
-  call = wgrad[0]
-  assert (_attr(call, "tile_m"), _attr(call, "tile_n"), _attr(call, "tile_k")) == expected.tile
-  assert _attr(call, "splits") == expected.splits
-  assert _attr(call, "reduction") == (1 if expected.splits > 1 else 0)
-  # dw in w's dtype, workspace sized by the plan
-  dtype = "f32" if w_dtype == jnp.float32 else "bf16"
-  assert f"tensor<1x{d_out}x{d_in}x{dtype}>, tensor<{expected.workspace_bytes}xui8>" in call
+    text = _cuda_text(_train_step(), _spec((t, d_in), jnp.bfloat16), _spec((d_out, d_in), w_dtype))
+    fwd, dgrad, wgrad = (_calls(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
+    assert (len(fwd), len(dgrad), len(wgrad)) == (1, 1, 1), text
+    assert "dot_general" not in text  # no XLA GEMM left on the CUDA path
+    with faked_device():
+        expected = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, out_dtype=w_dtype)
+    call = wgrad[0]
+    assert (_attr(call, "tile_m"), _attr(call, "tile_n"), _attr(call, "tile_k")) == expected.tile
+    assert _attr(call, "splits") == expected.splits
+    assert _attr(call, "reduction") == (1 if expected.splits > 1 else 0)
+    # dw in w's dtype, workspace sized by the plan
+    dtype = "f32" if w_dtype == jnp.float32 else "bf16"
+    assert f"tensor<1x{d_out}x{d_in}x{dtype}>, tensor<{expected.workspace_bytes}xui8>" in call
 
 
 def test_skinny_wgrad_splits_k_to_fill_the_h200():
-  with faked_device():
-    p = jc.plan("wgrad", tokens=16172, d_in=4096, d_out=48, out_dtype=jnp.float32)
-  assert p.program == "det" and p.splits > 1 and p.reduction == "ordered"
-  assert 100 <= p.ctas <= 132
-  assert p.workspace_bytes == p.splits * 48 * 4096 * 4
+    with faked_device():
+        p = jc.plan("wgrad", tokens=16172, d_in=4096, d_out=48, out_dtype=jnp.float32)
+    assert p.program == "det" and p.splits > 1 and p.reduction == "ordered"
+    assert 100 <= p.ctas <= 132
+    assert p.workspace_bytes == p.splits * 48 * 4096 * 4
 
 
 def test_unaligned_shape_lowers_to_xla_on_cuda():
-  text = _cuda_text(_train_step(), _spec((37, 20), jnp.bfloat16), _spec((12, 20), jnp.float32))
-  assert "custom_call @jax_cake" not in text
-  assert text.count("dot_general") >= 3
+    text = _cuda_text(_train_step(), _spec((37, 20), jnp.bfloat16), _spec((12, 20), jnp.float32))
+    assert "custom_call @jax_cake" not in text
+    assert text.count("dot_general") >= 3
 
 
 def test_cpu_lowering_has_no_custom_calls():
-  text = jax.jit(_train_step()).trace(_spec((64, 128), jnp.bfloat16), _spec((32, 128), jnp.float32)).lower().as_text()
-  assert "custom_call @jax_cake" not in text
+    text = jax.jit(_train_step()).trace(_spec((64, 128), jnp.bfloat16), _spec((32, 128), jnp.float32)).lower().as_text()
+    assert "custom_call @jax_cake" not in text
 
 
 def test_batched_projection_is_one_launch_for_the_batch():
-  def step(x, w):
-    return jax.grad(lambda x, w: jnp.sum(jc.batched_projection(x, w).astype(jnp.float32) ** 2), argnums=(0, 1))(x, w)
-  text = _cuda_text(step, _spec((16, 4096, 128), jnp.bfloat16), _spec((16, 512, 128), jnp.bfloat16))
-  fwd = _calls(text, "jax_cake_fwd")
-  assert len(fwd) == 1 and "(tensor<16x4096x128xbf16>, tensor<16x512x128xbf16>) -> tensor<16x4096x512xbf16>" in fwd[0]
+    def step(x, w):
+        return jax.grad(lambda x, w: jnp.sum(jc.batched_projection(x, w).astype(jnp.float32) ** 2), argnums=(0, 1))(
+            x, w
+        )
+
+    text = _cuda_text(step, _spec((16, 4096, 128), jnp.bfloat16), _spec((16, 512, 128), jnp.bfloat16))
+    fwd = _calls(text, "jax_cake_fwd")
+    assert len(fwd) == 1 and "(tensor<16x4096x128xbf16>, tensor<16x512x128xbf16>) -> tensor<16x4096x512xbf16>" in fwd[0]
 
 
 # --- remat ------------------------------------------------------------------------------
 
 
 def _two_layer_loss(policy):
-  """Two projections with a nonlinearity between: the second one's backward needs the
-  first one's output, which remat either recomputes or saves."""
-  def block(x, w1, w2):
-    h = jax.nn.gelu(jc.dense_projection(x, w1))
-    return jc.dense_projection(h, w2)
+    """Two projections with a nonlinearity between: the second one's backward needs the
+    first one's output, which remat either recomputes or saves."""
 
-  block = jax.checkpoint(block, policy=policy)
+    def block(x, w1, w2):
+        h = jax.nn.gelu(jc.dense_projection(x, w1))
+        return jc.dense_projection(h, w2)
 
-  def loss(x, w1, w2):
-    return jnp.sum(block(x, w1, w2).astype(jnp.float32) ** 2)
+    block = jax.checkpoint(block, policy=policy)
 
-  return jax.grad(loss, argnums=(1, 2))
+    def loss(x, w1, w2):
+        return jnp.sum(block(x, w1, w2).astype(jnp.float32) ** 2)
+
+    return jax.grad(loss, argnums=(1, 2))
 
 
-@pytest.mark.parametrize("policy,fwd_calls", [
-    (None, 3),  # plain checkpoint: both forwards, then the first one again in the backward
-    (jax.checkpoint_policies.dots_saveable, 3),  # dots_saveable does not see custom calls
-    (jc.remat.save_projections, 2),
-    (jc.remat.save_projections_and_dots, 2),
-])
+@pytest.mark.parametrize(
+    "policy,fwd_calls",
+    [
+        (None, 3),  # plain checkpoint: both forwards, then the first one again in the backward
+        (jax.checkpoint_policies.dots_saveable, 3),  # dots_saveable does not see custom calls
+        (jc.remat.save_projections, 2),
+        (jc.remat.save_projections_and_dots, 2),
+    ],
+)
 def test_checkpoint_recomputes_the_forward_unless_the_policy_saves_it(policy, fwd_calls):
-  args = (_spec((1024, 256), jnp.bfloat16), _spec((512, 256), jnp.float32), _spec((256, 512), jnp.float32))
-  text = _cuda_text(_two_layer_loss(policy), *args)
-  assert len(_calls(text, "jax_cake_fwd")) == fwd_calls
-  assert len(_calls(text, "jax_cake_dgrad")) == 1  # x is not differentiated: only the second layer needs dx
-  assert len(_calls(text, "jax_cake_wgrad")) == 2
+    args = (_spec((1024, 256), jnp.bfloat16), _spec((512, 256), jnp.float32), _spec((256, 512), jnp.float32))
+    text = _cuda_text(_two_layer_loss(policy), *args)
+    assert len(_calls(text, "jax_cake_fwd")) == fwd_calls
+    assert len(_calls(text, "jax_cake_dgrad")) == 1  # x is not differentiated: only the second layer needs dx
+    assert len(_calls(text, "jax_cake_wgrad")) == 2
 
 
 def test_router_step_lowers_to_the_three_router_custom_calls(monkeypatch):
-  monkeypatch.setattr(jc.planner.planning, "ROUTER_KERNELS_ENABLED", True)
-  def step(x, w):
-    return jax.grad(lambda x, w: jnp.sum(jc.router_logits(x, w) ** 2), argnums=(0, 1))(x, w)
-  text = _cuda_text(step, _spec((16231, 4096), jnp.float32), _spec((256, 4096), jnp.float32))
-  calls = {op: _calls(text, f"jax_cake_router_{op}") for op in ("fwd", "dgrad", "wgrad")}
-  assert all(len(c) == 1 for c in calls.values()), calls
-  assert "(tensor<16231x4096xf32>, tensor<256x4096xf32>) -> tensor<16231x256xf32>" in calls["fwd"][0]
-  with faked_device():
-    wgrad = jc.plan("router_wgrad", tokens=16231, d_in=4096, d_out=256, out_dtype=jnp.float32)
-  assert f"-> (tensor<256x4096xf32>, tensor<{wgrad.workspace_bytes}xui8>)" in calls["wgrad"][0]
-  assert "raster" not in calls["fwd"][0] and "cluster_m" not in calls["fwd"][0]  # the router takes five attributes
-  assert "dot_general" not in text
+    monkeypatch.setattr(jc.planner.planning, "ROUTER_KERNELS_ENABLED", True)
+
+    def step(x, w):
+        return jax.grad(lambda x, w: jnp.sum(jc.router_logits(x, w) ** 2), argnums=(0, 1))(x, w)
+
+    text = _cuda_text(step, _spec((16231, 4096), jnp.float32), _spec((256, 4096), jnp.float32))
+    calls = {op: _calls(text, f"jax_cake_router_{op}") for op in ("fwd", "dgrad", "wgrad")}
+    assert all(len(c) == 1 for c in calls.values()), calls
+    assert "(tensor<16231x4096xf32>, tensor<256x4096xf32>) -> tensor<16231x256xf32>" in calls["fwd"][0]
+    with faked_device():
+        wgrad = jc.plan("router_wgrad", tokens=16231, d_in=4096, d_out=256, out_dtype=jnp.float32)
+    assert f"-> (tensor<256x4096xf32>, tensor<{wgrad.workspace_bytes}xui8>)" in calls["wgrad"][0]
+    assert "raster" not in calls["fwd"][0] and "cluster_m" not in calls["fwd"][0]  # the router takes five attributes
+    assert "dot_general" not in text

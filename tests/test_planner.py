@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice
@@ -15,133 +14,177 @@ from helpers import H200, faked_device
 
 
 def _r200(sms):
-  return DeviceInfo("cuda", "NVIDIA R200", "sm_107a", sms)
+    return DeviceInfo("cuda", "NVIDIA R200", "sm_107a", sms)
 
 
 # --- device lookup ------------------------------------------------------------------------
 
 
 def test_device_from_abstract_mesh_and_default():
-  with faked_device():
-    p = jc.plan("fwd", tokens=1024, d_in=512, d_out=512)
-  assert p.uses_kernel and "H200" in p.device and "132 SMs" in p.device
-  p = jc.plan("fwd", tokens=1024, d_in=512, d_out=512)  # jax.devices()[0] is a CPU here
-  assert not p.uses_kernel and "no CUDA GPU" in p.reason
+    with faked_device():
+        p = jc.plan("fwd", tokens=1024, d_in=512, d_out=512)
+    assert p.uses_kernel and "H200" in p.device and "132 SMs" in p.device
+    p = jc.plan("fwd", tokens=1024, d_in=512, d_out=512)  # jax.devices()[0] is a CPU here
+    assert not p.uses_kernel and "no CUDA GPU" in p.reason
 
 
-@pytest.mark.parametrize("kind,arch", [("NVIDIA H200", "sm_90a"), ("NVIDIA H100 80GB HBM3", "sm_90a"),
-                                       ("NVIDIA A100-SXM4-80GB", "sm_80"), ("NVIDIA GB200", "sm_100a"), ("NVIDIA R200", "sm_107a")])
+@pytest.mark.parametrize(
+    "kind,arch",
+    [
+        ("NVIDIA H200", "sm_90a"),
+        ("NVIDIA H100 80GB HBM3", "sm_90a"),
+        ("NVIDIA A100-SXM4-80GB", "sm_80"),
+        ("NVIDIA GB200", "sm_100a"),
+        ("NVIDIA R200", "sm_107a"),
+    ],
+)
 def test_arch_from_kind_name(kind, arch):
-  assert from_jax_device(AbstractDevice(kind, 100, "cuda")).arch == arch
+    assert from_jax_device(AbstractDevice(kind, 100, "cuda")).arch == arch
 
 
 def test_plan_is_frozen_and_hashable():
-  with faked_device():
-    p = jc.plan("wgrad", tokens=16172, d_in=4096, d_out=48, out_dtype=jnp.float32)
-  assert hash(p) == hash(dataclasses.replace(p))
-  with pytest.raises(dataclasses.FrozenInstanceError):
-    p.splits = 2
+    with faked_device():
+        p = jc.plan("wgrad", tokens=16172, d_in=4096, d_out=48, out_dtype=jnp.float32)
+    assert hash(p) == hash(dataclasses.replace(p))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.splits = 2
 
 
 # --- fallbacks say why ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device,words", [
-    (AbstractDevice("NVIDIA A100-SXM4-80GB", 108, "cuda"), ["no jax_cake kernels are built for sm_80"]),
-    (AbstractDevice("cpu", None, "cpu"), ["no CUDA GPU"]),
-])
+@pytest.mark.parametrize(
+    "device,words",
+    [
+        (AbstractDevice("NVIDIA A100-SXM4-80GB", 108, "cuda"), ["no jax_cake kernels are built for sm_80"]),
+        (AbstractDevice("cpu", None, "cpu"), ["no CUDA GPU"]),
+    ],
+)
 def test_unsupported_device_runs_xla_and_says_why(device, words):
-  p = jc.plan("fwd", tokens=1024, d_in=512, d_out=512, device=device)
-  assert p.backend == "xla" and p.program == "xla"
-  text = jc.explain(p)
-  assert "runs the XLA path" in text
-  for w in words:
-    assert w in text
+    p = jc.plan("fwd", tokens=1024, d_in=512, d_out=512, device=device)
+    assert p.backend == "xla" and p.program == "xla"
+    text = jc.explain(p)
+    assert "runs the XLA path" in text
+    for w in words:
+        assert w in text
 
 
 def test_unaligned_shape_runs_xla_and_says_why():
-  p = jc.plan("fwd", tokens=37, d_in=20, d_out=12, device=H200)
-  assert not p.uses_kernel and "multiples of 8" in jc.explain(p)
+    p = jc.plan("fwd", tokens=37, d_in=20, d_out=12, device=H200)
+    assert not p.uses_kernel and "multiples of 8" in jc.explain(p)
 
 
 @pytest.fixture
 def router_kernels_enabled(monkeypatch):
-  monkeypatch.setattr(jc.planner.planning, "ROUTER_KERNELS_ENABLED", True)
+    monkeypatch.setattr(jc.planner.planning, "ROUTER_KERNELS_ENABLED", True)
 
 
 def test_router_kernels_can_be_held_back(monkeypatch):
-  monkeypatch.setattr(jc.planner.planning, "ROUTER_KERNELS_ENABLED", False)
-  p = jc.plan("router_fwd", tokens=16384, d_in=4096, d_out=256, out_dtype=jnp.float32, device=H200)
-  assert not p.uses_kernel and "held back" in p.reason and "BF16x3" in p.reason
+    monkeypatch.setattr(jc.planner.planning, "ROUTER_KERNELS_ENABLED", False)
+    p = jc.plan("router_fwd", tokens=16384, d_in=4096, d_out=256, out_dtype=jnp.float32, device=H200)
+    assert not p.uses_kernel and "held back" in p.reason and "BF16x3" in p.reason
 
 
 @pytest.mark.parametrize("d", [4096, 7168])
 def test_router_plans_use_the_fused_bf16x3_kernels(d, router_kernels_enabled):
-  sizes = dict(tokens=16384, d_in=d, d_out=256, out_dtype=jnp.float32, device=H200)
-  fwd = jc.plan("router_fwd", **sizes)
-  wgrad = jc.plan("router_wgrad", **sizes, deterministic=False)
-  assert fwd.uses_kernel and fwd.tile in compiled_tiles("router_fwd") and "BF16x3" in fwd.reason
-  assert wgrad.program == "det" and wgrad.deterministic  # the router has no split-K program
-  assert wgrad.ctas >= 100  # splits over K = T fill the H200 where the tiles alone do not
-  assert wgrad.workspace_bytes == (wgrad.splits * 256 * d * 4 if wgrad.splits > 1 else 16)
+    sizes = dict(tokens=16384, d_in=d, d_out=256, out_dtype=jnp.float32, device=H200)
+    fwd = jc.plan("router_fwd", **sizes)
+    wgrad = jc.plan("router_wgrad", **sizes, deterministic=False)
+    assert fwd.uses_kernel and fwd.tile in compiled_tiles("router_fwd") and "BF16x3" in fwd.reason
+    assert wgrad.program == "det" and wgrad.deterministic  # the router has no split-K program
+    assert wgrad.ctas >= 100  # splits over K = T fill the H200 where the tiles alone do not
+    assert wgrad.workspace_bytes == (wgrad.splits * 256 * d * 4 if wgrad.splits > 1 else 16)
 
 
 def test_router_unaligned_shape_runs_xla_and_says_why(router_kernels_enabled):
-  p = jc.plan("router_fwd", tokens=37, d_in=30, d_out=256, out_dtype=jnp.float32, device=H200)
-  assert not p.uses_kernel and "multiples of 4" in p.reason and "BF16x3" in p.reason
+    p = jc.plan("router_fwd", tokens=37, d_in=30, d_out=256, out_dtype=jnp.float32, device=H200)
+    assert not p.uses_kernel and "multiples of 4" in p.reason and "BF16x3" in p.reason
 
 
 # --- H200 plans ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("t", [16172, 16231, 16384])
-@pytest.mark.parametrize("d_in,d_out", [(4096, 32), (4096, 48), (4096, 64), (4096, 512), (4096, 1024), (4096, 4096), (5120, 48), (5120, 1024)])
+@pytest.mark.parametrize(
+    "d_in,d_out",
+    [(4096, 32), (4096, 48), (4096, 64), (4096, 512), (4096, 1024), (4096, 4096), (5120, 48), (5120, 1024)],
+)
 @pytest.mark.parametrize("out", ["float32", "bfloat16"])
 def test_h200_plans_fill_the_machine_and_stay_reproducible(t, d_in, d_out, out):
-  for deterministic in (True, False):
-    p = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, out_dtype=out, deterministic=deterministic, device=H200)
-    assert p.uses_kernel and p.tile in compiled_tiles("wgrad")
-    # The shipped sm_90a table has no measured rows: deterministic=False runs det too.
-    assert p.program == "det" and p.deterministic
-    assert p.ctas >= 64, jc.explain(p)
-    assert p.workspace_bytes >= (p.splits * d_out * d_in * 4 if p.splits > 1 else 0)
-    assert p.out_dtype == out
+    for deterministic in (True, False):
+        p = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, out_dtype=out, deterministic=deterministic, device=H200)
+        assert p.uses_kernel and p.tile in compiled_tiles("wgrad")
+        # The shipped sm_90a table has no measured rows: deterministic=False runs det too.
+        assert p.program == "det" and p.deterministic
+        assert p.ctas >= 64, jc.explain(p)
+        assert p.workspace_bytes >= (p.splits * d_out * d_in * 4 if p.splits > 1 else 0)
+        assert p.out_dtype == out
 
 
 def test_deterministic_false_follows_a_measured_split_row():
-  row = dict(d_in=4096, d_out=48, out="float32", min_tokens=16000, max_tokens=17000, program="split",
-             splits=8, exclude_tokens=[16231], source="synthetic test row")
-  table = tables.parse({"arch": "sm_90a", "sm_ranges": [{"min_sms": 132, "max_sms": 132, "rows": [row]}]})
-  with tables.use_table(table):
-    split = jc.plan("wgrad", tokens=16172, d_in=4096, d_out=48, out_dtype=jnp.float32, deterministic=False, device=H200)
-    excluded = jc.plan("wgrad", tokens=16231, d_in=4096, d_out=48, out_dtype=jnp.float32, deterministic=False, device=H200)
-    det = jc.plan("wgrad", tokens=16172, d_in=4096, d_out=48, out_dtype=jnp.float32, deterministic=True, device=H200)
-    other_sms = jc.plan("wgrad", tokens=16172, d_in=4096, d_out=48, out_dtype=jnp.float32, deterministic=False,
-                        device=AbstractDevice("NVIDIA H100", 114, "cuda"))
-  assert split.program == "split" and split.reduction == "arrival" and split.splits == 8 and not split.deterministic
-  assert split.workspace_bytes == 16  # FP32 dw takes the atomics itself
-  assert "synthetic test row" in jc.explain(split)
-  assert excluded.program == "det" and "excluded" in excluded.reason
-  assert det.program == "det" and det.deterministic
-  assert other_sms.program == "det"
+    row = dict(
+        d_in=4096,
+        d_out=48,
+        out="float32",
+        min_tokens=16000,
+        max_tokens=17000,
+        program="split",
+        splits=8,
+        exclude_tokens=[16231],
+        source="synthetic test row",
+    )
+    table = tables.parse({"arch": "sm_90a", "sm_ranges": [{"min_sms": 132, "max_sms": 132, "rows": [row]}]})
+    with tables.use_table(table):
+        split = jc.plan(
+            "wgrad", tokens=16172, d_in=4096, d_out=48, out_dtype=jnp.float32, deterministic=False, device=H200
+        )
+        excluded = jc.plan(
+            "wgrad", tokens=16231, d_in=4096, d_out=48, out_dtype=jnp.float32, deterministic=False, device=H200
+        )
+        det = jc.plan(
+            "wgrad", tokens=16172, d_in=4096, d_out=48, out_dtype=jnp.float32, deterministic=True, device=H200
+        )
+        other_sms = jc.plan(
+            "wgrad",
+            tokens=16172,
+            d_in=4096,
+            d_out=48,
+            out_dtype=jnp.float32,
+            deterministic=False,
+            device=AbstractDevice("NVIDIA H100", 114, "cuda"),
+        )
+    assert split.program == "split" and split.reduction == "arrival" and split.splits == 8 and not split.deterministic
+    assert split.workspace_bytes == 16  # FP32 dw takes the atomics itself
+    assert "synthetic test row" in jc.explain(split)
+    assert excluded.program == "det" and "excluded" in excluded.reason
+    assert det.program == "det" and det.deterministic
+    assert other_sms.program == "det"
 
 
 def test_force_selects_the_arm_for_the_benchmark():
-  with jc.planner.force("split", splits=6):
-    p = jc.plan("wgrad", tokens=16384, d_in=4096, d_out=64, out_dtype=jnp.bfloat16, device=H200)
-  assert p.program == "split" and p.splits == 6 and p.workspace_bytes == 64 * 4096 * 4
-  with jc.planner.force("xla"):
-    assert not jc.plan("fwd", tokens=64, d_in=64, d_out=64, device=H200).uses_kernel
-  with pytest.raises(ValueError, match="program must be"):
-    with jc.planner.force("fast"):
-      pass
+    with jc.planner.force("split", splits=6):
+        p = jc.plan("wgrad", tokens=16384, d_in=4096, d_out=64, out_dtype=jnp.bfloat16, device=H200)
+    assert p.program == "split" and p.splits == 6 and p.workspace_bytes == 64 * 4096 * 4
+    with jc.planner.force("xla"):
+        assert not jc.plan("fwd", tokens=64, d_in=64, d_out=64, device=H200).uses_kernel
+    with pytest.raises(ValueError, match="program must be"):
+        with jc.planner.force("fast"):
+            pass
 
 
 def test_table_rejects_bad_rows():
-  bad = {"arch": "sm_90a", "sm_ranges": [{"min_sms": 1, "max_sms": None, "rows": [
-      dict(d_in=8, d_out=8, out="float16", min_tokens=1, max_tokens=2, program="split")]}]}
-  with pytest.raises(ValueError, match="out 'float16'"):
-    tables.parse(bad)
+    bad = {
+        "arch": "sm_90a",
+        "sm_ranges": [
+            {
+                "min_sms": 1,
+                "max_sms": None,
+                "rows": [dict(d_in=8, d_out=8, out="float16", min_tokens=1, max_tokens=2, program="split")],
+            }
+        ],
+    }
+    with pytest.raises(ValueError, match="out 'float16'"):
+        tables.parse(bad)
 
 
 # --- the upstream sm_107a verdicts (FlashInfer #8363 / #8438), FP32 K1 rows ----------------
@@ -149,92 +192,123 @@ def test_table_rejects_bad_rows():
 # Points where the deterministic program runs under deterministic=False.
 SM107_DET = [
     # #8363, 208 SMs
-    *[(208, d_in, d_out, t) for d_in, d_out in [(4096, 48), (4096, 64), (4096, 512), (5120, 48)] for t in (16231, 16384)],
-    (208, 4096, 1024, 16231), (208, 5120, 64, 16231),
+    *[
+        (208, d_in, d_out, t)
+        for d_in, d_out in [(4096, 48), (4096, 64), (4096, 512), (5120, 48)]
+        for t in (16231, 16384)
+    ],
+    (208, 4096, 1024, 16231),
+    (208, 5120, 64, 16231),
     # #8363, 212 SMs
     *[(212, d_in, d_out, t) for d_in, d_out in [(4096, 512), (5120, 512)] for t in (16231, 16384)],
-    (212, 4096, 1024, 16231), (212, 5120, 48, 16231), (212, 5120, 64, 16231),
+    (212, 4096, 1024, 16231),
+    (212, 5120, 48, 16231),
+    (212, 5120, 64, 16231),
     *[(212, 4096, 4096, t) for t in (16172, 16231, 16300, 16384)],  # every token count 16172..16384
     # #8363 entries for 216+ SMs, confirmed by #8438 on 216-SM parts, and #8438's six more
-    *[(sms, d_in, d_out, t) for sms in (216, 224) for d_in, d_out, t in [
-        (4096, 48, 16231), (4096, 48, 16384), (4096, 512, 16231), (4096, 512, 16384),
-        (4096, 1024, 16231), (5120, 48, 16231), (5120, 64, 16231),
-        (4096, 32, 16231), (4096, 64, 16231), (4096, 64, 16384), (5120, 48, 16384), (5120, 64, 16384)]],
+    *[
+        (sms, d_in, d_out, t)
+        for sms in (216, 224)
+        for d_in, d_out, t in [
+            (4096, 48, 16231),
+            (4096, 48, 16384),
+            (4096, 512, 16231),
+            (4096, 512, 16384),
+            (4096, 1024, 16231),
+            (5120, 48, 16231),
+            (5120, 64, 16231),
+            (4096, 32, 16231),
+            (4096, 64, 16231),
+            (4096, 64, 16384),
+            (5120, 48, 16384),
+            (5120, 64, 16384),
+        ]
+    ],
 ]
 
 # Points that keep the split program.
 SM107_SPLIT = [
     (208, 5120, 1024, 16384),  # kept by the second measurement (commit 91c6b64)
-    (208, 4096, 48, 16172), (208, 4096, 1024, 16172), (208, 4096, 1024, 16384),
-    (212, 4096, 1024, 16172), (212, 4096, 512, 16172), (212, 5120, 48, 16384),
-    (216, 4096, 1024, 16172), (216, 4096, 1024, 16384), (216, 4096, 32, 16172), (216, 4096, 32, 16384),
+    (208, 4096, 48, 16172),
+    (208, 4096, 1024, 16172),
+    (208, 4096, 1024, 16384),
+    (212, 4096, 1024, 16172),
+    (212, 4096, 512, 16172),
+    (212, 5120, 48, 16384),
+    (216, 4096, 1024, 16172),
+    (216, 4096, 1024, 16384),
+    (216, 4096, 32, 16172),
+    (216, 4096, 32, 16384),
 ]
 
 
 @pytest.mark.parametrize("sms,d_in,d_out,t", SM107_DET)
 def test_sm107a_deterministic_verdicts(sms, d_in, d_out, t):
-  v = tables.verdict("sm_107a", sms, d_in, d_out, "float32", t)
-  assert v.program == "det", v.why
+    v = tables.verdict("sm_107a", sms, d_in, d_out, "float32", t)
+    assert v.program == "det", v.why
 
 
 @pytest.mark.parametrize("sms,d_in,d_out,t", SM107_SPLIT)
 def test_sm107a_split_verdicts(sms, d_in, d_out, t):
-  v = tables.verdict("sm_107a", sms, d_in, d_out, "float32", t)
-  assert v.program == "split", v.why
+    v = tables.verdict("sm_107a", sms, d_in, d_out, "float32", t)
+    assert v.program == "split", v.why
 
 
 def test_sm107a_216_sm_4096_to_1024_is_the_192_wide_one_split_program():
-  exact = tables.verdict("sm_107a", 216, 4096, 1024, "float32", 16384).row
-  assert (exact.tile[1], exact.splits, exact.raster, exact.ctas) == (192, 1, "m", 176)
-  above = tables.verdict("sm_107a", 220, 4096, 1024, "float32", 16384).row
-  assert (above.tile[1], above.splits, above.ctas) == (256, 1, 128)
+    exact = tables.verdict("sm_107a", 216, 4096, 1024, "float32", 16384).row
+    assert (exact.tile[1], exact.splits, exact.raster, exact.ctas) == (192, 1, "m", 176)
+    above = tables.verdict("sm_107a", 220, 4096, 1024, "float32", 16384).row
+    assert (above.tile[1], above.splits, above.ctas) == (256, 1, 128)
 
 
 def test_sm107a_bf16_5120_to_1024_on_216_sms():
-  assert tables.verdict("sm_107a", 216, 5120, 1024, "bfloat16", 16231).program == "det"
-  assert tables.verdict("sm_107a", 216, 5120, 1024, "bfloat16", 16384).program == "split"
+    assert tables.verdict("sm_107a", 216, 5120, 1024, "bfloat16", 16231).program == "det"
+    assert tables.verdict("sm_107a", 216, 5120, 1024, "bfloat16", 16384).program == "split"
 
 
 def test_sm107a_outside_the_measured_rows_is_deterministic():
-  assert tables.verdict("sm_107a", 200, 4096, 48, "float32", 16172).program == "det"  # no 200-SM range
-  assert tables.verdict("sm_107a", 208, 4096, 48, "float32", 8192).program == "det"  # token count not measured
+    assert tables.verdict("sm_107a", 200, 4096, 48, "float32", 16172).program == "det"  # no 200-SM range
+    assert tables.verdict("sm_107a", 208, 4096, 48, "float32", 8192).program == "det"  # token count not measured
 
 
 def test_sm107a_plan_explains_the_verdict_but_runs_xla_here():
-  p = jc.plan("wgrad", tokens=16231, d_in=4096, d_out=48, out_dtype=jnp.float32, deterministic=False, device=_r200(208))
-  text = jc.explain(p)
-  assert not p.uses_kernel
-  assert "no jax_cake kernels are built for sm_107a" in text and "verdict for deterministic=False here: det" in text
+    p = jc.plan(
+        "wgrad", tokens=16231, d_in=4096, d_out=48, out_dtype=jnp.float32, deterministic=False, device=_r200(208)
+    )
+    text = jc.explain(p)
+    assert not p.uses_kernel
+    assert "no jax_cake kernels are built for sm_107a" in text and "verdict for deterministic=False here: det" in text
 
 
 def test_gpu_fallback_is_logged_once(caplog):
-  device = AbstractDevice("NVIDIA L40S", 142, "cuda")
-  with caplog.at_level("WARNING"):
-    for _ in range(3):
-      jc.plan("fwd", tokens=64, d_in=64, d_out=64, device=device)
-  messages = [r.getMessage() for r in caplog.records if "NVIDIA L40S" in r.getMessage()]
-  assert len(messages) == 1 and "no jax_cake kernels are built for sm_89" in messages[0]
+    device = AbstractDevice("NVIDIA L40S", 142, "cuda")
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            jc.plan("fwd", tokens=64, d_in=64, d_out=64, device=device)
+    messages = [r.getMessage() for r in caplog.records if "NVIDIA L40S" in r.getMessage()]
+    assert len(messages) == 1 and "no jax_cake kernels are built for sm_89" in messages[0]
 
 
 def test_force_tile_is_honoured_when_compiled():
-  small = min(compiled_tiles("wgrad"))
-  with jc.planner.force("split", tile=small, splits=3):
-    p = jc.plan("wgrad", tokens=16384, d_in=4096, d_out=512, out_dtype=jnp.float32, device=H200)
-  assert p.tile == small and p.splits == 3
-  with jc.planner.force("det", tile=(7, 7, 7)):  # not compiled: the heuristic's tile
-    p = jc.plan("wgrad", tokens=16384, d_in=4096, d_out=512, out_dtype=jnp.float32, device=H200)
-  assert p.tile in compiled_tiles("wgrad")
+    small = min(compiled_tiles("wgrad"))
+    with jc.planner.force("split", tile=small, splits=3):
+        p = jc.plan("wgrad", tokens=16384, d_in=4096, d_out=512, out_dtype=jnp.float32, device=H200)
+    assert p.tile == small and p.splits == 3
+    with jc.planner.force("det", tile=(7, 7, 7)):  # not compiled: the heuristic's tile
+        p = jc.plan("wgrad", tokens=16384, d_in=4096, d_out=512, out_dtype=jnp.float32, device=H200)
+    assert p.tile in compiled_tiles("wgrad")
 
 
 @pytest.mark.parametrize("out", ["float32", "bfloat16"])
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_every_wgrad_plan_names_a_program_the_library_holds(out, deterministic):
-  """A tile may exist for one output dtype or split form only; plans must respect that."""
-  from jax_cake.kernels import variants
-  codes = {"none": 0, "ordered": 1, "arrival": 2}
-  for t in (37, 1011, 16172, 16384):
-    for d_in, d_out in [(4096, 48), (4096, 512), (5120, 1024), (4096, 4096), (128, 512)]:
-      for program in (("det", "split") if not deterministic else ("det",)):
-        with jc.planner.force(program):
-          p = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, out_dtype=out, device=H200)
-        assert variants.supports("wgrad", p.tile, p.cluster, out, p.splits, codes[p.reduction]), jc.explain(p)
+    """A tile may exist for one output dtype or split form only; plans must respect that."""
+    from jax_cake.kernels import variants
+
+    codes = {"none": 0, "ordered": 1, "arrival": 2}
+    for t in (37, 1011, 16172, 16384):
+        for d_in, d_out in [(4096, 48), (4096, 512), (5120, 1024), (4096, 4096), (128, 512)]:
+            for program in ("det", "split") if not deterministic else ("det",):
+                with jc.planner.force(program):
+                    p = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, out_dtype=out, device=H200)
+                assert variants.supports("wgrad", p.tile, p.cluster, out, p.splits, codes[p.reduction]), jc.explain(p)

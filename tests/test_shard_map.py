@@ -11,99 +11,111 @@ from helpers import rand
 
 
 def _loss(y):
-  return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+    return jnp.sum(jnp.sin(y.astype(jnp.float32)))
 
 
 def _unsharded_grads(x, w):
-  return jax.jit(jax.grad(lambda x, w: _loss(jc.dense_projection(x, w)), argnums=(0, 1)))(x, w)
+    return jax.jit(jax.grad(lambda x, w: _loss(jc.dense_projection(x, w)), argnums=(0, 1)))(x, w)
 
 
 def _put(mesh, a, spec):
-  return jax.device_put(a, NamedSharding(mesh, spec))
+    return jax.device_put(a, NamedSharding(mesh, spec))
 
 
 def _assert_close(a, b, tol):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  assert a.shape == b.shape
-  assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol
 
 
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
 def test_data_parallel_matches_unsharded(w_dtype):
-  mesh = jax.make_mesh((8,), ("dp",))
-  x = rand(1, (8 * 37, 64), jnp.bfloat16)
-  w = rand(2, (48, 64), w_dtype)
+    mesh = jax.make_mesh((8,), ("dp",))
+    x = rand(1, (8 * 37, 64), jnp.bfloat16)
+    w = rand(2, (48, 64), w_dtype)
 
-  def local_loss(x, w):  # x: this device's tokens, w: replicated
-    return jax.lax.psum(_loss(jc.dense_projection(x, w)), "dp")
+    def local_loss(x, w):  # x: this device's tokens, w: replicated
+        return jax.lax.psum(_loss(jc.dense_projection(x, w)), "dp")
 
-  grads = jax.jit(jax.shard_map(jax.grad(local_loss, argnums=(0, 1)), mesh=mesh,
-                                in_specs=(P("dp"), P()), out_specs=(P("dp"), P())))
-  dx, dw = grads(_put(mesh, x, P("dp")), _put(mesh, w, P()))
-  ref_dx, ref_dw = _unsharded_grads(x, w)
-  assert dw.dtype == w_dtype and dx.dtype == jnp.bfloat16
-  _assert_close(dx, ref_dx, 1e-2)
-  # The per-shard FP32 partial sums are reduced in another order than the unsharded sum.
-  _assert_close(dw, ref_dw, 1e-5 if w_dtype == jnp.float32 else 1e-2)
+    grads = jax.jit(
+        jax.shard_map(
+            jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("dp"), P()), out_specs=(P("dp"), P())
+        )
+    )
+    dx, dw = grads(_put(mesh, x, P("dp")), _put(mesh, w, P()))
+    ref_dx, ref_dw = _unsharded_grads(x, w)
+    assert dw.dtype == w_dtype and dx.dtype == jnp.bfloat16
+    _assert_close(dx, ref_dx, 1e-2)
+    # The per-shard FP32 partial sums are reduced in another order than the unsharded sum.
+    _assert_close(dw, ref_dw, 1e-5 if w_dtype == jnp.float32 else 1e-2)
 
 
 def test_tensor_parallel_matches_unsharded():
-  mesh = jax.make_mesh((8,), ("tp",))
-  x = rand(3, (64, 128), jnp.bfloat16)
-  w = rand(4, (8 * 16, 128), jnp.float32)
+    mesh = jax.make_mesh((8,), ("tp",))
+    x = rand(3, (64, 128), jnp.bfloat16)
+    w = rand(4, (8 * 16, 128), jnp.float32)
 
-  def local_loss(x, w):  # x: replicated, w: this device's output rows
-    return jax.lax.psum(_loss(jc.dense_projection(x, w)), "tp")
+    def local_loss(x, w):  # x: replicated, w: this device's output rows
+        return jax.lax.psum(_loss(jc.dense_projection(x, w)), "tp")
 
-  grads = jax.jit(jax.shard_map(jax.grad(local_loss, argnums=(0, 1)), mesh=mesh,
-                                in_specs=(P(), P("tp")), out_specs=(P(), P("tp"))))
-  dx, dw = grads(_put(mesh, x, P()), _put(mesh, w, P("tp")))
-  ref_dx, ref_dw = _unsharded_grads(x, w)
-  _assert_close(dx, ref_dx, 1e-2)
-  np.testing.assert_array_equal(np.asarray(dw), np.asarray(ref_dw))  # same sums, one device each
+    grads = jax.jit(
+        jax.shard_map(
+            jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(P(), P("tp")), out_specs=(P(), P("tp"))
+        )
+    )
+    dx, dw = grads(_put(mesh, x, P()), _put(mesh, w, P("tp")))
+    ref_dx, ref_dw = _unsharded_grads(x, w)
+    _assert_close(dx, ref_dx, 1e-2)
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(ref_dw))  # same sums, one device each
 
 
 def test_data_and_tensor_parallel_on_a_2d_mesh():
-  mesh = jax.make_mesh((4, 2), ("dp", "tp"))
-  x = rand(5, (4 * 19, 64), jnp.bfloat16)
-  w = rand(6, (2 * 24, 64), jnp.float32)
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"))
+    x = rand(5, (4 * 19, 64), jnp.bfloat16)
+    w = rand(6, (2 * 24, 64), jnp.float32)
 
-  def local_loss(x, w):
-    return jax.lax.psum(_loss(jc.dense_projection(x, w)), ("dp", "tp"))
+    def local_loss(x, w):
+        return jax.lax.psum(_loss(jc.dense_projection(x, w)), ("dp", "tp"))
 
-  grads = jax.jit(jax.shard_map(jax.grad(local_loss, argnums=(0, 1)), mesh=mesh,
-                                in_specs=(P("dp"), P("tp")), out_specs=(P("dp"), P("tp"))))
-  dx, dw = grads(_put(mesh, x, P("dp")), _put(mesh, w, P("tp")))
-  ref_dx, ref_dw = _unsharded_grads(x, w)
-  _assert_close(dx, ref_dx, 1e-2)
-  _assert_close(dw, ref_dw, 1e-5)
+    grads = jax.jit(
+        jax.shard_map(
+            jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("dp"), P("tp")), out_specs=(P("dp"), P("tp"))
+        )
+    )
+    dx, dw = grads(_put(mesh, x, P("dp")), _put(mesh, w, P("tp")))
+    ref_dx, ref_dw = _unsharded_grads(x, w)
+    _assert_close(dx, ref_dx, 1e-2)
+    _assert_close(dw, ref_dw, 1e-5)
 
 
 def test_forward_under_shard_map_keeps_per_shard_shapes():
-  mesh = jax.make_mesh((8,), ("dp",))
-  x = rand(7, (8, 5, 32), jnp.bfloat16)
-  w = rand(8, (8, 16, 32), jnp.bfloat16)
-  f = jax.jit(jax.shard_map(jc.batched_projection, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P("dp")))
-  y = f(_put(mesh, x, P("dp")), _put(mesh, w, P("dp")))
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(jc.batched_projection(x, w)))
+    mesh = jax.make_mesh((8,), ("dp",))
+    x = rand(7, (8, 5, 32), jnp.bfloat16)
+    w = rand(8, (8, 16, 32), jnp.bfloat16)
+    f = jax.jit(jax.shard_map(jc.batched_projection, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P("dp")))
+    y = f(_put(mesh, x, P("dp")), _put(mesh, w, P("dp")))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(jc.batched_projection(x, w)))
 
 
 def test_cuda_lowering_under_shard_map_uses_per_shard_custom_calls():
-  """On a faked 8-GPU H200 mesh, each GEMM is one custom call on the per-shard shapes."""
-  from jax.sharding import AbstractDevice, AbstractMesh
+    """On a faked 8-GPU H200 mesh, each GEMM is one custom call on the per-shard shapes."""
+    from jax.sharding import AbstractDevice, AbstractMesh
 
-  mesh = AbstractMesh((4, 2), ("dp", "tp"), abstract_device=AbstractDevice("NVIDIA H200", 132, "cuda"))
+    mesh = AbstractMesh((4, 2), ("dp", "tp"), abstract_device=AbstractDevice("NVIDIA H200", 132, "cuda"))
 
-  def local_loss(x, w):
-    return jax.lax.psum(_loss(jc.dense_projection(x, w)), ("dp", "tp"))
+    def local_loss(x, w):
+        return jax.lax.psum(_loss(jc.dense_projection(x, w)), ("dp", "tp"))
 
-  f = jax.shard_map(jax.grad(local_loss, argnums=(0, 1)), mesh=mesh,
-                    in_specs=(P("dp"), P("tp")), out_specs=(P("dp"), P("tp")))
-  x = jax.ShapeDtypeStruct((4 * 1024, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("dp")))
-  w = jax.ShapeDtypeStruct((2 * 256, 512), jnp.float32, sharding=NamedSharding(mesh, P("tp")))
-  with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-  calls = {op: [l for l in text.splitlines() if f"custom_call @jax_cake_{op}(" in l] for op in ("fwd", "dgrad", "wgrad")}
-  assert all(len(c) == 1 for c in calls.values()), calls
-  assert "(tensor<1x1024x512xbf16>, tensor<1x256x512xbf16>) -> tensor<1x1024x256xbf16>" in calls["fwd"][0]
-  assert "-> (tensor<1x256x512xf32>," in calls["wgrad"][0]
+    f = jax.shard_map(
+        jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("dp"), P("tp")), out_specs=(P("dp"), P("tp"))
+    )
+    x = jax.ShapeDtypeStruct((4 * 1024, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("dp")))
+    w = jax.ShapeDtypeStruct((2 * 256, 512), jnp.float32, sharding=NamedSharding(mesh, P("tp")))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    calls = {
+        op: [l for l in text.splitlines() if f"custom_call @jax_cake_{op}(" in l] for op in ("fwd", "dgrad", "wgrad")
+    }
+    assert all(len(c) == 1 for c in calls.values()), calls
+    assert "(tensor<1x1024x512xbf16>, tensor<1x256x512xbf16>) -> tensor<1x1024x256xbf16>" in calls["fwd"][0]
+    assert "-> (tensor<1x256x512xf32>," in calls["wgrad"][0]

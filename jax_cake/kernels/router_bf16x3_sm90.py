@@ -101,7 +101,10 @@ class RouterBf16x3Sm90:
             raise ValueError(f"tile_k must be 32 (one 128-byte fp32 row per K-major stage), got {variant.tile_k}")
         # The transform's thread mapping: K-major tiles take 16 rows per pass, M/N-major
         # tiles 128 rows per pass.
-        for major, rows, what in ((variant.a_major, variant.tile_m, "tile_m"), (variant.b_major, variant.tile_n, "tile_n")):
+        for major, rows, what in (
+            (variant.a_major, variant.tile_m, "tile_m"),
+            (variant.b_major, variant.tile_n, "tile_n"),
+        ):
             if major != "k" and rows % 128 != 0:
                 raise ValueError(f"{what} must be a multiple of 128 for an M/N-major operand, got {rows}")
         self.variant = variant
@@ -388,10 +391,18 @@ class RouterBf16x3Sm90:
                 for kt in cutlass.range(cutlass.min(k_cnt, self.s32), unroll=1):
                     pipe32.producer_acquire(load_state)
                     k_coord = k_begin + kt
-                    cute.copy(tma_atom_a, tAgA[(None, k_coord)], tAsA[(None, load_state.index)],
-                              tma_bar_ptr=pipe32.producer_get_barrier(load_state))
-                    cute.copy(tma_atom_b, tBgB[(None, k_coord)], tBsB[(None, load_state.index)],
-                              tma_bar_ptr=pipe32.producer_get_barrier(load_state))
+                    cute.copy(
+                        tma_atom_a,
+                        tAgA[(None, k_coord)],
+                        tAsA[(None, load_state.index)],
+                        tma_bar_ptr=pipe32.producer_get_barrier(load_state),
+                    )
+                    cute.copy(
+                        tma_atom_b,
+                        tBgB[(None, k_coord)],
+                        tBsB[(None, load_state.index)],
+                        tma_bar_ptr=pipe32.producer_get_barrier(load_state),
+                    )
                     pipe32.producer_commit(load_state)
                     load_state.advance()
             for kt in cutlass.range(k_cnt, unroll=1):
@@ -425,10 +436,18 @@ class RouterBf16x3Sm90:
                     if kt + self.s32 < k_cnt:
                         pipe32.producer_acquire(load_state)
                         k_coord = k_begin + kt + self.s32
-                        cute.copy(tma_atom_a, tAgA[(None, k_coord)], tAsA[(None, load_state.index)],
-                                  tma_bar_ptr=pipe32.producer_get_barrier(load_state))
-                        cute.copy(tma_atom_b, tBgB[(None, k_coord)], tBsB[(None, load_state.index)],
-                                  tma_bar_ptr=pipe32.producer_get_barrier(load_state))
+                        cute.copy(
+                            tma_atom_a,
+                            tAgA[(None, k_coord)],
+                            tAsA[(None, load_state.index)],
+                            tma_bar_ptr=pipe32.producer_get_barrier(load_state),
+                        )
+                        cute.copy(
+                            tma_atom_b,
+                            tBgB[(None, k_coord)],
+                            tBsB[(None, load_state.index)],
+                            tma_bar_ptr=pipe32.producer_get_barrier(load_state),
+                        )
                         pipe32.producer_commit(load_state)
                         load_state.advance()
         else:
@@ -606,8 +625,8 @@ def write_router_variant_table(variants, obj_dir: pathlib.Path) -> pathlib.Path:
             t = f"{n}_Tensor_{key}_t"
             lines += [
                 f"  {t} {op};",
-                f"  static_assert(sizeof({op}.dynamic_shapes) == 3 * sizeof(int64_t), \"shape arity\");",
-                f"  static_assert(sizeof({op}.dynamic_strides) == 2 * sizeof(int64_t), \"stride arity\");",
+                f'  static_assert(sizeof({op}.dynamic_shapes) == 3 * sizeof(int64_t), "shape arity");',
+                f'  static_assert(sizeof({op}.dynamic_strides) == 2 * sizeof(int64_t), "stride arity");',
                 f"  {op}.data = g.{op}.data;",
                 f"  for (int i = 0; i < 3; ++i) {op}.dynamic_shapes[i] = g.{op}.shape[i];",
                 f"  for (int i = 0; i < 2; ++i) {op}.dynamic_strides[i] = g.{op}.stride[i];",
@@ -648,7 +667,9 @@ def export_router_kernels(obj_dir, log=_default_log) -> list[dict]:
     """
     arch = os.environ.get("CUTE_DSL_ARCH")
     if arch != "sm_90a":
-        raise RuntimeError(f"export_router_kernels needs CUTE_DSL_ARCH=sm_90a set before cutlass is imported, got {arch!r}")
+        raise RuntimeError(
+            f"export_router_kernels needs CUTE_DSL_ARCH=sm_90a set before cutlass is imported, got {arch!r}"
+        )
     obj_dir = pathlib.Path(obj_dir)
     obj_dir.mkdir(parents=True, exist_ok=True)
     out = []
@@ -657,14 +678,16 @@ def export_router_kernels(obj_dir, log=_default_log) -> list[dict]:
         compiled = compile_variant(v)
         compiled.export_to_c(str(obj_dir), v.name, v.name)
         log(f"exported {v.name} ({time.time() - t0:.1f} s)")
-        out.append({
-            "name": v.name,
-            "prefix": v.name,
-            "header": obj_dir / f"{v.name}.h",
-            "object": obj_dir / f"{v.name}.o",
-            "program": v.program,
-            "tile": v.tile,
-        })
+        out.append(
+            {
+                "name": v.name,
+                "prefix": v.name,
+                "header": obj_dir / f"{v.name}.h",
+                "object": obj_dir / f"{v.name}.o",
+                "program": v.program,
+                "tile": v.tile,
+            }
+        )
     table = write_router_variant_table(list(VARIANTS), obj_dir)
     out.append({"name": None, "table": table})
     return out

@@ -135,7 +135,9 @@ def find_variant(
 def supports(program: str, tile, cluster, out_dtype: str, splits: int, reduction: int) -> bool:
     """Whether the native library can run this (program, tile, cluster, dtype, split-K)."""
     if program != "wgrad":
-        return splits == 1 and reduction == REDUCTION_NONE and find_variant(program, tile, cluster, out_dtype) is not None
+        return (
+            splits == 1 and reduction == REDUCTION_NONE and find_variant(program, tile, cluster, out_dtype) is not None
+        )
     if splits == 1 and reduction == REDUCTION_NONE:
         return find_variant(program, tile, cluster, out_dtype) is not None
     if splits > 1 and reduction == REDUCTION_ORDERED:

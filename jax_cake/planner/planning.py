@@ -29,26 +29,34 @@ _TILE_PRIOR = {(128, 256): 1.00, (128, 128): 0.93, (64, 256): 0.90, (128, 64): 0
 
 
 def compiled_tiles(program: str, out_dtype: str | None = None) -> tuple[tuple[int, int, int], ...]:
-  """The CTA tiles (M, N, K) the native library holds for a program: "fwd", "dgrad",
-  "wgrad", or the router's "router_fwd" / "router_dgrad" / "router_wgrad", optionally
-  only those with an `out_dtype` output. Read from the build's variant lists (cluster
-  1x1, the only cluster the planner picks), so a plan never names a missing kernel."""
-  from jax_cake.kernels import router_variants, variants  # plain data, no cutlass
+    """The CTA tiles (M, N, K) the native library holds for a program: "fwd", "dgrad",
+    "wgrad", or the router's "router_fwd" / "router_dgrad" / "router_wgrad", optionally
+    only those with an `out_dtype` output. Read from the build's variant lists (cluster
+    1x1, the only cluster the planner picks), so a plan never names a missing kernel."""
+    from jax_cake.kernels import router_variants, variants  # plain data, no cutlass
 
-  if program.startswith("router_"):
-    family, program = router_variants.VARIANTS, program[len("router_"):]
-  else:
-    family = [v for v in variants.VARIANTS if v.cluster == (1, 1) and v.store == "plain"]
-  return tuple(sorted({v.tile for v in family if v.program == program
-                       and out_dtype in (None, getattr(v, "out_dtype", "float32"))}, reverse=True))
+    if program.startswith("router_"):
+        family, program = router_variants.VARIANTS, program[len("router_") :]
+    else:
+        family = [v for v in variants.VARIANTS if v.cluster == (1, 1) and v.store == "plain"]
+    return tuple(
+        sorted(
+            {
+                v.tile
+                for v in family
+                if v.program == program and out_dtype in (None, getattr(v, "out_dtype", "float32"))
+            },
+            reverse=True,
+        )
+    )
 
 
 def _wgrad_supported(tile, out_dtype: str, splits: int, reduction: str) -> bool:
-  """Whether the library can run this wgrad program (ordered split-K runs the fp32
-  variant of the tile into the workspace, arrival order its fp32 "add" variant)."""
-  from jax_cake.kernels import variants
+    """Whether the library can run this wgrad program (ordered split-K runs the fp32
+    variant of the tile into the workspace, arrival order its fp32 "add" variant)."""
+    from jax_cake.kernels import variants
 
-  return variants.supports("wgrad", tile, (1, 1), out_dtype, splits, _REDUCTION_CODES[reduction])
+    return variants.supports("wgrad", tile, (1, 1), out_dtype, splits, _REDUCTION_CODES[reduction])
 
 
 # TMA needs 16-byte strides: bf16 rows must hold a multiple of 8 elements, fp32 rows
@@ -71,58 +79,58 @@ MIN_WORKSPACE_BYTES = 16
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What one GEMM call runs. Frozen and hashable: it is static under jit.
+    """What one GEMM call runs. Frozen and hashable: it is static under jit.
 
-  The GEMM is C[batch, m, n] = A[batch, m, k] . B[batch, n, k]^T (see
-  docs/FFI_CONTRACT.md for how fwd/dgrad/wgrad map onto it).
-  """
+    The GEMM is C[batch, m, n] = A[batch, m, k] . B[batch, n, k]^T (see
+    docs/FFI_CONTRACT.md for how fwd/dgrad/wgrad map onto it).
+    """
 
-  op: str
-  backend: str  # "sm90a" (CuTe DSL kernels) or "xla"
-  program: str  # "gemm" (fwd/dgrad), "det" / "split" (wgrad), "xla"
-  batch: int
-  m: int
-  n: int
-  k: int
-  out_dtype: str
-  device: str
-  tile: tuple[int, int, int] = (0, 0, 0)
-  cluster: tuple[int, int] = (1, 1)
-  splits: int = 1
-  reduction: str = "none"  # "none", "ordered" (fixed split order), "arrival" (atomics)
-  raster: str = "m"  # tiles walk along m first, or "n"
-  workspace_bytes: int = 0
-  reason: str = ""
+    op: str
+    backend: str  # "sm90a" (CuTe DSL kernels) or "xla"
+    program: str  # "gemm" (fwd/dgrad), "det" / "split" (wgrad), "xla"
+    batch: int
+    m: int
+    n: int
+    k: int
+    out_dtype: str
+    device: str
+    tile: tuple[int, int, int] = (0, 0, 0)
+    cluster: tuple[int, int] = (1, 1)
+    splits: int = 1
+    reduction: str = "none"  # "none", "ordered" (fixed split order), "arrival" (atomics)
+    raster: str = "m"  # tiles walk along m first, or "n"
+    workspace_bytes: int = 0
+    reason: str = ""
 
-  @property
-  def uses_kernel(self) -> bool:
-    return self.backend != "xla"
+    @property
+    def uses_kernel(self) -> bool:
+        return self.backend != "xla"
 
-  @property
-  def deterministic(self) -> bool:
-    return self.reduction != "arrival"
+    @property
+    def deterministic(self) -> bool:
+        return self.reduction != "arrival"
 
-  @property
-  def ctas(self) -> int:
-    if not self.uses_kernel:
-      return 0
-    tm, tn, _ = self.tile
-    return self.batch * math.ceil(self.m / tm) * math.ceil(self.n / tn) * self.splits
+    @property
+    def ctas(self) -> int:
+        if not self.uses_kernel:
+            return 0
+        tm, tn, _ = self.tile
+        return self.batch * math.ceil(self.m / tm) * math.ceil(self.n / tn) * self.splits
 
-  def ffi_attributes(self) -> dict[str, Any]:
-    """The attributes the native handler reads (docs/FFI_CONTRACT.md)."""
-    import numpy as np
+    def ffi_attributes(self) -> dict[str, Any]:
+        """The attributes the native handler reads (docs/FFI_CONTRACT.md)."""
+        import numpy as np
 
-    return {
-        "tile_m": np.int64(self.tile[0]),
-        "tile_n": np.int64(self.tile[1]),
-        "tile_k": np.int64(self.tile[2]),
-        "cluster_m": np.int64(self.cluster[0]),
-        "cluster_n": np.int64(self.cluster[1]),
-        "splits": np.int64(self.splits),
-        "reduction": np.int64(_REDUCTION_CODES[self.reduction]),
-        "raster": np.int64({"m": 0, "n": 1}[self.raster]),
-    }
+        return {
+            "tile_m": np.int64(self.tile[0]),
+            "tile_n": np.int64(self.tile[1]),
+            "tile_k": np.int64(self.tile[2]),
+            "cluster_m": np.int64(self.cluster[0]),
+            "cluster_n": np.int64(self.cluster[1]),
+            "splits": np.int64(self.splits),
+            "reduction": np.int64(_REDUCTION_CODES[self.reduction]),
+            "raster": np.int64({"m": 0, "n": 1}[self.raster]),
+        }
 
 
 # --- forcing a program (benchmark arms, the tuner) -------------------------------------
@@ -132,22 +140,22 @@ _forced: dict[str, Any] = {}
 
 @contextlib.contextmanager
 def force(program: str, *, splits: int | None = None, tile: tuple[int, int, int] | None = None) -> Iterator[None]:
-  """Plans traced inside the block use `program` for the weight gradient.
+    """Plans traced inside the block use `program` for the weight gradient.
 
-  program: "det", "split" or "xla" ("xla" forces the XLA path for every op). Used by
-  the benchmark and the tuner to time each arm. Planning is at trace time: jit a new
-  function inside the block (a function traced earlier keeps its plan).
-  """
-  if program not in ("det", "split", "xla"):
-    raise ValueError(f"force: program must be 'det', 'split' or 'xla', got {program!r}")
-  saved = dict(_forced)
-  _forced.clear()
-  _forced.update(program=program, splits=splits, tile=tile)
-  try:
-    yield
-  finally:
+    program: "det", "split" or "xla" ("xla" forces the XLA path for every op). Used by
+    the benchmark and the tuner to time each arm. Planning is at trace time: jit a new
+    function inside the block (a function traced earlier keeps its plan).
+    """
+    if program not in ("det", "split", "xla"):
+        raise ValueError(f"force: program must be 'det', 'split' or 'xla', got {program!r}")
+    saved = dict(_forced)
     _forced.clear()
-    _forced.update(saved)
+    _forced.update(program=program, splits=splits, tile=tile)
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
 
 
 # --- the planner ------------------------------------------------------------------------
@@ -155,117 +163,170 @@ def force(program: str, *, splits: int | None = None, tile: tuple[int, int, int]
 
 @functools.cache
 def _log_fallback_once(device: str, reason: str) -> None:
-  logging.warning("jax_cake: on %s the XLA path runs instead of the kernels: %s", device, reason)
+    logging.warning("jax_cake: on %s the XLA path runs instead of the kernels: %s", device, reason)
 
 
 def _xla_plan(op, batch, m, n, k, out_dtype, dev, reason) -> Plan:
-  if dev.platform == "cuda":  # a GPU user expects the kernels: say once why not
-    _log_fallback_once(dev.describe(), reason)
-  return Plan(op=op, backend="xla", program="xla", batch=batch, m=m, n=n, k=k, out_dtype=out_dtype,
-              device=dev.describe(), reason=reason)
+    if dev.platform == "cuda":  # a GPU user expects the kernels: say once why not
+        _log_fallback_once(dev.describe(), reason)
+    return Plan(
+        op=op,
+        backend="xla",
+        program="xla",
+        batch=batch,
+        m=m,
+        n=n,
+        k=k,
+        out_dtype=out_dtype,
+        device=dev.describe(),
+        reason=reason,
+    )
 
 
-def _ranked_tiles(program: str, batch: int, m: int, n: int, sm_count: int, out_dtype: str | None = None) -> list[tuple[tuple[int, int, int], str]]:
-  """Compiled tiles, best first: edge-and-wave utilization weighted by the tile prior."""
-  ranked = []
-  for tile in compiled_tiles(program, out_dtype):
-    tm, tn, _ = tile
-    count = batch * math.ceil(m / tm) * math.ceil(n / tn)
-    edge = (m * n * batch) / (count * tm * tn)
-    waves = math.ceil(count / sm_count)
-    wave = count / (waves * sm_count)
-    score = edge * wave * _TILE_PRIOR.get((tm, tn), 0.8)
-    ranked.append((score, tile, f"{tm}x{tn} tiles: {count} tiles over {sm_count} SMs, {edge:.0%} of the tile area used"))
-  ranked.sort(key=lambda r: r[0], reverse=True)
-  return [(tile, note) for _, tile, note in ranked]
+def _ranked_tiles(
+    program: str, batch: int, m: int, n: int, sm_count: int, out_dtype: str | None = None
+) -> list[tuple[tuple[int, int, int], str]]:
+    """Compiled tiles, best first: edge-and-wave utilization weighted by the tile prior."""
+    ranked = []
+    for tile in compiled_tiles(program, out_dtype):
+        tm, tn, _ = tile
+        count = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        edge = (m * n * batch) / (count * tm * tn)
+        waves = math.ceil(count / sm_count)
+        wave = count / (waves * sm_count)
+        score = edge * wave * _TILE_PRIOR.get((tm, tn), 0.8)
+        ranked.append(
+            (score, tile, f"{tm}x{tn} tiles: {count} tiles over {sm_count} SMs, {edge:.0%} of the tile area used")
+        )
+    ranked.sort(key=lambda r: r[0], reverse=True)
+    return [(tile, note) for _, tile, note in ranked]
 
 
-def _pick_tile(program: str, batch: int, m: int, n: int, sm_count: int, out_dtype: str | None = None) -> tuple[tuple[int, int, int], str]:
-  return _ranked_tiles(program, batch, m, n, sm_count, out_dtype)[0]
+def _pick_tile(
+    program: str, batch: int, m: int, n: int, sm_count: int, out_dtype: str | None = None
+) -> tuple[tuple[int, int, int], str]:
+    return _ranked_tiles(program, batch, m, n, sm_count, out_dtype)[0]
 
 
 def _det_splits(tiles: int, k: int, tile_k: int, sm_count: int) -> int:
-  """Ordered K splits that fill the SMs without making splits too short."""
-  if tiles >= sm_count // 2:
-    return 1
-  k_tiles = math.ceil(k / tile_k)
-  return max(1, min(sm_count // tiles, k_tiles // _MIN_K_TILES_PER_SPLIT))
+    """Ordered K splits that fill the SMs without making splits too short."""
+    if tiles >= sm_count // 2:
+        return 1
+    k_tiles = math.ceil(k / tile_k)
+    return max(1, min(sm_count // tiles, k_tiles // _MIN_K_TILES_PER_SPLIT))
 
 
-def _wgrad_plan(base: dict, dev: device_lib.DeviceInfo, deterministic: bool, out_dtype: str, tokens: int, d_in: int, d_out: int) -> Plan:
-  batch, m, n, k = base["batch"], base["m"], base["n"], base["k"]
-  forced = _forced.get("program")
-  forced_tile, forced_splits = _forced.get("tile"), _forced.get("splits")
+def _wgrad_plan(
+    base: dict, dev: device_lib.DeviceInfo, deterministic: bool, out_dtype: str, tokens: int, d_in: int, d_out: int
+) -> Plan:
+    batch, m, n, k = base["batch"], base["m"], base["n"], base["k"]
+    forced = _forced.get("program")
+    forced_tile, forced_splits = _forced.get("tile"), _forced.get("splits")
 
-  program, row = "det", None
-  if forced is not None:
-    why = "forced by jax_cake.planner.force"
-    program = forced
-  elif deterministic:
-    why = "deterministic=True"
-  else:
-    v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens)
-    program, row = v.program, v.row
-    why = v.why if program == "split" else f"deterministic=False, but the plan table chose the deterministic program: {v.why}"
+    program, row = "det", None
+    if forced is not None:
+        why = "forced by jax_cake.planner.force"
+        program = forced
+    elif deterministic:
+        why = "deterministic=True"
+    else:
+        v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens)
+        program, row = v.program, v.row
+        why = (
+            v.why
+            if program == "split"
+            else f"deterministic=False, but the plan table chose the deterministic program: {v.why}"
+        )
 
-  # A forced or table tile first, then the heuristic's ranking; the first tile whose
-  # program (split count, reduction) the library holds wins.
-  wanted = forced_tile or (row.tile if row is not None and row.tile is not None and None not in row.tile else None)
-  candidates = _ranked_tiles("wgrad", batch, m, n, dev.sm_count, out_dtype)
-  if wanted is not None and tuple(wanted) in compiled_tiles("wgrad"):
-    candidates.insert(0, (tuple(wanted), f"{wanted[0]}x{wanted[1]} tiles as requested"))
-  for tile, tile_note in candidates:
-    tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
-    k_tiles = math.ceil(k / tile[2])
-    if program == "split":
-      splits = forced_splits or (row.splits if row is not None and row.splits else None)
-      if splits is None:
-        splits = max(1, min(math.ceil(dev.sm_count / tiles), k_tiles))
-      splits = min(splits, k_tiles)
-      reduction = "arrival" if splits > 1 else "none"
-      if not _wgrad_supported(tile, out_dtype, splits, reduction):
-        continue
-      workspace = batch * m * n * 4 if out_dtype == "bfloat16" else 0
-      return Plan(**base, program="split", tile=tile, splits=splits, reduction=reduction,
-                  workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
-                  reason=f"split-K program (arrival-order reduction, not bitwise reproducible): {why}; {tile_note}")
-    splits = min(forced_splits, k_tiles) if forced == "det" and forced_splits else _det_splits(tiles, k, tile[2], dev.sm_count)
-    reduction = "ordered" if splits > 1 else "none"
-    if not _wgrad_supported(tile, out_dtype, splits, reduction):
-      continue
-    workspace = splits * batch * m * n * 4 if splits > 1 else 0
-    how = f"{splits} K splits summed in fixed split order by a second pass" if splits > 1 else "one pass over K"
-    return Plan(**base, program="det", tile=tile, splits=splits, reduction=reduction,
+    # A forced or table tile first, then the heuristic's ranking; the first tile whose
+    # program (split count, reduction) the library holds wins.
+    wanted = forced_tile or (row.tile if row is not None and row.tile is not None and None not in row.tile else None)
+    candidates = _ranked_tiles("wgrad", batch, m, n, dev.sm_count, out_dtype)
+    if wanted is not None and tuple(wanted) in compiled_tiles("wgrad"):
+        candidates.insert(0, (tuple(wanted), f"{wanted[0]}x{wanted[1]} tiles as requested"))
+    for tile, tile_note in candidates:
+        tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
+        k_tiles = math.ceil(k / tile[2])
+        if program == "split":
+            splits = forced_splits or (row.splits if row is not None and row.splits else None)
+            if splits is None:
+                splits = max(1, min(math.ceil(dev.sm_count / tiles), k_tiles))
+            splits = min(splits, k_tiles)
+            reduction = "arrival" if splits > 1 else "none"
+            if not _wgrad_supported(tile, out_dtype, splits, reduction):
+                continue
+            workspace = batch * m * n * 4 if out_dtype == "bfloat16" else 0
+            return Plan(
+                **base,
+                program="split",
+                tile=tile,
+                splits=splits,
+                reduction=reduction,
                 workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
-                reason=f"deterministic program ({why}): {how}; {tile_note}")
-  return _xla_plan("wgrad", batch, m, n, k, out_dtype, dev, f"no compiled wgrad variant runs the {program} program here")
+                reason=f"split-K program (arrival-order reduction, not bitwise reproducible): {why}; {tile_note}",
+            )
+        splits = (
+            min(forced_splits, k_tiles)
+            if forced == "det" and forced_splits
+            else _det_splits(tiles, k, tile[2], dev.sm_count)
+        )
+        reduction = "ordered" if splits > 1 else "none"
+        if not _wgrad_supported(tile, out_dtype, splits, reduction):
+            continue
+        workspace = splits * batch * m * n * 4 if splits > 1 else 0
+        how = f"{splits} K splits summed in fixed split order by a second pass" if splits > 1 else "one pass over K"
+        return Plan(
+            **base,
+            program="det",
+            tile=tile,
+            splits=splits,
+            reduction=reduction,
+            workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
+            reason=f"deterministic program ({why}): {how}; {tile_note}",
+        )
+    return _xla_plan(
+        "wgrad", batch, m, n, k, out_dtype, dev, f"no compiled wgrad variant runs the {program} program here"
+    )
 
 
 def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
-  """The fused BF16x3 router kernels: one program each, always reproducible."""
-  args = (op, batch, m, n, k, "float32", dev)
-  if batch != 1:
-    return _xla_plan(*args, "the router takes one [T, d] block")
-  if d_in % _ROUTER_ALIGN_ELEMENTS or d_out % _ROUTER_ALIGN_ELEMENTS:
-    return _xla_plan(*args, f"d={d_in} and E={d_out} must be multiples of {_ROUTER_ALIGN_ELEMENTS} for the router kernels' "
-                     "16-byte TMA strides: XLA runs the BF16x3 split with FP32 accumulation")
-  if not ROUTER_KERNELS_ENABLED:
-    return _xla_plan(*args, "the fused BF16x3 router kernels are held back (ROUTER_KERNELS_ENABLED): "
-                     "XLA runs the BF16x3 split with FP32 accumulation")
-  if not compiled_tiles(op):
-    return _xla_plan(*args, "no fused BF16x3 router kernel in this build: XLA runs the BF16x3 split with FP32 accumulation")
-  tile, tile_note = _pick_tile(op, 1, m, n, dev.sm_count)
-  base = dict(op=op, backend="sm90a", batch=1, m=m, n=n, k=k, out_dtype="float32", device=dev.describe(), tile=tile)
-  how = "fused BF16x3 (hi*hi + hi*lo + lo*hi, FP32 accumulation)"
-  if op != "router_wgrad":
-    return Plan(**base, program="gemm", reason=f"{how}, one pass over K={k}: {tile_note}")
-  tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1])
-  splits = _det_splits(tiles, k, tile[2], dev.sm_count)
-  workspace = splits * m * n * 4 if splits > 1 else 0
-  split_note = f"{splits} K splits summed in fixed split order" if splits > 1 else "one pass over K"
-  return Plan(**base, program="det", splits=splits, reduction="ordered" if splits > 1 else "none",
-              workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
-              reason=f"{how}, deterministic program (the router has no split-K program): {split_note}; {tile_note}")
+    """The fused BF16x3 router kernels: one program each, always reproducible."""
+    args = (op, batch, m, n, k, "float32", dev)
+    if batch != 1:
+        return _xla_plan(*args, "the router takes one [T, d] block")
+    if d_in % _ROUTER_ALIGN_ELEMENTS or d_out % _ROUTER_ALIGN_ELEMENTS:
+        return _xla_plan(
+            *args,
+            f"d={d_in} and E={d_out} must be multiples of {_ROUTER_ALIGN_ELEMENTS} for the router kernels' "
+            "16-byte TMA strides: XLA runs the BF16x3 split with FP32 accumulation",
+        )
+    if not ROUTER_KERNELS_ENABLED:
+        return _xla_plan(
+            *args,
+            "the fused BF16x3 router kernels are held back (ROUTER_KERNELS_ENABLED): "
+            "XLA runs the BF16x3 split with FP32 accumulation",
+        )
+    if not compiled_tiles(op):
+        return _xla_plan(
+            *args, "no fused BF16x3 router kernel in this build: XLA runs the BF16x3 split with FP32 accumulation"
+        )
+    tile, tile_note = _pick_tile(op, 1, m, n, dev.sm_count)
+    base = dict(op=op, backend="sm90a", batch=1, m=m, n=n, k=k, out_dtype="float32", device=dev.describe(), tile=tile)
+    how = "fused BF16x3 (hi*hi + hi*lo + lo*hi, FP32 accumulation)"
+    if op != "router_wgrad":
+        return Plan(**base, program="gemm", reason=f"{how}, one pass over K={k}: {tile_note}")
+    tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1])
+    splits = _det_splits(tiles, k, tile[2], dev.sm_count)
+    workspace = splits * m * n * 4 if splits > 1 else 0
+    split_note = f"{splits} K splits summed in fixed split order" if splits > 1 else "one pass over K"
+    return Plan(
+        **base,
+        program="det",
+        splits=splits,
+        reduction="ordered" if splits > 1 else "none",
+        workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
+        reason=f"{how}, deterministic program (the router has no split-K program): {split_note}; {tile_note}",
+    )
 
 
 def plan(
@@ -279,73 +340,83 @@ def plan(
     deterministic: bool = True,
     device: Any = None,
 ) -> Plan:
-  """The Plan a jax_cake GEMM would run for these static sizes on `device`.
+    """The Plan a jax_cake GEMM would run for these static sizes on `device`.
 
-  op: "fwd" (y = x w^T), "dgrad" (dx = dy w), "wgrad" (dw = dy^T x), or the router's
-  "router_fwd" / "router_dgrad" / "router_wgrad". tokens, d_in, d_out, batch: the
-  projection's sizes (x [batch, tokens, d_in], w [batch, d_out, d_in]). out_dtype:
-  the result dtype (wgrad: w's dtype). device: a jax Device, AbstractDevice or
-  DeviceInfo; None looks it up as a trace would (abstract mesh, else jax.devices()[0]).
-  """
-  import numpy as np
+    op: "fwd" (y = x w^T), "dgrad" (dx = dy w), "wgrad" (dw = dy^T x), or the router's
+    "router_fwd" / "router_dgrad" / "router_wgrad". tokens, d_in, d_out, batch: the
+    projection's sizes (x [batch, tokens, d_in], w [batch, d_out, d_in]). out_dtype:
+    the result dtype (wgrad: w's dtype). device: a jax Device, AbstractDevice or
+    DeviceInfo; None looks it up as a trace would (abstract mesh, else jax.devices()[0]).
+    """
+    import numpy as np
 
-  if op not in OPS:
-    raise ValueError(f"plan: op must be one of {OPS}, got {op!r}")
-  if not isinstance(deterministic, (bool, np.bool_)):
-    raise TypeError(f"plan: deterministic must be a bool, got {type(deterministic).__name__}")
-  out_dtype = np.dtype(out_dtype).name
-  dev = device_lib.current() if device is None else device_lib.from_jax_device(device)
+    if op not in OPS:
+        raise ValueError(f"plan: op must be one of {OPS}, got {op!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"plan: deterministic must be a bool, got {type(deterministic).__name__}")
+    out_dtype = np.dtype(out_dtype).name
+    dev = device_lib.current() if device is None else device_lib.from_jax_device(device)
 
-  if op in ("fwd", "router_fwd"):
-    m, n, k = tokens, d_out, d_in
-  elif op in ("dgrad", "router_dgrad"):
-    m, n, k = tokens, d_in, d_out
-  else:
-    m, n, k = d_out, d_in, tokens
-  args = (op, batch, m, n, k, out_dtype, dev)
+    if op in ("fwd", "router_fwd"):
+        m, n, k = tokens, d_out, d_in
+    elif op in ("dgrad", "router_dgrad"):
+        m, n, k = tokens, d_in, d_out
+    else:
+        m, n, k = d_out, d_in, tokens
+    args = (op, batch, m, n, k, out_dtype, dev)
 
-  if _forced.get("program") == "xla":
-    return _xla_plan(*args, "forced by jax_cake.planner.force")
-  if dev.platform != "cuda":
-    return _xla_plan(*args, f"no CUDA GPU ({dev.describe()}): XLA dot_general with the same semantics")
-  if dev.arch not in KERNEL_ARCHS:
-    reason = (f"no jax_cake kernels are built for {dev.arch} ({dev.kind}); kernels exist for {', '.join(KERNEL_ARCHS)}: "
-              "XLA dot_general with the same semantics")
-    if op == "wgrad" and not deterministic and dev.sm_count is not None and tables.load(dev.arch) is not None:
-      v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens)
-      reason += f". The {dev.arch} plan table's verdict for deterministic=False here: {v.program} ({v.why})"
-    return _xla_plan(*args, reason)
-  if min(batch, tokens, d_in, d_out) == 0:
-    return _xla_plan(*args, "an empty dimension: nothing to compute on the GPU")
-  if op.startswith("router_"):
-    return _router_plan(op, batch, m, n, k, dev, d_in, d_out)
-  if d_in % _ALIGN_ELEMENTS or d_out % _ALIGN_ELEMENTS:
-    return _xla_plan(*args, f"d_in={d_in} and d_out={d_out} must be multiples of {_ALIGN_ELEMENTS} for the kernels' 16-byte TMA strides: XLA dot_general with the same semantics")
-  if dev.sm_count is None:
-    return _xla_plan(*args, f"the SM count of {dev.kind} is unknown")
+    if _forced.get("program") == "xla":
+        return _xla_plan(*args, "forced by jax_cake.planner.force")
+    if dev.platform != "cuda":
+        return _xla_plan(*args, f"no CUDA GPU ({dev.describe()}): XLA dot_general with the same semantics")
+    if dev.arch not in KERNEL_ARCHS:
+        reason = (
+            f"no jax_cake kernels are built for {dev.arch} ({dev.kind}); kernels exist for {', '.join(KERNEL_ARCHS)}: "
+            "XLA dot_general with the same semantics"
+        )
+        if op == "wgrad" and not deterministic and dev.sm_count is not None and tables.load(dev.arch) is not None:
+            v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens)
+            reason += f". The {dev.arch} plan table's verdict for deterministic=False here: {v.program} ({v.why})"
+        return _xla_plan(*args, reason)
+    if min(batch, tokens, d_in, d_out) == 0:
+        return _xla_plan(*args, "an empty dimension: nothing to compute on the GPU")
+    if op.startswith("router_"):
+        return _router_plan(op, batch, m, n, k, dev, d_in, d_out)
+    if d_in % _ALIGN_ELEMENTS or d_out % _ALIGN_ELEMENTS:
+        return _xla_plan(
+            *args,
+            f"d_in={d_in} and d_out={d_out} must be multiples of {_ALIGN_ELEMENTS} for the kernels' 16-byte TMA strides: XLA dot_general with the same semantics",
+        )
+    if dev.sm_count is None:
+        return _xla_plan(*args, f"the SM count of {dev.kind} is unknown")
 
-  base = dict(op=op, backend="sm90a", batch=batch, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe())
-  if op == "wgrad":
-    return _wgrad_plan(base, dev, bool(deterministic), out_dtype, tokens, d_in, d_out)
-  tile, tile_note = _pick_tile(op, batch, m, n, dev.sm_count, "bfloat16")
-  # Walking tiles along N first keeps the activation rows in L2 while the weight
-  # tiles stream: 6-11 % faster at N >= 512 on the H200 (docs/BENCHMARKS.md, 2026-11-29).
-  raster = "n" if n >= _RASTER_N_MIN else "m"
-  return Plan(**base, program="gemm", tile=tile, raster=raster,
-              reason=f"one pass over K={k} (no reduction across CTAs, reproducible), tiles walk along {raster} first: {tile_note}")
+    base = dict(op=op, backend="sm90a", batch=batch, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe())
+    if op == "wgrad":
+        return _wgrad_plan(base, dev, bool(deterministic), out_dtype, tokens, d_in, d_out)
+    tile, tile_note = _pick_tile(op, batch, m, n, dev.sm_count, "bfloat16")
+    # Walking tiles along N first keeps the activation rows in L2 while the weight
+    # tiles stream: 6-11 % faster at N >= 512 on the H200 (docs/BENCHMARKS.md, 2026-11-29).
+    raster = "n" if n >= _RASTER_N_MIN else "m"
+    return Plan(
+        **base,
+        program="gemm",
+        tile=tile,
+        raster=raster,
+        reason=f"one pass over K={k} (no reduction across CTAs, reproducible), tiles walk along {raster} first: {tile_note}",
+    )
 
 
 def explain(p: Plan) -> str:
-  """Plain words: which program runs for this Plan, and why."""
-  gemm = f"{p.op}: C[{p.batch}x{p.m}x{p.n}] over K={p.k}, {p.out_dtype} out, on {p.device}"
-  if not p.uses_kernel:
-    return f"{gemm}\n  runs the XLA path: {p.reason}"
-  tm, tn, tk = p.tile
-  lines = [
-      gemm,
-      f"  runs the jax_cake {p.backend} '{p.program}' program: {tm}x{tn}x{tk} tiles, cluster {p.cluster[0]}x{p.cluster[1]}, "
-      f"{p.splits} split(s), {p.ctas} CTAs, reduction {p.reduction}, workspace {p.workspace_bytes} bytes",
-      f"  bitwise reproducible: {'yes' if p.deterministic else 'no'}",
-      f"  why: {p.reason}",
-  ]
-  return "\n".join(lines)
+    """Plain words: which program runs for this Plan, and why."""
+    gemm = f"{p.op}: C[{p.batch}x{p.m}x{p.n}] over K={p.k}, {p.out_dtype} out, on {p.device}"
+    if not p.uses_kernel:
+        return f"{gemm}\n  runs the XLA path: {p.reason}"
+    tm, tn, tk = p.tile
+    lines = [
+        gemm,
+        f"  runs the jax_cake {p.backend} '{p.program}' program: {tm}x{tn}x{tk} tiles, cluster {p.cluster[0]}x{p.cluster[1]}, "
+        f"{p.splits} split(s), {p.ctas} CTAs, reduction {p.reduction}, workspace {p.workspace_bytes} bytes",
+        f"  bitwise reproducible: {'yes' if p.deterministic else 'no'}",
+        f"  why: {p.reason}",
+    ]
+    return "\n".join(lines)

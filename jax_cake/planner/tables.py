@@ -22,132 +22,138 @@ _TABLE_DIR = Path(__file__).parent / "tables"
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-  d_in: int
-  d_out: int
-  out: str
-  min_tokens: int
-  max_tokens: int
-  program: str  # "split" or "det"
-  exclude_tokens: tuple[int, ...]
-  source: str
-  tile: tuple[int | None, ...] | None = None
-  splits: int | None = None
-  reduction: str | None = None
-  raster: str | None = None
-  ctas: int | None = None
+    d_in: int
+    d_out: int
+    out: str
+    min_tokens: int
+    max_tokens: int
+    program: str  # "split" or "det"
+    exclude_tokens: tuple[int, ...]
+    source: str
+    tile: tuple[int | None, ...] | None = None
+    splits: int | None = None
+    reduction: str | None = None
+    raster: str | None = None
+    ctas: int | None = None
 
-  def covers(self, tokens: int) -> bool:
-    return self.min_tokens <= tokens <= self.max_tokens
+    def covers(self, tokens: int) -> bool:
+        return self.min_tokens <= tokens <= self.max_tokens
 
 
 @dataclasses.dataclass(frozen=True)
 class SmRange:
-  min_sms: int
-  max_sms: int | None  # None: open above
-  rows: tuple[Row, ...]
+    min_sms: int
+    max_sms: int | None  # None: open above
+    rows: tuple[Row, ...]
 
-  def holds(self, sm_count: int) -> bool:
-    return self.min_sms <= sm_count and (self.max_sms is None or sm_count <= self.max_sms)
+    def holds(self, sm_count: int) -> bool:
+        return self.min_sms <= sm_count and (self.max_sms is None or sm_count <= self.max_sms)
 
 
 @dataclasses.dataclass(frozen=True)
 class Table:
-  arch: str
-  source: str
-  sm_ranges: tuple[SmRange, ...]
+    arch: str
+    source: str
+    sm_ranges: tuple[SmRange, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-  """What a table says about one point under deterministic=False."""
+    """What a table says about one point under deterministic=False."""
 
-  program: str  # "split" or "det"
-  row: Row | None
-  why: str
+    program: str  # "split" or "det"
+    row: Row | None
+    why: str
 
 
 _VALID_PROGRAMS = ("split", "det")
 
 
 def parse(data: dict) -> Table:
-  """Builds a Table from its JSON form, checking every field (a bad table fails loudly)."""
-  ranges = []
-  for r in data["sm_ranges"]:
-    rows = []
-    for row in r["rows"]:
-      if row["program"] not in _VALID_PROGRAMS:
-        raise ValueError(f"plan table {data['arch']}: program {row['program']!r} is not one of {_VALID_PROGRAMS}")
-      if row["out"] not in ("float32", "bfloat16"):
-        raise ValueError(f"plan table {data['arch']}: out {row['out']!r} is not float32 or bfloat16")
-      rows.append(
-          Row(
-              d_in=int(row["d_in"]),
-              d_out=int(row["d_out"]),
-              out=row["out"],
-              min_tokens=int(row["min_tokens"]),
-              max_tokens=int(row["max_tokens"]),
-              program=row["program"],
-              exclude_tokens=tuple(int(t) for t in row.get("exclude_tokens", ())),
-              source=row.get("source", ""),
-              tile=tuple(row["tile"]) if row.get("tile") is not None else None,
-              splits=row.get("splits"),
-              reduction=row.get("reduction"),
-              raster=row.get("raster"),
-              ctas=row.get("ctas"),
-          )
-      )
-    ranges.append(SmRange(int(r["min_sms"]), r.get("max_sms"), tuple(rows)))
-  return Table(data["arch"], data.get("source", ""), tuple(ranges))
+    """Builds a Table from its JSON form, checking every field (a bad table fails loudly)."""
+    ranges = []
+    for r in data["sm_ranges"]:
+        rows = []
+        for row in r["rows"]:
+            if row["program"] not in _VALID_PROGRAMS:
+                raise ValueError(
+                    f"plan table {data['arch']}: program {row['program']!r} is not one of {_VALID_PROGRAMS}"
+                )
+            if row["out"] not in ("float32", "bfloat16"):
+                raise ValueError(f"plan table {data['arch']}: out {row['out']!r} is not float32 or bfloat16")
+            rows.append(
+                Row(
+                    d_in=int(row["d_in"]),
+                    d_out=int(row["d_out"]),
+                    out=row["out"],
+                    min_tokens=int(row["min_tokens"]),
+                    max_tokens=int(row["max_tokens"]),
+                    program=row["program"],
+                    exclude_tokens=tuple(int(t) for t in row.get("exclude_tokens", ())),
+                    source=row.get("source", ""),
+                    tile=tuple(row["tile"]) if row.get("tile") is not None else None,
+                    splits=row.get("splits"),
+                    reduction=row.get("reduction"),
+                    raster=row.get("raster"),
+                    ctas=row.get("ctas"),
+                )
+            )
+        ranges.append(SmRange(int(r["min_sms"]), r.get("max_sms"), tuple(rows)))
+    return Table(data["arch"], data.get("source", ""), tuple(ranges))
 
 
 @functools.cache
 def _load_file(arch: str) -> Table | None:
-  path = _TABLE_DIR / f"{arch}.json"
-  if not path.exists():
-    return None
-  return parse(json.loads(path.read_text()))
+    path = _TABLE_DIR / f"{arch}.json"
+    if not path.exists():
+        return None
+    return parse(json.loads(path.read_text()))
 
 
 _overrides: dict[str, Table] = {}
 
 
 def load(arch: str) -> Table | None:
-  """The table for `arch` (an override from `use_table` first), or None."""
-  if arch in _overrides:
-    return _overrides[arch]
-  return _load_file(arch)
+    """The table for `arch` (an override from `use_table` first), or None."""
+    if arch in _overrides:
+        return _overrides[arch]
+    return _load_file(arch)
 
 
 @contextlib.contextmanager
 def use_table(table: Table) -> Iterator[None]:
-  """Plans inside the block read `table` for its architecture (tests, the tuner).
+    """Plans inside the block read `table` for its architecture (tests, the tuner).
 
-  Planning happens at trace time: a function jitted before the block keeps its plan.
-  """
-  previous = _overrides.get(table.arch)
-  _overrides[table.arch] = table
-  try:
-    yield
-  finally:
-    if previous is None:
-      _overrides.pop(table.arch, None)
-    else:
-      _overrides[table.arch] = previous
+    Planning happens at trace time: a function jitted before the block keeps its plan.
+    """
+    previous = _overrides.get(table.arch)
+    _overrides[table.arch] = table
+    try:
+        yield
+    finally:
+        if previous is None:
+            _overrides.pop(table.arch, None)
+        else:
+            _overrides[table.arch] = previous
 
 
 def verdict(arch: str, sm_count: int, d_in: int, d_out: int, out: str, tokens: int) -> Verdict:
-  """The table's program for one point; "det" when no row covers it."""
-  table = load(arch)
-  if table is None:
-    return Verdict("det", None, f"no plan table for {arch}")
-  for sm_range in table.sm_ranges:
-    if not sm_range.holds(sm_count):
-      continue
-    for row in sm_range.rows:
-      if (row.d_in, row.d_out, row.out) != (d_in, d_out, out) or not row.covers(tokens):
-        continue
-      where = f"{arch} table, {sm_count} SMs, {d_in} -> {d_out} {out}, tokens {row.min_tokens}..{row.max_tokens}"
-      if tokens in row.exclude_tokens:
-        return Verdict("det", row, f"{where}: {tokens} tokens is excluded, the deterministic program won there ({row.source})")
-      return Verdict(row.program, row, f"{where}: {row.program} ({row.source})")
-  return Verdict("det", None, f"no {arch} table row for {sm_count} SMs, {d_in} -> {d_out} {out} at {tokens} tokens")
+    """The table's program for one point; "det" when no row covers it."""
+    table = load(arch)
+    if table is None:
+        return Verdict("det", None, f"no plan table for {arch}")
+    for sm_range in table.sm_ranges:
+        if not sm_range.holds(sm_count):
+            continue
+        for row in sm_range.rows:
+            if (row.d_in, row.d_out, row.out) != (d_in, d_out, out) or not row.covers(tokens):
+                continue
+            where = f"{arch} table, {sm_count} SMs, {d_in} -> {d_out} {out}, tokens {row.min_tokens}..{row.max_tokens}"
+            if tokens in row.exclude_tokens:
+                return Verdict(
+                    "det",
+                    row,
+                    f"{where}: {tokens} tokens is excluded, the deterministic program won there ({row.source})",
+                )
+            return Verdict(row.program, row, f"{where}: {row.program} ({row.source})")
+    return Verdict("det", None, f"no {arch} table row for {sm_count} SMs, {d_in} -> {d_out} {out} at {tokens} tokens")
