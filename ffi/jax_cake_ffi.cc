@@ -17,6 +17,7 @@
 #include <mutex>
 #include <string>
 
+#include "module_table.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -65,52 +66,13 @@ extern "C" cudaError_t jax_cake_splitk_reduce(const float* ws, void* out, int ou
 namespace jax_cake {
 namespace {
 
-std::mutex g_load_mutex;
-bool g_loaded = false;
-std::string g_load_error;
-int g_num_sms = 132;
-
-std::string CudaErr(const char* call, cudaError_t err) {
-  return std::string(call) + " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
-}
+ModuleTableState g_modules;
 
 // Loads every variant's module on every visible device. Idempotent.
-bool LoadModules(std::string* error) {
-  std::lock_guard<std::mutex> lock(g_load_mutex);
-  if (g_loaded) return true;
-  int current = 0;
-  cudaError_t err = cudaGetDevice(&current);
-  if (err != cudaSuccess) {
-    *error = CudaErr("cudaGetDevice", err);
-    return false;
-  }
-  for (int i = 0; i < kNumVariants; ++i) {
-    err = kVariants[i].load();
-    if (err != cudaSuccess) {
-      *error = CudaErr((std::string("module load of ") + kVariants[i].name).c_str(), err);
-      cudaSetDevice(current);
-      return false;
-    }
-  }
-  // The generated loaders walk all devices; give the caller its device back.
-  err = cudaSetDevice(current);
-  if (err != cudaSuccess) {
-    *error = CudaErr("cudaSetDevice", err);
-    return false;
-  }
-  int sms = 0;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current);
-  if (err != cudaSuccess) {
-    *error = CudaErr("cudaDeviceGetAttribute(MultiProcessorCount)", err);
-    return false;
-  }
-  g_num_sms = sms;
-  g_loaded = true;
-  return true;
-}
+bool LoadModules(std::string* error) { return LoadModuleTable(kVariants, kNumVariants, &g_modules, error); }
 
 ffi::Error EnsureLoaded() {
-  if (g_loaded) return ffi::Error::Success();
+  if (g_modules.loaded) return ffi::Error::Success();
   std::string error;
   if (!LoadModules(&error)) return ffi::Error::Internal("jax_cake: loading kernel modules: " + error);
   return ffi::Error::Success();
@@ -140,7 +102,7 @@ ffi::Error NoVariant(const char* program, int64_t tm, int64_t tn, int64_t tk, in
 }
 
 ffi::Error Launch(const Variant* v, GemmArgs args, cudaStream_t stream) {
-  args.max_ctas = g_num_sms;
+  args.max_ctas = g_modules.num_sms;
   int32_t ret = v->launch(args, stream);
   if (ret != 0) {
     return ffi::Error::Internal(std::string("jax_cake: launch of ") + v->name + " returned " + std::to_string(ret) +
@@ -282,7 +244,7 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     g.c = {ws, {d_out, d_in, splits * B}, {d_in, d_out * d_in}};
     JC_RETURN_IF_ERROR(Launch(v, g, stream));
     cudaError_t err = jax_cake_splitk_reduce(static_cast<const float*>(ws), dw->untyped_data(), out_dtype == kBf16,
-                                             splits, count, g_num_sms, stream);
+                                             splits, count, g_modules.num_sms, stream);
     if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("jax_cake_splitk_reduce launch", err));
     return ffi::Error::Success();
   }
@@ -304,7 +266,7 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
   g.c = {acc, {d_out, d_in, B}, {d_in, d_out * d_in}};
   JC_RETURN_IF_ERROR(Launch(v, g, stream));
   if (out_dtype == kBf16) {
-    err = jax_cake_splitk_reduce(static_cast<const float*>(acc), dw->untyped_data(), 1, 1, count, g_num_sms, stream);
+    err = jax_cake_splitk_reduce(static_cast<const float*>(acc), dw->untyped_data(), 1, 1, count, g_modules.num_sms, stream);
     if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("jax_cake_splitk_reduce launch", err));
   }
   return ffi::Error::Success();

@@ -25,6 +25,7 @@
 #include <mutex>
 #include <string>
 
+#include "module_table.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -71,51 +72,13 @@ namespace jax_cake {
 namespace router {
 namespace {
 
-std::mutex g_load_mutex;
-bool g_loaded = false;
-int g_num_sms = 132;
-
-std::string CudaErr(const std::string& call, cudaError_t err) {
-  return call + " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
-}
+ModuleTableState g_modules;
 
 // Loads every router variant's module on every visible device. Idempotent.
-bool LoadModules(std::string* error) {
-  std::lock_guard<std::mutex> lock(g_load_mutex);
-  if (g_loaded) return true;
-  int current = 0;
-  cudaError_t err = cudaGetDevice(&current);
-  if (err != cudaSuccess) {
-    *error = CudaErr("cudaGetDevice", err);
-    return false;
-  }
-  for (int i = 0; i < kNumRouterVariants; ++i) {
-    err = kRouterVariants[i].load();
-    if (err != cudaSuccess) {
-      *error = CudaErr(std::string("module load of ") + kRouterVariants[i].name, err);
-      cudaSetDevice(current);
-      return false;
-    }
-  }
-  // The generated loaders walk all devices; give the caller its device back.
-  err = cudaSetDevice(current);
-  if (err != cudaSuccess) {
-    *error = CudaErr("cudaSetDevice", err);
-    return false;
-  }
-  int sms = 0;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current);
-  if (err != cudaSuccess) {
-    *error = CudaErr("cudaDeviceGetAttribute(MultiProcessorCount)", err);
-    return false;
-  }
-  g_num_sms = sms;
-  g_loaded = true;
-  return true;
-}
+bool LoadModules(std::string* error) { return LoadModuleTable(kRouterVariants, kNumRouterVariants, &g_modules, error); }
 
 ffi::Error EnsureLoaded() {
-  if (g_loaded) return ffi::Error::Success();
+  if (g_modules.loaded) return ffi::Error::Success();
   std::string error;
   if (!LoadModules(&error)) return ffi::Error::Internal("jax_cake router: loading kernel modules: " + error);
   return ffi::Error::Success();
@@ -290,7 +253,7 @@ ffi::Error RouterWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> g_in, ffi:
   a.c = {ws, {E, d, splits}, {d, E * d}};
   JCR_RETURN_IF_ERROR(Launch(v, a, stream));
   cudaError_t err = jax_cake_splitk_reduce(static_cast<const float*>(ws), dw->untyped_data(), /*out_is_bf16=*/0,
-                                           splits, count, g_num_sms, stream);
+                                           splits, count, g_modules.num_sms, stream);
   if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("jax_cake_splitk_reduce launch", err));
   return ffi::Error::Success();
 }
