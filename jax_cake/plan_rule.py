@@ -129,38 +129,34 @@ def ratio_of_medians(runs: Sequence[PairedRun]) -> float:
     return split / det
 
 
+def _ratio_checks(condition: str, cells, runs_by_cell, limit: float, digits: int) -> list[Check]:
+    """One Check per (key, label) cell: its ratio of medians over runs must be <= limit;
+    a cell without runs fails."""
+    checks = []
+    for key, label in cells:
+        runs = runs_by_cell.get(key, ())
+        if not runs:
+            checks.append(Check(condition, label, False, "no runs"))
+            continue
+        r = ratio_of_medians(runs)
+        checks.append(Check(condition, label, r <= limit, f"r={r:.{digits}f}"))
+    return checks
+
+
 def check_contention(runs_by_cell: Mapping[tuple[int, str], Sequence[PairedRun]]) -> list[Check]:
     """Condition (b) over {(busy_sms, launch_order): [PairedRun, ...]}.
 
     Every (busy SMs, order) cell of BUSY_SMS x LAUNCH_ORDERS needs data; each cell's
     ratio of medians over its runs must be <= CONTENTION_RATIO_MAX.
     """
-    checks = []
-    for sms in BUSY_SMS:
-        for order in LAUNCH_ORDERS:
-            runs = runs_by_cell.get((sms, order), ())
-            cell = f"{sms} SMs {order}"
-            if not runs:
-                checks.append(Check("b", cell, False, "no runs"))
-                continue
-            r = ratio_of_medians(runs)
-            checks.append(Check("b", cell, r <= CONTENTION_RATIO_MAX, f"r={r:.3f}"))
-    return checks
+    cells = [((sms, order), f"{sms} SMs {order}") for sms in BUSY_SMS for order in LAUNCH_ORDERS]
+    return _ratio_checks("b", cells, runs_by_cell, CONTENTION_RATIO_MAX, 3)
 
 
 def check_steps(runs_by_cell: Mapping[tuple[str, str], Sequence[PairedRun]]) -> list[Check]:
     """Condition (c) over {(op, mode): [PairedRun, ...]}, op in STEP_OPS."""
-    checks = []
-    for op in STEP_OPS:
-        for mode in MODES:
-            runs = runs_by_cell.get((op, mode), ())
-            cell = f"{op} {mode}"
-            if not runs:
-                checks.append(Check("c", cell, False, "no runs"))
-                continue
-            r = ratio_of_medians(runs)
-            checks.append(Check("c", cell, r <= STEP_RATIO_MAX, f"r={r:.4f}"))
-    return checks
+    cells = [((op, mode), f"{op} {mode}") for op in STEP_OPS for mode in MODES]
+    return _ratio_checks("c", cells, runs_by_cell, STEP_RATIO_MAX, 4)
 
 
 def decide(
