@@ -51,12 +51,17 @@ def compiled_tiles(program: str, out_dtype: str | None = None) -> tuple[tuple[in
     )
 
 
+def _variants():
+    """The GEMM variant list and its contract helpers (plain data, no cutlass)."""
+    from jax_cake.kernels import variants
+
+    return variants
+
+
 def _wgrad_supported(tile, out_dtype: str, splits: int, reduction: str) -> bool:
     """Whether the library can run this wgrad program (ordered split-K runs the fp32
     variant of the tile into the workspace, arrival order its fp32 "add" variant)."""
-    from jax_cake.kernels import variants
-
-    return variants.supports("wgrad", tile, (1, 1), out_dtype, splits, _REDUCTION_CODES[reduction])
+    return _variants().supports("wgrad", tile, (1, 1), out_dtype, splits, _REDUCTION_CODES[reduction])
 
 
 # TMA needs 16-byte strides: bf16 rows must hold a multiple of 8 elements, fp32 rows
@@ -73,8 +78,6 @@ ROUTER_KERNELS_ENABLED = True
 # fwd/dgrad walk tiles along N first from this N up (measured on the H200).
 _RASTER_N_MIN = 512
 _REDUCTION_CODES = {"none": 0, "ordered": 1, "arrival": 2}
-# The minimum workspace, so the wgrad result list has a fixed arity.
-MIN_WORKSPACE_BYTES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,36 +256,25 @@ def _wgrad_plan(
                 splits = max(1, min(math.ceil(dev.sm_count / tiles), k_tiles))
             splits = min(splits, k_tiles)
             reduction = "arrival" if splits > 1 else "none"
-            if not _wgrad_supported(tile, out_dtype, splits, reduction):
-                continue
-            workspace = batch * m * n * 4 if out_dtype == "bfloat16" else 0
-            return Plan(
-                **base,
-                program="split",
-                tile=tile,
-                splits=splits,
-                reduction=reduction,
-                workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
-                reason=f"split-K program (arrival-order reduction, not bitwise reproducible): {why}; {tile_note}",
-            )
-        splits = (
-            min(forced_splits, k_tiles)
-            if forced == "det" and forced_splits
-            else _det_splits(tiles, k, tile[2], dev.sm_count)
-        )
-        reduction = "ordered" if splits > 1 else "none"
+            reason = f"split-K program (arrival-order reduction, not bitwise reproducible): {why}; {tile_note}"
+        else:
+            if forced == "det" and forced_splits:
+                splits = min(forced_splits, k_tiles)
+            else:
+                splits = _det_splits(tiles, k, tile[2], dev.sm_count)
+            reduction = "ordered" if splits > 1 else "none"
+            how = f"{splits} K splits summed in fixed split order by a second pass" if splits > 1 else "one pass over K"
+            reason = f"deterministic program ({why}): {how}; {tile_note}"
         if not _wgrad_supported(tile, out_dtype, splits, reduction):
             continue
-        workspace = splits * batch * m * n * 4 if splits > 1 else 0
-        how = f"{splits} K splits summed in fixed split order by a second pass" if splits > 1 else "one pass over K"
         return Plan(
             **base,
-            program="det",
+            program="split" if program == "split" else "det",
             tile=tile,
             splits=splits,
             reduction=reduction,
-            workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
-            reason=f"deterministic program ({why}): {how}; {tile_note}",
+            workspace_bytes=_variants().workspace_bytes(splits, _REDUCTION_CODES[reduction], batch, m, n, out_dtype),
+            reason=reason,
         )
     return _xla_plan(
         "wgrad", batch, m, n, k, out_dtype, dev, f"no compiled wgrad variant runs the {program} program here"
@@ -317,14 +309,17 @@ def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
         return Plan(**base, program="gemm", reason=f"{how}, one pass over K={k}: {tile_note}")
     tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1])
     splits = _det_splits(tiles, k, tile[2], dev.sm_count)
-    workspace = splits * m * n * 4 if splits > 1 else 0
+    reduction = "ordered" if splits > 1 else "none"
+    from jax_cake.kernels import router_variants
+
+    workspace = router_variants.workspace_bytes(splits, _REDUCTION_CODES[reduction], m, n)
     split_note = f"{splits} K splits summed in fixed split order" if splits > 1 else "one pass over K"
     return Plan(
         **base,
         program="det",
         splits=splits,
-        reduction="ordered" if splits > 1 else "none",
-        workspace_bytes=max(workspace, MIN_WORKSPACE_BYTES),
+        reduction=reduction,
+        workspace_bytes=workspace,
         reason=f"{how}, deterministic program (the router has no split-K program): {split_note}; {tile_note}",
     )
 
