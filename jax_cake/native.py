@@ -54,11 +54,6 @@ def library_path() -> pathlib.Path | None:
     return None
 
 
-def is_available() -> bool:
-    """Whether a native library file exists (it is not loaded by this call)."""
-    return library_path() is not None
-
-
 def _cuda_device_present() -> bool:
     try:
         import jax

@@ -23,7 +23,6 @@ WGRAD_TARGET = "jax_cake_wgrad"
 ROUTER_FWD_TARGET = "jax_cake_router_fwd"
 ROUTER_DGRAD_TARGET = "jax_cake_router_dgrad"
 ROUTER_WGRAD_TARGET = "jax_cake_router_wgrad"
-TARGETS = (FWD_TARGET, DGRAD_TARGET, WGRAD_TARGET, ROUTER_FWD_TARGET, ROUTER_DGRAD_TARGET, ROUTER_WGRAD_TARGET)
 
 # The router handlers take no cluster or raster attributes (docs/FFI_CONTRACT.md).
 _ROUTER_ATTRIBUTES = ("tile_m", "tile_n", "tile_k", "splits", "reduction")

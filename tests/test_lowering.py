@@ -134,3 +134,12 @@ def test_router_step_lowers_to_the_three_router_custom_calls(monkeypatch):
     assert f"-> (tensor<256x4096xf32>, tensor<{wgrad.workspace_bytes}xui8>)" in calls["wgrad"][0]
     assert "raster" not in calls["fwd"][0] and "cluster_m" not in calls["fwd"][0]  # the router takes five attributes
     assert "dot_general" not in text
+
+
+def test_every_lowered_target_is_registered_and_built():
+    """The custom calls the primitives emit are the ones native.py registers and the build exports."""
+    from jax_cake import build, native, primitives
+
+    used = {v for k, v in vars(primitives).items() if k.endswith("_TARGET")}
+    assert used == set(native.TARGETS)
+    assert {native.handler_symbol(t) for t in native.TARGETS} == set(build.HANDLER_SYMBOLS)

@@ -31,7 +31,6 @@ PROGRAM_MAJORS = {
 REDUCTION_NONE = 0
 REDUCTION_ORDERED = 1  # fp32 partials [splits, E, d] + the reduce pass in split order
 # Arrival-order split-K (reduction = 2) is not built for the router: it is always deterministic.
-BUILT_REDUCTIONS = (REDUCTION_NONE, REDUCTION_ORDERED)
 
 
 @dataclasses.dataclass(frozen=True)

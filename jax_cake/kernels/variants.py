@@ -28,9 +28,6 @@ REDUCTION_NONE = 0
 REDUCTION_ORDERED = 1  # fp32 partials [splits, L, M, N] + a reduce pass in split order
 REDUCTION_ATOMIC = 2  # arrival order: TMA reduce-add stores (cp.reduce.async.bulk.tensor)
 
-# Reductions the native library implements. The planner must not pick others.
-BUILT_REDUCTIONS = (REDUCTION_NONE, REDUCTION_ORDERED, REDUCTION_ATOMIC)
-
 
 @dataclasses.dataclass(frozen=True)
 class GemmVariant:
