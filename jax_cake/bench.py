@@ -2,6 +2,20 @@
 
     python -m jax_cake.bench --tokens=16384 --d_in=4096 --d_out=48 --ops=wgrad,bwd \
         --md=out/bench.md --csv=out/bench.csv
+    python -m jax_cake.bench --family=router --md=out/router.md --csv=out/router.csv
+    python -m jax_cake.bench --family=batched --md=out/batched.md --csv=out/batched.csv
+
+Families (`--family`, one per invocation), each with its ops, arms and grid flags:
+- dense: `dense_projection(x bf16 [T, d_in], w [d_out, d_in])`; ops fwd, dgrad, wgrad,
+  bwd, 2fwd+bwd; grid --tokens x --d_in x --d_out x --out_dtype (w's dtype).
+- router: `router_logits(x f32 [T, d], w f32 [E, d])`; ops fwd, fwd+bwd (value, dx
+  and dw); grid --tokens (16384) x --d_in (d: 4096, 7168) x --experts (256); arms new,
+  xla_x3 = `jnp.dot(x, w.T, precision=DotAlgorithmPreset.BF16_BF16_F32_X3)`,
+  xla_highest = the same with `Precision.HIGHEST` (no det/split: one program).
+- batched: `batched_projection(x bf16 [B, T, d_in], w bf16 [B, d_out, d_in])`; ops fwd,
+  bwd, 2fwd+bwd; grid --batch (16, 128) x --pairs (d_in:d_out, 128:512 and 512:128) x
+  --tokens (4096); arms new, xla = `jnp.einsum("btk,bnk->btn", x, w)`, cublas =
+  torch.bmm.
 
 Protocol (DESIGN.md "Benchmark protocol"):
 - Processes. XLA reads XLA_FLAGS once, when the backend starts, so the parent never
@@ -10,8 +24,9 @@ Protocol (DESIGN.md "Benchmark protocol"):
   `--xla_gpu_enable_command_buffer=` (off); the mode order alternates between runs.
   A run is a fresh process, so process-level effects (allocation, clocks) vary
   between runs and not between the arms compared inside one.
-- Arms. det = `dense_projection(..., deterministic=True)`; split = deterministic=False
-  under `jax_cake.planner.force("split")` (`split/s16/t64x256x64` names a split count
+- Arms (dense; the other families' are above). det = `dense_projection(...,
+  deterministic=True)`; split = deterministic=False under
+  `jax_cake.planner.force("split")` (`split/s16/t64x256x64` names a split count
   and tile); new = deterministic=False (the planner's pick); xla = `jnp.dot(x,
   w.astype(bf16).T)` with jax.vjp for gradients; cublas = torch.mm (GPU with torch).
   Inside a child the arms of a point are interleaved in paired groups: group g runs
@@ -32,7 +47,8 @@ Protocol (DESIGN.md "Benchmark protocol"):
   TF_GPU_CUPTI_FORCE_CONCURRENT_KERNEL=1 so CUPTI does not serialize kernels. A
   timeline that does not split into the expected flushes raises, naming the kernels
   seen. cuBLAS steps are timed with CUDA events on torch's stream (eager launches in
-  both modes).
+  both modes). For every family, new = the jax_cake op with deterministic=False (the
+  planner's pick) and gradients come from jax.vjp.
 - Timing (no GPU, `--timer=wall`): host wall time per step of the whole call, flush
   included, labelled "host wall time (no GPU)": only for smoke tests of the tooling.
 - Report: median over runs of each run's median group time; ratio = baseline us /
@@ -62,33 +78,20 @@ GRID_TOKENS = (16172, 16231, 16384)
 GRID_D_IN = (4096, 5120)
 GRID_D_OUT = (32, 48, 64, 512, 1024, 4096)
 OUT_DTYPES = ("float32", "bfloat16")
-OPS = ("fwd", "dgrad", "wgrad", "bwd", "2fwd+bwd")
+OPS = ("fwd", "dgrad", "wgrad", "bwd", "2fwd+bwd")  # dense; op_fn also builds fwd+bwd
 MODES = ("g", "e")
-ARMS = ("det", "split", "new", "xla", "cublas")
+ARMS = ("det", "split", "new", "xla", "cublas")  # dense
+ROUTER_ARMS = ("new", "xla_x3", "xla_highest")
+BATCHED_ARMS = ("new", "xla", "cublas")
+ALL_ARMS = ARMS + ROUTER_ARMS[1:]
 MODE_XLA_FLAGS = {
     "g": "--xla_enable_command_buffers_during_profiling=true",
     "e": "--xla_gpu_enable_command_buffer=",
 }
 WALL_LABEL = "host wall time (no GPU)"
 DEVICE_LABEL = "CUPTI device time (jax profiler)"
-COLUMNS = (
-    "GPU",
-    "SMs",
-    "d_in -> d_out",
-    "out",
-    "T",
-    "op",
-    "mode",
-    "det us",
-    "split us",
-    "XLA us",
-    "cuBLAS us",
-    "new us",
-    "det/new",
-    "XLA/new",
-    "cuBLAS/new",
-)
-_ARM_COLUMN = {"det": "det us", "split": "split us", "xla": "XLA us", "cublas": "cuBLAS us", "new": "new us"}
+_ARM_LABEL = {"det": "det", "split": "split", "new": "new", "xla": "XLA", "cublas": "cuBLAS"}
+_ARM_LABEL.update(xla_x3="XLA x3", xla_highest="XLA highest")
 
 FLAGS = flags.FLAGS
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # children import this jax_cake
@@ -101,9 +104,9 @@ def define_flags(arms_default: Sequence[str] = ARMS, with_ops: bool = True) -> N
     flags.DEFINE_list("d_out", [str(d) for d in GRID_D_OUT], "Output widths d_out.")
     flags.DEFINE_list("out_dtype", list(OUT_DTYPES), "Weight / wgrad output dtypes.")
     if with_ops:
-        flags.DEFINE_list("ops", list(OPS), f"Ops, from {OPS}.")
+        flags.DEFINE_list("ops", list(OPS), f"Ops, from {OPS} (dense; bench --family: the family's ops).")
     flags.DEFINE_list("modes", list(MODES), "g = command buffers on, e = off.")
-    flags.DEFINE_list("arms", list(arms_default), "Arms: det, split[/sN][/tMxNxK], new, xla, cublas.")
+    flags.DEFINE_list("arms", list(arms_default), "Arms: det, split[/sN][/tMxNxK], new, xla, cublas (dense).")
     flags.DEFINE_integer("runs", 3, "Runs (one fresh process per run and mode).")
     flags.DEFINE_integer("groups", 10, "Paired groups per run.")
     flags.DEFINE_integer("steps", 10, "Timed steps per arm and group.")
@@ -122,20 +125,83 @@ class Point:
     d_in: int
     d_out: int
     out: str  # w's dtype = the wgrad output dtype
+    batch: int = 1  # B of the batched family
+    family: str = "dense"  # d_in = d and d_out = E for the router
 
     @property
     def label(self) -> str:
-        return f"T={self.tokens} {self.d_in}->{self.d_out} {self.out}"
+        family = {"dense": "", "router": "router ", "batched": f"batched B={self.batch} "}[self.family]
+        return f"{family}T={self.tokens} {self.d_in}->{self.d_out} {self.out}"
 
 
-def grid_points(tokens: Iterable[int], d_in: Iterable[int], d_out: Iterable[int], out: Iterable[str]) -> list[Point]:
+def grid_points(
+    tokens: Iterable[int], d_in: Iterable[int], d_out: Iterable[int], out: Iterable[str], family: str = "dense"
+) -> list[Point]:
     tokens, d_out, out = list(tokens), list(d_out), list(out)  # iterated once per outer value
-    return [Point(t, i, o, dt) for i in d_in for o in d_out for dt in out for t in tokens]
+    return [Point(t, i, o, dt, family=family) for i in d_in for o in d_out for dt in out for t in tokens]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What one --family measures and reports. Report columns: GPU, SMs, the shape
+    columns, op, mode, one "us" column per arm (new last), then baseline/new ratios."""
+
+    ops: tuple[str, ...]
+    arms: tuple[str, ...]  # arm kinds, in run order
+    shape_columns: tuple[str, ...]
+    shape: Callable[[Point], tuple]  # a point's values of the shape columns
+    defaults: dict = dataclasses.field(default_factory=dict)  # flag defaults other than dense's
+    unused: tuple[str, ...] = ()  # grid flags that do not apply
+
+    @property
+    def report_arms(self) -> list[str]:
+        return [a for a in self.arms if a != "new"] + ["new"]
+
+    @property
+    def ratio_arms(self) -> list[str]:
+        return [a for a in self.arms if a not in ("new", "split")]
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return (
+            ("GPU", "SMs", *self.shape_columns, "op", "mode")
+            + tuple(f"{_ARM_LABEL[a]} us" for a in self.report_arms)
+            + tuple(f"{_ARM_LABEL[a]}/new" for a in self.ratio_arms)
+        )
+
+
+FAMILIES = {
+    "dense": Family(
+        OPS,
+        ARMS,
+        ("d_in -> d_out", "out", "T"),
+        lambda p: (f"{p.d_in} -> {p.d_out}", {"float32": "FP32", "bfloat16": "BF16"}[p.out], p.tokens),
+        unused=("experts", "batch", "pairs"),
+    ),
+    "router": Family(
+        ("fwd", "fwd+bwd"),
+        ROUTER_ARMS,
+        ("d -> E", "T"),
+        lambda p: (f"{p.d_in} -> {p.d_out}", p.tokens),
+        defaults={"tokens": ["16384"], "d_in": ["4096", "7168"]},
+        unused=("d_out", "out_dtype", "batch", "pairs"),
+    ),
+    "batched": Family(
+        ("fwd", "bwd", "2fwd+bwd"),
+        BATCHED_ARMS,
+        ("B", "d_in -> d_out", "T"),
+        lambda p: (p.batch, f"{p.d_in} -> {p.d_out}", p.tokens),
+        defaults={"tokens": ["4096"]},
+        unused=("d_in", "d_out", "out_dtype", "experts"),
+    ),
+}
+ALL_OPS = ("fwd", "dgrad", "wgrad", "bwd", "fwd+bwd", "2fwd+bwd")
+COLUMNS = FAMILIES["dense"].columns
 
 
 @dataclasses.dataclass(frozen=True)
 class ArmSpec:
-    """An arm name parsed: 'det', 'new', 'xla', 'cublas' or 'split[/sN][/tMxNxK]'."""
+    """An arm name parsed: one of ALL_ARMS, options only on 'split[/sN][/tMxNxK]'."""
 
     name: str
     kind: str
@@ -145,8 +211,8 @@ class ArmSpec:
 
 def parse_arm(name: str) -> ArmSpec:
     kind, *opts = name.split("/")
-    if kind not in ARMS or (opts and kind != "split"):
-        raise ValueError(f"arm {name!r}: expected one of {ARMS}, options only on split")
+    if kind not in ALL_ARMS or (opts and kind != "split"):
+        raise ValueError(f"arm {name!r}: expected one of {ALL_ARMS}, options only on split")
     splits = tile = None
     for opt in opts:
         if re.fullmatch(r"s\d+", opt):
@@ -169,9 +235,10 @@ def op_fn(op: str, project: Callable) -> Callable:
     """(x, w, dy) -> the op's outputs, built from a projection y = project(x, w).
 
     jax.vjp against only the differentiated inputs lets XLA drop the unused gradient's
-    GEMM and the unused forward. 2fwd+bwd is the checkpointed step written out: the
-    step's forward, and the backward's recomputed forward (kept apart from the first by
-    a barrier, as a remat recompute is) next to dgrad and wgrad.
+    GEMM and the unused forward. fwd+bwd is the value and both gradients. 2fwd+bwd is
+    the checkpointed step written out: the step's forward, and the backward's
+    recomputed forward (kept apart from the first by a barrier, as a remat recompute
+    is) next to dgrad and wgrad.
     """
     import jax
 
@@ -183,6 +250,13 @@ def op_fn(op: str, project: Callable) -> Callable:
         return lambda x, w, dy: jax.vjp(lambda w_: project(x, w_), w)[1](dy)
     if op == "bwd":
         return lambda x, w, dy: jax.vjp(project, x, w)[1](dy)
+    if op == "fwd+bwd":
+
+        def value_and_grads(x, w, dy):
+            y, vjp = jax.vjp(project, x, w)
+            return (y,) + vjp(dy)
+
+        return value_and_grads
     if op == "2fwd+bwd":
 
         def step(x, w, dy):
@@ -191,14 +265,25 @@ def op_fn(op: str, project: Callable) -> Callable:
             return (y, project(x2, w2)) + jax.vjp(project, x2, w2)[1](dy)
 
         return step
-    raise ValueError(f"op {op!r}: expected one of {OPS}")
+    raise ValueError(f"op {op!r}: expected one of {ALL_OPS}")
 
 
-def jax_projection(arm: ArmSpec) -> Callable:
+def jax_projection(arm: ArmSpec, family: str = "dense") -> Callable:
+    """(x, w) -> y: the arm's forward for the family (det and split are dense-only)."""
+    import jax
     import jax.numpy as jnp
 
     import jax_cake
 
+    if family == "router":
+        if arm.kind == "new":
+            return lambda x, w: jax_cake.router_logits(x, w, deterministic=False)
+        precision = {"xla_x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3, "xla_highest": jax.lax.Precision.HIGHEST}
+        return lambda x, w: jnp.dot(x, w.T, precision=precision[arm.kind])
+    if family == "batched":
+        if arm.kind == "xla":
+            return lambda x, w: jnp.einsum("btk,bnk->btn", x, w)
+        return lambda x, w: jax_cake.batched_projection(x, w, deterministic=False)
     if arm.kind == "xla":
         return lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16).T)
     return lambda x, w: jax_cake.dense_projection(x, w, deterministic=arm.kind == "det")
@@ -249,12 +334,13 @@ def steps_program(step: Callable | None, steps: int) -> Callable:
     return program
 
 
-def compile_arm(arm: ArmSpec, op: str, steps: int, args) -> Callable:
+def compile_arm(arm: ArmSpec, op: str, steps: int, args, family: str = "dense") -> Callable:
     """AOT-compiles the arm's steps program (jit's cache would ignore planner.force)."""
     import jax
 
     with planning_for(arm):
-        return jax.jit(steps_program(op_fn(op, jax_projection(arm)), steps), donate_argnums=0).lower(*args).compile()
+        program = steps_program(op_fn(op, jax_projection(arm, family)), steps)
+        return jax.jit(program, donate_argnums=0).lower(*args).compile()
 
 
 def make_inputs(point: Point, flush_mb: int, seed: int = 0):
@@ -262,9 +348,11 @@ def make_inputs(point: Point, flush_mb: int, seed: int = 0):
     import jax.numpy as jnp
 
     kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(kx, (point.tokens, point.d_in), jnp.bfloat16)
-    w = (jax.random.normal(kw, (point.d_out, point.d_in), jnp.float32) * 0.02).astype(point.out)
-    dy = jax.random.normal(kd, (point.tokens, point.d_out), jnp.bfloat16)
+    lead = (point.batch,) if point.family == "batched" else ()
+    act = jnp.float32 if point.family == "router" else jnp.bfloat16  # x and dy
+    x = jax.random.normal(kx, lead + (point.tokens, point.d_in), act)
+    w = (jax.random.normal(kw, lead + (point.d_out, point.d_in), jnp.float32) * 0.02).astype(point.out)
+    dy = jax.random.normal(kd, lead + (point.tokens, point.d_out), act)
     buf = jnp.zeros((flush_mb * 2**20 // 4,), jnp.uint32)
     return buf, x, w, dy
 
@@ -386,8 +474,8 @@ class WallTimer:
 
 
 def cublas_group_times(op: str, point: Point, steps: int, groups: int, flush_mb: int) -> list[float] | None:
-    """Median step time per group of torch.mm with CUDA events, L2 flushed per step;
-    None without a CUDA torch."""
+    """Median step time per group of torch.mm (torch.bmm for the batched family) with
+    CUDA events, L2 flushed per step; None without a CUDA torch."""
     try:
         import torch
     except ImportError:
@@ -395,15 +483,17 @@ def cublas_group_times(op: str, point: Point, steps: int, groups: int, flush_mb:
     if not torch.cuda.is_available():
         return None
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(point.tokens, point.d_in, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(point.d_out, point.d_in, device="cuda", dtype=torch.bfloat16, generator=g)
-    dy = torch.randn(point.tokens, point.d_out, device="cuda", dtype=torch.bfloat16, generator=g)
+    lead, mm = ((point.batch,), torch.bmm) if point.family == "batched" else ((), torch.mm)
+    x, w, dy = (
+        torch.randn(*lead, *shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        for shape in ((point.tokens, point.d_in), (point.d_out, point.d_in), (point.tokens, point.d_out))
+    )
     buf = torch.zeros(flush_mb * 2**20 // 4, device="cuda", dtype=torch.int32)
 
     def wgrad():
         if point.out == "float32":  # fp32 out from the fp32 accumulator, no bf16 rounding
-            return torch.mm(dy.t(), x, out_dtype=torch.float32)
-        return torch.mm(dy.t(), x)
+            return mm(dy.mT, x, out_dtype=torch.float32)
+        return mm(dy.mT, x)
 
     try:
         wgrad()
@@ -411,7 +501,7 @@ def cublas_group_times(op: str, point: Point, steps: int, groups: int, flush_mb:
         print(f"cuBLAS arm skipped: {e}", file=sys.stderr)
         return None
 
-    parts = {"fwd": [lambda: x @ w.t()], "dgrad": [lambda: dy @ w], "wgrad": [wgrad]}
+    parts = {"fwd": [lambda: mm(x, w.mT)], "dgrad": [lambda: mm(dy, w)], "wgrad": [wgrad]}
     parts["bwd"] = parts["dgrad"] + parts["wgrad"]
     parts["2fwd+bwd"] = parts["fwd"] * 2 + parts["bwd"]
     out = []
@@ -460,7 +550,7 @@ def measure_point(
     for a in jax_arms:  # tune measures a point again per contention cell: compile once
         key = (a, op, steps, point, flush_mb)
         if key not in _compiled:
-            _compiled[key] = compile_arm(a, op, steps, (buf, x, w, dy))
+            _compiled[key] = compile_arm(a, op, steps, (buf, x, w, dy), point.family)
         compiled[a.name] = _compiled[key]
     timer = DeviceTimer(buf, steps) if timer_kind == "device" else WallTimer(buf, steps)
     for a in jax_arms:  # warm-up: graph instantiation, autotuning, lazy loading
@@ -607,38 +697,37 @@ def run_children(module: str, argv_flags: Sequence[str], modes: Sequence[str], r
 def run_medians(samples: Sequence[dict]) -> dict[tuple, float]:
     """{(point, op, mode, arm): median over runs of each run's median group time}."""
     per_run: dict[tuple, list[float]] = {}
+    names = [f.name for f in dataclasses.fields(Point)]
     for s in samples:
-        key = (Point(s["tokens"], s["d_in"], s["d_out"], s["out"]), s["op"], s["mode"], s["arm"])
+        key = (Point(**{n: s[n] for n in names if n in s}), s["op"], s["mode"], s["arm"])
         per_run.setdefault(key, []).append(statistics.median(g for g in s["groups_us"] if g is not None))
     return {k: statistics.median(v) for k, v in per_run.items()}
 
 
 def table_rows(header: dict, samples: Sequence[dict]) -> list[dict]:
+    """One row per (point, op, mode), with the columns of the point's family."""
     medians = run_medians(samples)
     rows = []
     order = lambda k: (
         MODES.index(k[2]),
+        k[0].family,
+        k[0].batch,
         k[0].d_in,
         k[0].d_out,
         OUT_DTYPES.index(k[0].out),
         k[0].tokens,
-        OPS.index(k[1]),
+        ALL_OPS.index(k[1]),
     )
     for point, op, mode in sorted({k[:3] for k in medians}, key=order):
-        us = {arm: medians.get((point, op, mode, arm)) for arm in ARMS}
-        row = {
-            "GPU": header["gpu"],
-            "SMs": header["sms"] or "n/a",
-            "d_in -> d_out": f"{point.d_in} -> {point.d_out}",
-            "out": {"float32": "FP32", "bfloat16": "BF16"}[point.out],
-            "T": point.tokens,
-            "op": op,
-            "mode": mode,
-        }
-        for arm, column in _ARM_COLUMN.items():
-            row[column] = us[arm]
-        for base, column in (("det", "det/new"), ("xla", "XLA/new"), ("cublas", "cuBLAS/new")):
-            row[column] = us[base] / us["new"] if us[base] and us["new"] else None
+        family = FAMILIES[point.family]
+        us = {arm: medians.get((point, op, mode, arm)) for arm in family.report_arms}
+        row = {"GPU": header["gpu"], "SMs": header["sms"] or "n/a"}
+        row.update(zip(family.shape_columns, family.shape(point)))
+        row.update(op=op, mode=mode)
+        for arm in family.report_arms:
+            row[f"{_ARM_LABEL[arm]} us"] = us[arm]
+        for base in family.ratio_arms:
+            row[f"{_ARM_LABEL[base]}/new"] = us[base] / us["new"] if us[base] and us["new"] else None
         rows.append(row)
     return rows
 
@@ -657,13 +746,13 @@ def header_line(header: dict) -> str:
     )
 
 
-def geomean_lines(rows: Sequence[dict]) -> list[str]:
+def geomean_lines(rows: Sequence[dict], family: str = "dense") -> list[str]:
     lines = []
-    for op in OPS:
+    for op in FAMILIES[family].ops:
         for mode in MODES:
             picked = [r for r in rows if r["op"] == op and r["mode"] == mode]
             parts = []
-            for column in ("det/new", "XLA/new", "cuBLAS/new"):
+            for column in [c for c in FAMILIES[family].columns if c.endswith("/new")]:
                 vals = [r[column] for r in picked if r[column]]
                 if vals:
                     gm = math.exp(sum(math.log(v) for v in vals) / len(vals))
@@ -673,26 +762,28 @@ def geomean_lines(rows: Sequence[dict]) -> list[str]:
     return lines
 
 
-def markdown(header: dict, rows: Sequence[dict]) -> str:
+def markdown(header: dict, rows: Sequence[dict], family: str = "dense") -> str:
+    columns = FAMILIES[family].columns
     out = [
         header_line(header),
         "",
         "Geomeans over rows (range in parentheses):",
-        *geomean_lines(rows),
+        *geomean_lines(rows, family),
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
     ]
-    out += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+    out += ["| " + " | ".join(_fmt(r[c]) for c in columns) + " |" for r in rows]
     return "\n".join(out) + "\n"
 
 
-def write_csv(path: str, rows: Sequence[dict]) -> None:
+def write_csv(path: str, rows: Sequence[dict], family: str = "dense") -> None:
+    columns = FAMILIES[family].columns
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for r in rows:
-            writer.writerow({c: "" if r[c] is None else r[c] for c in COLUMNS})
+            writer.writerow({c: "" if r[c] is None else r[c] for c in columns})
 
 
 # --- entry point -------------------------------------------------------------------------------
@@ -717,15 +808,35 @@ def child_argv(names: Iterable[str]) -> list[str]:
 
 
 SHARED_FLAGS = ("tokens", "d_in", "d_out", "out_dtype", "ops", "arms", "groups", "steps", "flush_mb", "timer")
+FAMILY_FLAGS = ("family", "experts", "batch", "pairs")
+
+
+def family_points(family: str) -> list[Point]:
+    tokens = list(map(int, FLAGS.tokens))
+    if family == "router":
+        return grid_points(tokens, map(int, FLAGS.d_in), map(int, FLAGS.experts), ["float32"], "router")
+    if family == "batched":
+        pairs = [tuple(map(int, p.split(":"))) for p in FLAGS.pairs]
+        return [
+            Point(t, i, o, "bfloat16", b, "batched") for b in map(int, FLAGS.batch) for i, o in pairs for t in tokens
+        ]
+    return grid_points(tokens, map(int, FLAGS.d_in), map(int, FLAGS.d_out), selected("out_dtype", OUT_DTYPES))
 
 
 def main(argv):
     del argv
-    points = grid_points(
-        map(int, FLAGS.tokens), map(int, FLAGS.d_in), map(int, FLAGS.d_out), selected("out_dtype", OUT_DTYPES)
-    )
-    ops, modes = selected("ops", OPS), selected("modes", MODES)
+    family = FAMILIES[FLAGS.family]
+    stray = [n for n in family.unused if FLAGS[n].present]
+    if stray:
+        raise app.UsageError(f"--family={FLAGS.family} does not take {', '.join('--' + n for n in stray)}")
+    for name, value in {"ops": family.ops, "arms": family.arms, **family.defaults}.items():
+        if not FLAGS[name].present:  # the family's default (a child gets every value explicitly)
+            setattr(FLAGS, name, list(value))
+    points = family_points(FLAGS.family)
+    ops, modes = selected("ops", family.ops), selected("modes", MODES)
     arms = [parse_arm(a) for a in FLAGS.arms]
+    if any(a.kind not in family.arms for a in arms):
+        raise app.UsageError(f"--arms: {FLAGS.arms} not all in {list(family.arms)} (--family={FLAGS.family})")
     if FLAGS.child_out:
         timer_kind = FLAGS.timer or default_timer()
         samples = collect(
@@ -741,19 +852,24 @@ def main(argv):
         )
         write_child_output(FLAGS.child_out, device_header(timer_kind), samples)
         return
-    header, samples = run_children("jax_cake.bench", child_argv(SHARED_FLAGS), modes, FLAGS.runs)
+    names = [n for n in SHARED_FLAGS + FAMILY_FLAGS if n not in family.unused]
+    header, samples = run_children("jax_cake.bench", child_argv(names), modes, FLAGS.runs)
     rows = table_rows(header, samples)
-    text = markdown(header, rows)
+    text = markdown(header, rows, FLAGS.family)
     print(text)
     if FLAGS.md:
         with open(FLAGS.md, "w") as f:
             f.write(text)
     if FLAGS.csv:
-        write_csv(FLAGS.csv, rows)
+        write_csv(FLAGS.csv, rows, FLAGS.family)
 
 
 if __name__ == "__main__":
     define_flags()
+    flags.DEFINE_enum("family", "dense", list(FAMILIES), "The op: dense_projection, router_logits, batched_projection.")
+    flags.DEFINE_list("experts", ["256"], "router: expert counts E (--d_in gives d; default 4096,7168, T 16384).")
+    flags.DEFINE_list("batch", ["16", "128"], "batched: batch sizes B (--tokens default 4096).")
+    flags.DEFINE_list("pairs", ["128:512", "512:128"], "batched: d_in:d_out pairs.")
     flags.DEFINE_string("csv", None, "Write the table as CSV here.")
     flags.DEFINE_string("md", None, "Write the markdown table here.")
     app.run(main)

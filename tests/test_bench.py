@@ -16,33 +16,24 @@ from jax_cake import bench
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class CliTest(absltest.TestCase):
+def run_cli(*argv: str) -> tuple[str, list[dict]]:
+    """`python -m jax_cake.bench *argv` at 1 run, 2 steps, 1 MiB flush: (markdown, CSV rows)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        md, csv_path = os.path.join(tmp, "b.md"), os.path.join(tmp, "b.csv")
+        subprocess.run(
+            [sys.executable, "-m", "jax_cake.bench", *argv, "--runs=1", "--steps=2", "--flush_mb=1"]
+            + [f"--md={md}", f"--csv={csv_path}"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
+        with open(csv_path) as f:
+            return open(md).read(), list(csv.DictReader(f))
+
+
+class CliTest(parameterized.TestCase):
     def test_tiny_shape_writes_markdown_and_csv(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            md, csv_path = os.path.join(tmp, "b.md"), os.path.join(tmp, "b.csv")
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "jax_cake.bench",
-                    "--tokens=64",
-                    "--d_in=128",
-                    "--d_out=32",
-                    "--out_dtype=float32",
-                    "--runs=1",
-                    "--groups=2",
-                    "--steps=2",
-                    "--flush_mb=1",
-                    f"--md={md}",
-                    f"--csv={csv_path}",
-                ],
-                cwd=REPO,
-                check=True,
-                capture_output=True,
-            )
-            text = open(md).read()
-            with open(csv_path) as f:
-                rows = list(csv.DictReader(f))
+        text, rows = run_cli("--tokens=64", "--d_in=128", "--d_out=32", "--out_dtype=float32", "--groups=2")
         first = text.splitlines()[0]
         self.assertIn("host wall time (no GPU)", first)
         self.assertIn(f"jax {jax.__version__}", first)
@@ -61,6 +52,44 @@ class CliTest(absltest.TestCase):
                 self.assertGreater(float(r[column]), 0)
             self.assertAlmostEqual(float(r["det/new"]), float(r["det us"]) / float(r["new us"]), places=9)
             self.assertEqual(r["cuBLAS us"], "")  # no CUDA torch here
+
+    @parameterized.named_parameters(
+        (
+            "router",
+            ["--family=router", "--tokens=64", "--d_in=128", "--experts=32"],
+            ("d -> E", "T"),
+            ("128 -> 32", "64"),
+            ("XLA x3", "XLA highest"),
+        ),
+        (
+            "batched",
+            ["--family=batched", "--batch=2", "--tokens=64", "--pairs=32:64"],
+            ("B", "d_in -> d_out", "T"),
+            ("2", "32 -> 64", "64"),
+            ("XLA", "cuBLAS"),
+        ),
+    )
+    def test_other_families(self, argv, shape_columns, shape, baselines):
+        family = bench.FAMILIES[argv[0].split("=")[1]]
+        text, rows = run_cli(*argv, "--groups=1")
+        columns = ("GPU", "SMs", *shape_columns, "op", "mode")
+        columns += tuple(f"{b} us" for b in baselines) + ("new us",) + tuple(f"{b}/new" for b in baselines)
+        self.assertEqual(family.columns, columns)
+        self.assertIn("host wall time (no GPU)", text.splitlines()[0])
+        self.assertIn("| " + " | ".join(columns) + " |", text)
+        self.assertRegex(text, rf"- {re.escape(family.ops[-1])} e \(1 rows\): {baselines[0]}/new \d+\.\d{{3}} \(")
+        self.assertEqual(list(rows[0]), list(columns))
+        self.assertEqual(sorted((r["op"], r["mode"]) for r in rows), sorted((o, m) for o in family.ops for m in "eg"))
+        for r in rows:
+            self.assertEqual(tuple(r[c] for c in shape_columns), shape)
+            self.assertGreater(float(r["new us"]), 0)
+            self.assertAlmostEqual(
+                float(r[f"{baselines[0]}/new"]), float(r[f"{baselines[0]} us"]) / float(r["new us"]), places=9
+            )
+            if "cuBLAS" in baselines:
+                self.assertEqual(r["cuBLAS us"], "")  # no CUDA torch here
+            else:
+                self.assertGreater(float(r["XLA highest us"]), 0)
 
 
 class StepsProgramTest(parameterized.TestCase):
@@ -108,6 +137,41 @@ class ArmsLowerForTheH200Test(parameterized.TestCase):
         self.assertEqual(set(re.findall(r"reduction = (\d+)", text)), {"0", reduction})  # fwd/dgrad: 0
         if spec.splits:
             self.assertIn(f"splits = {spec.splits} ", text)
+
+    def test_router_and_batched_arms(self):
+        """new runs jax_cake's kernels (the fused BF16x3 router on an H200); XLA's arms
+        keep their precision in the gradients."""
+        steps = 2
+        cases = (  # point, op, new's primitives per step (one GEMM each)
+            (
+                bench.Point(16384, 4096, 256, "float32", family="router"),
+                "fwd+bwd",
+                ["router_fwd", "router_dgrad", "router_wgrad"],
+            ),
+            (bench.Point(4096, 128, 512, "bfloat16", 16, "batched"), "2fwd+bwd", ["fwd", "fwd", "dgrad", "wgrad"]),
+        )
+        for point, op, gemms in cases:
+            args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in bench.make_inputs(point, flush_mb=128)]
+            for arm in bench.FAMILIES[point.family].arms:
+                if arm == "cublas":
+                    continue
+                with faked_device():
+                    program = bench.steps_program(
+                        bench.op_fn(op, bench.jax_projection(bench.parse_arm(arm), point.family)), steps
+                    )
+                    text = jax.jit(program).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+                calls = re.findall(r"@jax_cake_(\w+)", text)
+                dots = re.findall(r"dot_general.*", text)
+                with self.subTest(family=point.family, arm=arm):
+                    if arm == "new":
+                        self.assertEqual(sorted(calls), sorted(gemms * steps))
+                        self.assertEmpty(dots)
+                    else:
+                        self.assertEmpty(calls)
+                        self.assertLen(dots, len(gemms) * steps)
+                        marker = {"xla_x3": "num_primitive_operations = 3", "xla_highest": "[HIGHEST, HIGHEST]"}
+                        for dot in dots:
+                            self.assertIn(marker.get(arm, "[DEFAULT, DEFAULT]"), dot)
 
 
 def ev(start, end, name):
