@@ -529,38 +529,16 @@ def timing_clusters():
         xs = [rand((1, T, d_in)) for _ in range(N_CALLS)]
         w = rand((1, d_out, d_in))
         dys = [rand((1, T, d_out)) for _ in range(N_CALLS)]
-        cells = []
-        for c in ((1, 1), (2, 1)):
-            for r in (0, 1):
-                cells.append(
-                    _time_jit(
-                        ffi(
-                            "jax_cake_fwd",
-                            jax.ShapeDtypeStruct((1, T, d_out), BF16),
-                            _attrs((128, 256, 64), raster=r, cluster=c),
-                        ),
-                        xs,
-                        w,
-                    )
-                )
-        TIMING_ROWS.append(f"| {T} | {d_in}->{d_out} | fwd | (128, 256) | " + " | ".join(_fmt(v) for v in cells) + " |")
-        cells = []
-        for c in ((1, 1), (2, 1)):
-            for r in (0, 1):
-                cells.append(
-                    _time_jit(
-                        ffi(
-                            "jax_cake_dgrad",
-                            jax.ShapeDtypeStruct((1, T, d_in), BF16),
-                            _attrs((128, 256, 64), raster=r, cluster=c),
-                        ),
-                        dys,
-                        w,
-                    )
-                )
-        TIMING_ROWS.append(
-            f"| {T} | {d_in}->{d_out} | dgrad | (128, 256) | " + " | ".join(_fmt(v) for v in cells) + " |"
-        )
+        for op, operands, n_out in (("fwd", xs, d_out), ("dgrad", dys, d_in)):
+            out = jax.ShapeDtypeStruct((1, T, n_out), BF16)
+            cells = [
+                _time_jit(ffi(f"jax_cake_{op}", out, _attrs((128, 256, 64), raster=r, cluster=c)), operands, w)
+                for c in ((1, 1), (2, 1))
+                for r in (0, 1)
+            ]
+            TIMING_ROWS.append(
+                f"| {T} | {d_in}->{d_out} | {op} | (128, 256) | " + " | ".join(_fmt(v) for v in cells) + " |"
+            )
         for dt, dname in ((F32, "float32"), (BF16, "bfloat16")):
             cells = []
             outs = (jax.ShapeDtypeStruct((1, d_out, d_in), dt), jax.ShapeDtypeStruct((16,), jnp.uint8))
@@ -582,13 +560,7 @@ def _fmt(v):
 # ------------------------------------------------------------------ router (BF16x3, FP32)
 # The one tile every router program is compiled with (router_variants.VARIANTS).
 ROUTER_TILE = (128, 128, 32)
-ROUTER_TARGETS = ("jax_cake_router_fwd", "jax_cake_router_dgrad", "jax_cake_router_wgrad")
 ROUTER_TOL = 5e-6  # issue 4 accuracy target (XLA BF16_BF16_F32_X3 measured 4.4e-6)
-_ROUTER_READY = [False]
-
-
-def _router_register():
-    native.ensure_registered()
 
 
 def _router_attrs(tile, splits=1, reduction=0):
@@ -670,7 +642,7 @@ def _router_shape(T, d, E, label, *, fwd_tiles, splits_list):
 @check
 def router_bf16x3():
     """Every router program against a float64 reference, incl. ragged T, E and d tails."""
-    _router_register()
+    native.ensure_registered()
     ok = True
     ok &= _router_shape(37, 4096, 256, "T37_d4096_E256", fwd_tiles=[ROUTER_TILE], splits_list=[1, 3])
     ok &= _router_shape(333, 516, 100, "T333_d516_E100", fwd_tiles=[ROUTER_TILE], splits_list=[1, 2])
@@ -700,7 +672,7 @@ def router_bf16x3():
 @check
 def router_timing():
     """fwd / dgrad / wgrad / fwd+bwd at E = 256 against XLA's BF16_BF16_F32_X3 (us per call)."""
-    _router_register()
+    native.ensure_registered()
     X3 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
     TIMING_ROWS.append("")
     TIMING_ROWS.append("| router T, d, E | op | jax_cake BF16x3 | XLA X3 | target |")
