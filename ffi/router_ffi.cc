@@ -1,7 +1,10 @@
 // XLA FFI handlers of the fused FP32 router GEMM (BF16x3 emulation):
-//   jax_cake_router_fwd   x f32 [T, d], w f32 [E, d]  -> logits f32 [T, E]
-//   jax_cake_router_dgrad g f32 [T, E], w f32 [E, d]  -> dx f32 [T, d]
-//   jax_cake_router_wgrad g f32 [T, E], x f32 [T, d]  -> dw f32 [E, d], workspace u8 [bytes]
+//   jax_cake_router_fwd   x f32 [T, d], w_hi, w_lo bf16 [E, d]               -> logits f32 [T, E]
+//   jax_cake_router_dgrad g_hi, g_lo bf16 [T, E], w_hi, w_lo bf16 [E, d]     -> dx f32 [T, d]
+//   jax_cake_router_wgrad g_hi, g_lo bf16 [T, E], x f32 [T, d]  -> dw f32 [E, d], workspace u8 [bytes]
+// The activation x is split into bf16 hi + lo inside the kernel; the weight w and the logit
+// gradient g arrive split already (hi = bf16_rn(v), lo = bf16_rn(v - hi), done once per call
+// by the caller, see jax_cake/kernels/router_variants.py:PRESPLIT).
 // Attributes (all int64): tile_m, tile_n, tile_k (must name a compiled variant of
 // jax_cake/kernels/router_variants.py), splits (K splits, wgrad only; fwd/dgrad take 1),
 // reduction (0 = none, splits == 1; 1 = ordered: fp32 partials [splits, E, d] in the
@@ -41,8 +44,10 @@ struct RouterOperand {
   int64_t stride[2];
 };
 
+// A pre-split operand is its (hi, lo) pair; an operand split on chip is passed as both
+// (the kernel reads only the first).
 struct RouterArgs {
-  RouterOperand a, b, c;
+  RouterOperand a, a_lo, b, b_lo, c;
   int32_t splits;
 };
 
@@ -121,12 +126,21 @@ ffi::Error CheckRank2(const char* target, const char* name, ffi::Span<const int6
   return ffi::Error::Success();
 }
 
-// fp32 TMA needs 16-byte row strides: the contiguous extent of every operand is a
-// multiple of 4 elements.
-ffi::Error CheckMultipleOf4(const char* target, const char* what, int64_t v) {
-  if (v % 4 != 0) {
+// TMA needs 16-byte row strides: the contiguous extent of every operand is a multiple of 8
+// elements (bf16 hi/lo arrays; fp32 then needs nothing more).
+ffi::Error CheckMultipleOf8(const char* target, const char* what, int64_t v) {
+  if (v % 8 != 0) {
     return ffi::Error::InvalidArgument(std::string(target) + ": " + what + " = " + std::to_string(v) +
-                                       " must be a multiple of 4 (16-byte TMA strides for float32)");
+                                       " must be a multiple of 8 (16-byte TMA strides for the bfloat16 hi/lo parts)");
+  }
+  return ffi::Error::Success();
+}
+
+// hi and lo parts of one pre-split operand: same shape.
+ffi::Error CheckPair(const char* target, const char* name, ffi::Span<const int64_t> hi, ffi::Span<const int64_t> lo) {
+  if (hi.size() != lo.size() || (hi.size() == 2 && (hi[0] != lo[0] || hi[1] != lo[1]))) {
+    return ffi::Error::InvalidArgument(std::string(target) + ": " + name + "_hi and " + name +
+                                       "_lo must have the same shape");
   }
   return ffi::Error::Success();
 }
@@ -153,63 +167,71 @@ ffi::Error ZeroFill(void* out, int64_t bytes, cudaStream_t stream) {
   } while (0)
 
 // logits[T, E] = x[T, d] . w[E, d]^T        (M = T, N = E, K = d)
-ffi::Error RouterFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                         ffi::Result<ffi::Buffer<ffi::F32>> logits, int64_t tile_m, int64_t tile_n, int64_t tile_k,
-                         int64_t splits, int64_t reduction) {
+ffi::Error RouterFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                         ffi::Buffer<ffi::BF16> w_lo, ffi::Result<ffi::Buffer<ffi::F32>> logits, int64_t tile_m,
+                         int64_t tile_n, int64_t tile_k, int64_t splits, int64_t reduction) {
   static const char* kTarget = "jax_cake_router_fwd";
   JCR_RETURN_IF_ERROR(CheckNoSplit(kTarget, splits, reduction));
   JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "x", x.dimensions()));
-  JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "w", w.dimensions()));
+  JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "w_hi", w.dimensions()));
+  JCR_RETURN_IF_ERROR(CheckPair(kTarget, "w", w.dimensions(), w_lo.dimensions()));
   JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "logits", logits->dimensions()));
   const int64_t T = x.dimensions()[0], d = x.dimensions()[1], E = w.dimensions()[0];
   if (w.dimensions()[1] != d || logits->dimensions()[0] != T || logits->dimensions()[1] != E)
-    return ffi::Error::InvalidArgument("jax_cake_router_fwd: shapes must be x[T,d], w[E,d], logits[T,E]");
+    return ffi::Error::InvalidArgument("jax_cake_router_fwd: shapes must be x[T,d], w_hi/w_lo[E,d], logits[T,E]");
   const RouterVariantEntry* v = FindVariant("fwd", tile_m, tile_n, tile_k);
   if (!v) return NoVariant("fwd", tile_m, tile_n, tile_k);
   if (T == 0 || E == 0) return ffi::Error::Success();
   if (d == 0) return ZeroFill(logits->untyped_data(), T * E * 4, stream);
-  JCR_RETURN_IF_ERROR(CheckMultipleOf4(kTarget, "d", d));
-  JCR_RETURN_IF_ERROR(CheckMultipleOf4(kTarget, "E", E));
+  JCR_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "d", d));
+  JCR_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "E", E));
   JCR_RETURN_IF_ERROR(EnsureLoaded());
   RouterArgs g;
-  g.a = {x.untyped_data(), {T, d, 1}, {d, T * d}};             // K-major
+  g.a = {x.untyped_data(), {T, d, 1}, {d, T * d}};             // K-major, split on chip
+  g.a_lo = g.a;
   g.b = {w.untyped_data(), {E, d, 1}, {d, E * d}};             // K-major
+  g.b_lo = {w_lo.untyped_data(), {E, d, 1}, {d, E * d}};
   g.c = {logits->untyped_data(), {T, E, 1}, {E, T * E}};
   g.splits = 1;
   return Launch(v, g, stream);
 }
 
 // dx[T, d] = g[T, E] . w[E, d]              (M = T, N = d, K = E)
-ffi::Error RouterDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> g_in, ffi::Buffer<ffi::F32> w,
-                           ffi::Result<ffi::Buffer<ffi::F32>> dx, int64_t tile_m, int64_t tile_n, int64_t tile_k,
-                           int64_t splits, int64_t reduction) {
+ffi::Error RouterDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi::Buffer<ffi::BF16> g_lo,
+                           ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::BF16> w_lo, ffi::Result<ffi::Buffer<ffi::F32>> dx,
+                           int64_t tile_m, int64_t tile_n, int64_t tile_k, int64_t splits, int64_t reduction) {
   static const char* kTarget = "jax_cake_router_dgrad";
   JCR_RETURN_IF_ERROR(CheckNoSplit(kTarget, splits, reduction));
-  JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "g", g_in.dimensions()));
-  JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "w", w.dimensions()));
+  JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "g_hi", g_in.dimensions()));
+  JCR_RETURN_IF_ERROR(CheckPair(kTarget, "g", g_in.dimensions(), g_lo.dimensions()));
+  JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "w_hi", w.dimensions()));
+  JCR_RETURN_IF_ERROR(CheckPair(kTarget, "w", w.dimensions(), w_lo.dimensions()));
   JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "dx", dx->dimensions()));
   const int64_t T = g_in.dimensions()[0], E = g_in.dimensions()[1], d = w.dimensions()[1];
   if (w.dimensions()[0] != E || dx->dimensions()[0] != T || dx->dimensions()[1] != d)
-    return ffi::Error::InvalidArgument("jax_cake_router_dgrad: shapes must be g[T,E], w[E,d], dx[T,d]");
+    return ffi::Error::InvalidArgument("jax_cake_router_dgrad: shapes must be g_hi/g_lo[T,E], w_hi/w_lo[E,d], dx[T,d]");
   const RouterVariantEntry* v = FindVariant("dgrad", tile_m, tile_n, tile_k);
   if (!v) return NoVariant("dgrad", tile_m, tile_n, tile_k);
   if (T == 0 || d == 0) return ffi::Error::Success();
   if (E == 0) return ZeroFill(dx->untyped_data(), T * d * 4, stream);
-  JCR_RETURN_IF_ERROR(CheckMultipleOf4(kTarget, "d", d));
-  JCR_RETURN_IF_ERROR(CheckMultipleOf4(kTarget, "E", E));
+  JCR_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "d", d));
+  JCR_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "E", E));
   JCR_RETURN_IF_ERROR(EnsureLoaded());
   RouterArgs a;
   a.a = {g_in.untyped_data(), {T, E, 1}, {E, T * E}};          // K-major
+  a.a_lo = {g_lo.untyped_data(), {T, E, 1}, {E, T * E}};
   a.b = {w.untyped_data(), {d, E, 1}, {d, E * d}};             // N-major: stride(N) = 1
+  a.b_lo = {w_lo.untyped_data(), {d, E, 1}, {d, E * d}};
   a.c = {dx->untyped_data(), {T, d, 1}, {d, T * d}};
   a.splits = 1;
   return Launch(v, a, stream);
 }
 
 // dw[E, d] = g[T, E]^T . x[T, d]            (M = E, N = d, K = T), K split `splits` ways.
-ffi::Error RouterWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> g_in, ffi::Buffer<ffi::F32> x,
-                           ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
-                           int64_t tile_m, int64_t tile_n, int64_t tile_k, int64_t splits, int64_t reduction) {
+ffi::Error RouterWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi::Buffer<ffi::BF16> g_lo,
+                           ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> dw,
+                           ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t tile_m, int64_t tile_n, int64_t tile_k,
+                           int64_t splits, int64_t reduction) {
   static const char* kTarget = "jax_cake_router_wgrad";
   if (splits < 1 || splits > 65535)
     return ffi::Error::InvalidArgument("jax_cake_router_wgrad: splits must be in [1, 65535], got " +
@@ -219,12 +241,13 @@ ffi::Error RouterWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> g_in, ffi:
                                        std::to_string(reduction));
   if ((splits == 1) != (reduction == 0))
     return ffi::Error::InvalidArgument("jax_cake_router_wgrad: reduction must be 0 exactly when splits == 1");
-  JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "g", g_in.dimensions()));
+  JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "g_hi", g_in.dimensions()));
+  JCR_RETURN_IF_ERROR(CheckPair(kTarget, "g", g_in.dimensions(), g_lo.dimensions()));
   JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "x", x.dimensions()));
   JCR_RETURN_IF_ERROR(CheckRank2(kTarget, "dw", dw->dimensions()));
   const int64_t T = g_in.dimensions()[0], E = g_in.dimensions()[1], d = x.dimensions()[1];
   if (x.dimensions()[0] != T || dw->dimensions()[0] != E || dw->dimensions()[1] != d)
-    return ffi::Error::InvalidArgument("jax_cake_router_wgrad: shapes must be g[T,E], x[T,d], dw[E,d]");
+    return ffi::Error::InvalidArgument("jax_cake_router_wgrad: shapes must be g_hi/g_lo[T,E], x[T,d], dw[E,d]");
   const RouterVariantEntry* v = FindVariant("wgrad", tile_m, tile_n, tile_k);
   if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k);
   const int64_t count = E * d;
@@ -235,13 +258,15 @@ ffi::Error RouterWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> g_in, ffi:
                                        std::to_string(splits * count * 4));
   if (E == 0 || d == 0) return ffi::Error::Success();
   if (T == 0) return ZeroFill(dw->untyped_data(), count * 4, stream);
-  JCR_RETURN_IF_ERROR(CheckMultipleOf4(kTarget, "d", d));
-  JCR_RETURN_IF_ERROR(CheckMultipleOf4(kTarget, "E", E));
+  JCR_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "d", d));
+  JCR_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "E", E));
   JCR_RETURN_IF_ERROR(EnsureLoaded());
 
   RouterArgs a;
   a.a = {g_in.untyped_data(), {E, T, 1}, {E, T * E}};          // M-major: stride(M) = 1
-  a.b = {x.untyped_data(), {d, T, 1}, {d, T * d}};             // N-major: stride(N) = 1
+  a.a_lo = {g_lo.untyped_data(), {E, T, 1}, {E, T * E}};
+  a.b = {x.untyped_data(), {d, T, 1}, {d, T * d}};             // N-major: stride(N) = 1, split on chip
+  a.b_lo = a.b;
   a.splits = static_cast<int32_t>(splits);
   if (reduction == 0) {
     a.c = {dw->untyped_data(), {E, d, 1}, {d, E * d}};
@@ -273,22 +298,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCakeRouterFwd, jax_cake::router::RouterFwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>() JCR_ROUTER_ATTRS,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCakeRouterDgrad, jax_cake::router::RouterDgradImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>() JCR_ROUTER_ATTRS,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCakeRouterWgrad, jax_cake::router::RouterWgradImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::U8>>() JCR_ROUTER_ATTRS,

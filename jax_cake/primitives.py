@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cake import reference
+from jax_cake.kernels import router_variants  # plain data, no cutlass
 from jax_cake.planner import Plan
 
 FWD_TARGET = "jax_cake_fwd"
@@ -108,11 +109,26 @@ def wgrad(dy, x, plan: Plan):
     return _dispatch(plan, ref, cuda, dy, x)
 
 
+def router_ffi_operands(program: str, a, b) -> list:
+    """The FFI operands of one router program for logical FP32 operands a, b.
+
+    The small, reused operands (w, g) go to the kernel pre-split as bf16 (hi, lo), once per
+    call here (router_variants.PRESPLIT); the activation x stays FP32 and is split on chip.
+    Under one jit, XLA computes g's split once for both gradients (common subexpression).
+    """
+    a_pre, b_pre = router_variants.PRESPLIT[program]
+    operands = []
+    for v, pre in ((a, a_pre), (b, b_pre)):
+        operands.extend(reference.split_bf16x3(v) if pre else (v,))
+    return operands
+
+
 def router_fwd(x, w, plan: Plan):
     """logits[T, E] f32 = x[T, d] . w[E, d]^T by BF16x3."""
 
     def cuda(x, w):
-        return _ffi(ROUTER_FWD_TARGET, plan, _result_type(x, (x.shape[0], w.shape[0]), jnp.float32), x, w)
+        result = _result_type(x, (x.shape[0], w.shape[0]), jnp.float32)
+        return _ffi(ROUTER_FWD_TARGET, plan, result, *router_ffi_operands("fwd", x, w))
 
     return _dispatch(plan, reference.router_fwd, cuda, x, w)
 
@@ -121,7 +137,8 @@ def router_dgrad(g, w, plan: Plan):
     """dx[T, d] f32 = g[T, E] . w[E, d] by BF16x3."""
 
     def cuda(g, w):
-        return _ffi(ROUTER_DGRAD_TARGET, plan, _result_type(g, (g.shape[0], w.shape[1]), jnp.float32), g, w)
+        result = _result_type(g, (g.shape[0], w.shape[1]), jnp.float32)
+        return _ffi(ROUTER_DGRAD_TARGET, plan, result, *router_ffi_operands("dgrad", g, w))
 
     return _dispatch(plan, reference.router_dgrad, cuda, g, w)
 
@@ -134,7 +151,7 @@ def router_wgrad(g, x, plan: Plan):
             _result_type(g, (g.shape[1], x.shape[1]), jnp.float32, keep_batch_spec=False),
             _result_type(g, (plan.workspace_bytes,), jnp.uint8, keep_batch_spec=False),
         )
-        dw, _workspace = _ffi(ROUTER_WGRAD_TARGET, plan, results, g, x)
+        dw, _workspace = _ffi(ROUTER_WGRAD_TARGET, plan, results, *router_ffi_operands("wgrad", g, x))
         return dw
 
     return _dispatch(plan, reference.router_wgrad, cuda, g, x)

@@ -128,7 +128,11 @@ def test_router_step_lowers_to_the_three_router_custom_calls(monkeypatch):
     text = _cuda_text(step, _spec((16231, 4096), jnp.float32), _spec((256, 4096), jnp.float32))
     calls = {op: _calls(text, f"jax_cake_router_{op}") for op in ("fwd", "dgrad", "wgrad")}
     assert all(len(c) == 1 for c in calls.values()), calls
-    assert "(tensor<16231x4096xf32>, tensor<256x4096xf32>) -> tensor<16231x256xf32>" in calls["fwd"][0]
+    # x goes as fp32 (split on chip); w and g as bf16 (hi, lo) pairs split once by XLA.
+    w16, g16 = "tensor<256x4096xbf16>", "tensor<16231x256xbf16>"
+    assert f"(tensor<16231x4096xf32>, {w16}, {w16}) -> tensor<16231x256xf32>" in calls["fwd"][0]
+    assert f"({g16}, {g16}, {w16}, {w16}) -> tensor<16231x4096xf32>" in calls["dgrad"][0]
+    assert f"({g16}, {g16}, tensor<16231x4096xf32>) -> (tensor<256x4096xf32>" in calls["wgrad"][0]
     with faked_device():
         wgrad = jc.plan("router_wgrad", tokens=16231, d_in=4096, d_out=256, out_dtype=jnp.float32)
     assert f"-> (tensor<256x4096xf32>, tensor<{wgrad.workspace_bytes}xui8>)" in calls["wgrad"][0]

@@ -108,6 +108,8 @@ class RouterBf16x3Sm90:
             if major != "k" and rows % 128 != 0:
                 raise ValueError(f"{what} must be a multiple of 128 for an M/N-major operand, got {rows}")
         self.variant = variant
+        self.a_pre = variant.a_presplit
+        self.b_pre = variant.b_presplit
         self.n_first = variant.program == "fwd"
         self.tile_mnk = (variant.tile_m, variant.tile_n, variant.tile_k)
         self.acc_dtype = cutlass.Float32
@@ -120,39 +122,99 @@ class RouterBf16x3Sm90:
         self.epi_stage = 2
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
         tm, tn, tk = self.tile_mnk
-        f32_stage_bytes = (tm + tn) * tk * 4
+        # The fp32 ring holds only the operands split on chip; pre-split operands go by
+        # TMA straight into the bf16 ring.
+        f32_stage_bytes = ((0 if self.a_pre else tm) + (0 if self.b_pre else tn)) * tk * 4
         bf16_stage_bytes = (tm + tn) * tk * 2 * 2  # hi and lo
-        # Epilogue sub-tile: all rows x 32 columns per TMA store; drop to 16 columns if the
-        # rings would otherwise not fit.
+        self.has_f32 = f32_stage_bytes > 0
+        self.has_pre = self.a_pre or self.b_pre
+        # Epilogue sub-tile: all rows x 32 columns per TMA store. The bf16 ring gets 4 stages
+        # when a pre-split operand's TMA loads land in it (they are issued when a stage
+        # frees, so the ring depth is their lookahead), else 2; fewer if they do not fit.
         self.epi_tile = (tm, 32)
-        self.s32 = 2
-        self.s16 = 2
+        self.s32 = 2 if self.has_f32 else 0
+        self.s16 = 4 if self.has_pre else 2
         budget = self.smem_capacity - 2048  # mbarriers + alignment padding
         while True:
             epi_bytes = self.epi_tile[0] * self.epi_tile[1] * 4 * self.epi_stage
             total = self.s32 * f32_stage_bytes + self.s16 * bf16_stage_bytes + epi_bytes
             if total <= budget:
                 break
+            if self.s16 > 2:
+                self.s16 -= 1
+                continue
             if self.epi_tile[1] > 16:
                 self.epi_tile = (tm, 16)
                 continue
             raise ValueError(f"tile {self.tile_mnk} needs {total} bytes of shared memory, over {budget}")
-        # Spend what is left on deeper fp32 prefetch (the TMA runs further ahead).
-        while total + f32_stage_bytes <= budget and self.s32 < 4:
-            self.s32 += 1
-            total += f32_stage_bytes
+        # Spend what is left on deeper prefetch: the fp32 ring if there is one (the TMA runs
+        # further ahead of the split), else the bf16 ring.
+        if self.has_f32:
+            while total + f32_stage_bytes <= budget and self.s32 < 4:
+                self.s32 += 1
+                total += f32_stage_bytes
+        else:
+            while total + bf16_stage_bytes <= budget and self.s16 < 6:
+                self.s16 += 1
+                total += bf16_stage_bytes
         self.smem_bytes = total
 
     # ------------------------------------------------------------------ host side
+    def _operand_tma(self, m_hi, m_lo, pre, make_layout, layout_enum, rows):
+        """(fp32 staged layout or None, atom, tensor, atom_lo, tensor_lo) for one operand.
+
+        An operand split on chip gets one TMA into the fp32 ring (its second atom repeats
+        the first and is not used); a pre-split one gets two TMAs (hi, lo) straight into
+        the bf16 ring.
+        """
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tk = self.tile_mnk[2]
+        if pre:
+            one16 = cute.slice_(make_layout(layout_enum, self.tile_mnk, self.mma_dtype, 1), (None, None, 0))
+            atom_hi, t_hi = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, m_hi, one16, (rows, tk))
+            atom_lo, t_lo = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, m_lo, one16, (rows, tk))
+            return None, atom_hi, t_hi, atom_lo, t_lo
+        staged32 = make_layout(layout_enum, self.tile_mnk, self.io_dtype, self.s32)
+        one32 = cute.slice_(staged32, (None, None, 0))
+        atom, t = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, m_hi, one32, (rows, tk))
+        return staged32, atom, t, atom, t
+
+    def _shared_storage(self, a32_staged, b32_staged, a16_staged, b16_staged, epi_staged):
+        """The CTA's shared memory: barriers, the fp32 ring of on-chip-split operands, the bf16 ring, C."""
+        f32, bf16 = self.io_dtype, self.mma_dtype
+
+        def buf(dtype, layout):
+            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+
+        # Built as a dict: the fields depend on the variant (and this module's annotations
+        # are strings under `from __future__ import annotations`).
+        fields = {
+            "mbar32": cute.struct.MemRange[cutlass.Int64, max(self.s32, 1) * 2],
+            "mbar16": cute.struct.MemRange[cutlass.Int64, self.s16 * 2],
+        }
+        if not self.a_pre:
+            fields["sA32"] = buf(f32, a32_staged)
+        if not self.b_pre:
+            fields["sB32"] = buf(f32, b32_staged)
+        for name, layout in (("sAhi", a16_staged), ("sAlo", a16_staged), ("sBhi", b16_staged), ("sBlo", b16_staged)):
+            fields[name] = buf(bf16, layout)
+        fields["sC"] = buf(f32, epi_staged)
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
     @cute.jit
     def __call__(
         self,
         mA: cute.Tensor,
+        mA_lo: cute.Tensor,
         mB: cute.Tensor,
+        mB_lo: cute.Tensor,
         mC: cute.Tensor,
         splits: cutlass.Int32,
         stream: cuda.CUstream,
     ):
+        """mA, mB: fp32 operands split on chip, or the bf16 hi parts of pre-split ones (then
+        mA_lo / mB_lo are their lo parts; for an on-chip operand its lo argument is the
+        same fp32 tensor again and is not read)."""
         a_layout = utils.LayoutEnum.from_tensor(mA)
         b_layout = utils.LayoutEnum.from_tensor(mB)
         c_layout = utils.LayoutEnum.from_tensor(mC)
@@ -169,52 +231,46 @@ class RouterBf16x3Sm90:
             (self.num_mma_wg, 1, 1),
             tiler_mn=(64, self.tile_mnk[1]),
         )
-        # fp32 stages (TMA destination) and bf16 stages (wgmma source), same majorness.
-        a32_staged = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.io_dtype, self.s32)
-        b32_staged = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.io_dtype, self.s32)
+        tm, tn, tk = self.tile_mnk
+        # bf16 stages (wgmma source), same majorness as the source operand.
         a16_staged = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.mma_dtype, self.s16)
         b16_staged = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.mma_dtype, self.s16)
         epi_staged = sm90_utils.make_smem_layout_epi(self.io_dtype, c_layout, self.epi_tile, self.epi_stage)
-
-        a32_one = cute.slice_(a32_staged, (None, None, 0))
-        b32_one = cute.slice_(b32_staged, (None, None, 0))
         epi_one = cute.slice_(epi_staged, (None, None, 0))
-        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, a32_one, (self.tile_mnk[0], self.tile_mnk[2])
+
+        a32_staged, tma_atom_a, tma_a, tma_atom_a_lo, tma_a_lo = self._operand_tma(
+            mA, mA_lo, self.a_pre, sm90_utils.make_smem_layout_a, a_layout, tm
         )
-        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, b32_one, (self.tile_mnk[1], self.tile_mnk[2])
+        b32_staged, tma_atom_b, tma_b, tma_atom_b_lo, tma_b_lo = self._operand_tma(
+            mB, mB_lo, self.b_pre, sm90_utils.make_smem_layout_b, b_layout, tn
         )
         tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC, epi_one, self.epi_tile
         )
+        # Placeholders keep the kernel signature fixed for operands without an fp32 ring.
+        if cutlass.const_expr(a32_staged is None):
+            a32_staged = a16_staged
+        if cutlass.const_expr(b32_staged is None):
+            b32_staged = b16_staged
 
-        @cute.struct
-        class SharedStorage:
-            mbar32: cute.struct.MemRange[cutlass.Int64, self.s32 * 2]
-            mbar16: cute.struct.MemRange[cutlass.Int64, self.s16 * 2]
-            sA32: cute.struct.Align[cute.struct.MemRange[self.io_dtype, cute.cosize(a32_staged)], 1024]
-            sB32: cute.struct.Align[cute.struct.MemRange[self.io_dtype, cute.cosize(b32_staged)], 1024]
-            sAhi: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(a16_staged)], 1024]
-            sAlo: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(a16_staged)], 1024]
-            sBhi: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(b16_staged)], 1024]
-            sBlo: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(b16_staged)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.io_dtype, cute.cosize(epi_staged)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self._shared_storage(a32_staged, b32_staged, a16_staged, b16_staged, epi_staged)
 
         m = cute.size(mC, mode=[0])
         n = cute.size(mC, mode=[1])
-        tiles_m = (m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
-        tiles_n = (n + self.tile_mnk[1] - 1) // self.tile_mnk[1]
+        tiles_m = (m + tm - 1) // tm
+        tiles_n = (n + tn - 1) // tn
         # dgrad/wgrad: blockIdx.x walks M, consecutive CTAs share the B tile in L2 (w in
         # dgrad; x in wgrad, whose M = E takes 2 tiles). fwd: blockIdx.x walks N = E, so
         # the E / tile_n CTAs of one x tile run together and x is read from HBM once.
         self.kernel(
             tma_atom_a,
             tma_a,
+            tma_atom_a_lo,
+            tma_a_lo,
             tma_atom_b,
             tma_b,
+            tma_atom_b_lo,
+            tma_b_lo,
             tma_atom_c,
             tma_c,
             tiled_mma,
@@ -231,6 +287,28 @@ class RouterBf16x3Sm90:
         )
 
     # ---------------------------------------------------------------- device side
+    @staticmethod
+    def _tma_part(atom, s_tensor, g_tensor):
+        """(smem stages, gmem K tiles) of one TMA load, the CTA's whole tile per copy."""
+        return cute.nvgpu.cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(s_tensor, 0, 2), cute.group_modes(g_tensor, 0, 2)
+        )
+
+    @staticmethod
+    def _load_f32(pipe32, state, k_coord, a32_load, b32_load):
+        """TMA of K tile k_coord of the on-chip-split operands into fp32 stage state.index.
+
+        Plain Python (traced inline): a32_load / b32_load are (atom, gmem K tiles, smem
+        stages), or None for an operand that arrives pre-split.
+        """
+        pipe32.producer_acquire(state)
+        bar = pipe32.producer_get_barrier(state)
+        for load in (a32_load, b32_load):
+            if load is not None:
+                atom, g_tiles, s_stages = load
+                cute.copy(atom, g_tiles[(None, k_coord)], s_stages[(None, state.index)], tma_bar_ptr=bar)
+        pipe32.producer_commit(state)
+
     @cute.jit
     def _split_tile(
         self,
@@ -300,8 +378,12 @@ class RouterBf16x3Sm90:
         self,
         tma_atom_a: cute.CopyAtom,
         mA: cute.Tensor,
+        tma_atom_a_lo: cute.CopyAtom,
+        mA_lo: cute.Tensor,
         tma_atom_b: cute.CopyAtom,
         mB: cute.Tensor,
+        tma_atom_b_lo: cute.CopyAtom,
+        mB_lo: cute.Tensor,
         tma_atom_c: cute.CopyAtom,
         mC: cute.Tensor,
         tiled_mma: cute.TiledMma,
@@ -320,6 +402,10 @@ class RouterBf16x3Sm90:
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            if cutlass.const_expr(self.a_pre):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a_lo)
+            if cutlass.const_expr(self.b_pre):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b_lo)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
         if cutlass.const_expr(self.n_first):
@@ -338,30 +424,42 @@ class RouterBf16x3Sm90:
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        a32_one = cute.slice_(a32_staged, (None, None, 0))
-        b32_one = cute.slice_(b32_staged, (None, None, 0))
-        tx_bytes = cute.size_in_bytes(self.io_dtype, a32_one) + cute.size_in_bytes(self.io_dtype, b32_one)
-        # fp32 ring: full = 1 producer arrive (warp 0, elected) + TMA bytes; empty = one
-        # arrive per transform warp (lane 0 signals in PipelineTmaAsync.consumer_release).
-        pipe32 = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar32.data_ptr(),
-            num_stages=self.s32,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.transform_threads // 32),
-            tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
+        # fp32 ring (operands split on chip): full = 1 producer arrive (warp 0, elected) +
+        # TMA bytes; empty = one arrive per transform warp (lane 0 signals in
+        # PipelineTmaAsync.consumer_release).
+        tx32 = 0
+        if cutlass.const_expr(not self.a_pre):
+            tx32 += cute.size_in_bytes(self.io_dtype, cute.slice_(a32_staged, (None, None, 0)))
+        if cutlass.const_expr(not self.b_pre):
+            tx32 += cute.size_in_bytes(self.io_dtype, cute.slice_(b32_staged, (None, None, 0)))
+        pipe32 = None
+        if cutlass.const_expr(self.has_f32):
+            pipe32 = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar32.data_ptr(),
+                num_stages=self.s32,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.transform_threads // 32),
+                tx_count=tx32,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            )
         # bf16 ring: full = one arrive per transform thread (each after its own proxy
-        # fence); empty = one arrive per MMA warp (lane 0 only, see the release below).
+        # fence), plus, with pre-split operands, warp 0's arrive-with-expected-bytes for
+        # their TMA loads into the stage; empty = one arrive per MMA warp (lane 0 only,
+        # see the release below).
+        tx16 = 0
+        if cutlass.const_expr(self.a_pre):
+            tx16 += 2 * cute.size_in_bytes(self.mma_dtype, cute.slice_(a16_staged, (None, None, 0)))
+        if cutlass.const_expr(self.b_pre):
+            tx16 += 2 * cute.size_in_bytes(self.mma_dtype, cute.slice_(b16_staged, (None, None, 0)))
         pipe16 = pipeline.PipelineAsync.create(
             barrier_storage=storage.mbar16.data_ptr(),
             num_stages=self.s16,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.transform_threads),
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.transform_threads + (1 if self.has_pre else 0)
+            ),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
         )
 
-        sA32 = storage.sA32.get_tensor(a32_staged.outer, swizzle=a32_staged.inner)
-        sB32 = storage.sB32.get_tensor(b32_staged.outer, swizzle=b32_staged.inner)
         sAhi = storage.sAhi.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
         sAlo = storage.sAlo.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
         sBhi = storage.sBhi.get_tensor(b16_staged.outer, swizzle=b16_staged.inner)
@@ -370,86 +468,91 @@ class RouterBf16x3Sm90:
 
         # (bM, bK, k tiles), (bN, bK, k tiles), (bM, bN); A and B have a unit batch mode.
         gA = cute.local_tile(mA, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(1, None, 1))
+        gA_lo = cute.local_tile(mA_lo, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(1, None, 1))
         gB = cute.local_tile(mB, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(None, 1, 1))
+        gB_lo = cute.local_tile(mB_lo, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(None, 1, 1))
         gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, split), proj=(1, 1, None))
 
         if wg_idx == 0:
             # ------------------------------------------------------- load + transform
             if cutlass.const_expr(self.num_mma_wg == 2):
                 cute.arch.setmaxregister_decrease(_TRANSFORM_REGS)
-            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA32, 0, 2), cute.group_modes(gA, 0, 2)
-            )
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB32, 0, 2), cute.group_modes(gB, 0, 2)
-            )
-            load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.s32)
-            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s32)
+            # TMA partitions: on-chip operands into the fp32 ring, pre-split ones (hi, lo)
+            # into the bf16 ring.
+            part = self._tma_part
+            a32_load = b32_load = None  # (atom, gmem tiles, smem stages) of on-chip operands
+            if cutlass.const_expr(self.a_pre):
+                tAsHi, tAgHi = part(tma_atom_a, sAhi, gA)
+                tAsLo, tAgLo = part(tma_atom_a_lo, sAlo, gA_lo)
+            else:
+                sA32 = storage.sA32.get_tensor(a32_staged.outer, swizzle=a32_staged.inner)
+                tAsA, tAgA = part(tma_atom_a, sA32, gA)
+                a32_load = (tma_atom_a, tAgA, tAsA)
+            if cutlass.const_expr(self.b_pre):
+                tBsHi, tBgHi = part(tma_atom_b, sBhi, gB)
+                tBsLo, tBgLo = part(tma_atom_b_lo, sBlo, gB_lo)
+            else:
+                sB32 = storage.sB32.get_tensor(b32_staged.outer, swizzle=b32_staged.inner)
+                tBsB, tBgB = part(tma_atom_b, sB32, gB)
+                b32_load = (tma_atom_b, tBgB, tBsB)
+            load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, max(self.s32, 1))
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, max(self.s32, 1))
             write_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.s16)
             # Prologue: warp 0 fills the fp32 ring (the empty barriers start free).
-            if warp_idx == 0:
-                for kt in cutlass.range(cutlass.min(k_cnt, self.s32), unroll=1):
-                    pipe32.producer_acquire(load_state)
-                    k_coord = k_begin + kt
-                    cute.copy(
-                        tma_atom_a,
-                        tAgA[(None, k_coord)],
-                        tAsA[(None, load_state.index)],
-                        tma_bar_ptr=pipe32.producer_get_barrier(load_state),
-                    )
-                    cute.copy(
-                        tma_atom_b,
-                        tBgB[(None, k_coord)],
-                        tBsB[(None, load_state.index)],
-                        tma_bar_ptr=pipe32.producer_get_barrier(load_state),
-                    )
-                    pipe32.producer_commit(load_state)
-                    load_state.advance()
+            if cutlass.const_expr(self.has_f32):
+                if warp_idx == 0:
+                    for kt in cutlass.range(cutlass.min(k_cnt, self.s32), unroll=1):
+                        self._load_f32(pipe32, load_state, k_begin + kt, a32_load, b32_load)
+                        load_state.advance()
             for kt in cutlass.range(k_cnt, unroll=1):
-                pipe32.consumer_wait(read_state)
                 pipe16.producer_acquire(write_state)
-                self._split_tile(
-                    sA32[(None, None, read_state.index)],
-                    sAhi[(None, None, write_state.index)],
-                    sAlo[(None, None, write_state.index)],
-                    self.a_k_major,
-                    tidx,
-                )
-                self._split_tile(
-                    sB32[(None, None, read_state.index)],
-                    sBhi[(None, None, write_state.index)],
-                    sBlo[(None, None, write_state.index)],
-                    self.b_k_major,
-                    tidx,
-                )
-                # Generic-proxy smem writes -> visible to wgmma (async proxy), then publish.
-                cute.arch.fence_proxy("async.shared", space="cta")
+                k_coord = k_begin + kt
+                if cutlass.const_expr(self.has_pre):
+                    # The stage is free: load the pre-split hi and lo tiles straight into it.
+                    if warp_idx == 0:
+                        bar16 = pipe16.producer_get_barrier(write_state)
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(bar16, tx16)
+                        w16 = write_state.index
+                        if cutlass.const_expr(self.a_pre):
+                            cute.copy(tma_atom_a, tAgHi[(None, k_coord)], tAsHi[(None, w16)], tma_bar_ptr=bar16)
+                            cute.copy(tma_atom_a_lo, tAgLo[(None, k_coord)], tAsLo[(None, w16)], tma_bar_ptr=bar16)
+                        if cutlass.const_expr(self.b_pre):
+                            cute.copy(tma_atom_b, tBgHi[(None, k_coord)], tBsHi[(None, w16)], tma_bar_ptr=bar16)
+                            cute.copy(tma_atom_b_lo, tBgLo[(None, k_coord)], tBsLo[(None, w16)], tma_bar_ptr=bar16)
+                if cutlass.const_expr(self.has_f32):
+                    pipe32.consumer_wait(read_state)
+                    if cutlass.const_expr(not self.a_pre):
+                        self._split_tile(
+                            sA32[(None, None, read_state.index)],
+                            sAhi[(None, None, write_state.index)],
+                            sAlo[(None, None, write_state.index)],
+                            self.a_k_major,
+                            tidx,
+                        )
+                    if cutlass.const_expr(not self.b_pre):
+                        self._split_tile(
+                            sB32[(None, None, read_state.index)],
+                            sBhi[(None, None, write_state.index)],
+                            sBlo[(None, None, write_state.index)],
+                            self.b_k_major,
+                            tidx,
+                        )
+                    # Generic-proxy smem writes -> visible to wgmma (async proxy).
+                    cute.arch.fence_proxy("async.shared", space="cta")
                 pipe16.producer_commit(write_state)
                 write_state.advance()
-                # Every lane of this warp has finished reading the fp32 stage.
-                cute.arch.sync_warp()
-                pipe32.consumer_release(read_state)
-                read_state.advance()
-                # Refill the stage just consumed with K tile kt + s32 (waits until all
-                # four transform warps have released it).
-                if warp_idx == 0:
-                    if kt + self.s32 < k_cnt:
-                        pipe32.producer_acquire(load_state)
-                        k_coord = k_begin + kt + self.s32
-                        cute.copy(
-                            tma_atom_a,
-                            tAgA[(None, k_coord)],
-                            tAsA[(None, load_state.index)],
-                            tma_bar_ptr=pipe32.producer_get_barrier(load_state),
-                        )
-                        cute.copy(
-                            tma_atom_b,
-                            tBgB[(None, k_coord)],
-                            tBsB[(None, load_state.index)],
-                            tma_bar_ptr=pipe32.producer_get_barrier(load_state),
-                        )
-                        pipe32.producer_commit(load_state)
-                        load_state.advance()
+                if cutlass.const_expr(self.has_f32):
+                    # Every lane of this warp has finished reading the fp32 stage.
+                    cute.arch.sync_warp()
+                    pipe32.consumer_release(read_state)
+                    read_state.advance()
+                    # Refill the stage just consumed with K tile kt + s32 (waits until all
+                    # four transform warps have released it).
+                    if warp_idx == 0:
+                        if kt + self.s32 < k_cnt:
+                            self._load_f32(pipe32, load_state, k_coord + self.s32, a32_load, b32_load)
+                            load_state.advance()
         else:
             # ------------------------------------------------------------ MMA warps
             if cutlass.const_expr(self.num_mma_wg == 2):
@@ -567,25 +670,36 @@ class RouterBf16x3Sm90:
 def _fake_operand(dtype, unit_stride_mode: int):
     """A rank-3 (rows, cols, batch) fake tensor with dynamic extents and strides.
 
-    The non-unit strides are multiples of 4 elements (16-byte TMA strides for fp32:
-    d and E multiples of 4, see router_variants.py).
+    The non-unit strides are multiples of 16 bytes (TMA row strides: d and E multiples of
+    8, see router_variants.py).
     """
     from cutlass.cute.runtime import make_fake_tensor
 
     shape = tuple(cute.sym_int64() for _ in range(3))
-    stride = [cute.sym_int64(divisibility=4) for _ in range(3)]
+    stride = [cute.sym_int64(divisibility=16 // (dtype.width // 8)) for _ in range(3)]
     stride[unit_stride_mode] = 1
     return make_fake_tensor(dtype, shape, tuple(stride), assumed_align=16)
 
 
 def compile_variant(v: RouterVariant):
-    """cute.compile of one variant with fully dynamic shapes (CUTE_DSL_ARCH set by the caller)."""
+    """cute.compile of one variant with fully dynamic shapes (CUTE_DSL_ARCH set by the caller).
+
+    Arguments: (A, A_lo, B, B_lo, C): a pre-split operand is a bf16 (hi, lo) pair, an
+    on-chip one an fp32 tensor passed twice (the second is not read).
+    """
     from cutlass.runtime import make_fake_stream
 
-    a = _fake_operand(cutlass.Float32, 1 if v.a_major == "k" else 0)
-    b = _fake_operand(cutlass.Float32, 1 if v.b_major == "k" else 0)
+    def operand(pre, major):
+        unit = 1 if major == "k" else 0
+        if pre:
+            return _fake_operand(cutlass.BFloat16, unit), _fake_operand(cutlass.BFloat16, unit)
+        t = _fake_operand(cutlass.Float32, unit)
+        return t, t
+
+    a, a_lo = operand(v.a_presplit, v.a_major)
+    b, b_lo = operand(v.b_presplit, v.b_major)
     c = _fake_operand(cutlass.Float32, 1)
-    return cute.compile(RouterBf16x3Sm90(v), a, b, c, cutlass.Int32(1), make_fake_stream())
+    return cute.compile(RouterBf16x3Sm90(v), a, a_lo, b, b_lo, c, cutlass.Int32(1), make_fake_stream())
 
 
 def write_router_variant_table(variants, obj_dir: pathlib.Path) -> pathlib.Path:
@@ -621,7 +735,7 @@ def write_router_variant_table(variants, obj_dir: pathlib.Path) -> pathlib.Path:
             "}",
             f"static int32_t launch_{n}(const RouterArgs& g, cudaStream_t stream) {{",
         ]
-        for op, key in (("a", "mA"), ("b", "mB"), ("c", "mC")):
+        for op, key in (("a", "mA"), ("a_lo", "mA_lo"), ("b", "mB"), ("b_lo", "mB_lo"), ("c", "mC")):
             t = f"{n}_Tensor_{key}_t"
             lines += [
                 f"  {t} {op};",
@@ -632,7 +746,7 @@ def write_router_variant_table(variants, obj_dir: pathlib.Path) -> pathlib.Path:
                 f"  for (int i = 0; i < 2; ++i) {op}.dynamic_strides[i] = g.{op}.stride[i];",
             ]
         lines += [
-            f"  return cute_dsl_{n}_wrapper(&g_mod_{n}, &a, &b, &c, g.splits, stream);",
+            f"  return cute_dsl_{n}_wrapper(&g_mod_{n}, &a, &a_lo, &b, &b_lo, &c, g.splits, stream);",
             "}",
         ]
     lines.append("}  // namespace gen")

@@ -5,16 +5,22 @@ the planner may import this module at run time to know which (program, tile) the
 native library can run. An FFI call naming anything else gets INVALID_ARGUMENT.
 
 GEMM convention (as docs/FFI_CONTRACT.md, no batch): C[M, N] = sum_k A[m, k] B[n, k],
-every operand and the output float32, each product done as BF16x3
+logical operands and the output float32, each product done as BF16x3
 (a_hi b_hi + a_hi b_lo + a_lo b_hi, fp32 accumulation, hi = bf16(a), lo = bf16(a - hi)).
   fwd:   A = x [T, d] K-major,               B = w [E, d] K-major,               C = logits [T, E]
   dgrad: A = g [T, E] K-major,               B = w viewed [N=d, K=E] N-major,    C = dx [T, d]
   wgrad: A = g viewed [M=E, K=T] M-major,    B = x viewed [N=d, K=T] N-major,    C = dw [E, d]
          (splits > 1: fp32 partials [splits, E, d] in the workspace + the ordered reduce)
 
+Where the split happens (PRESPLIT): the activation x (T x d, the big operand) is read as
+fp32 and split on chip. The weight w and the logit gradient g are small next to it and
+every CTA column re-reads them, so the caller splits them once per call into bf16 hi and
+lo arrays (jax_cake.primitives does it in XLA: ~4 MB for w, ~16 MB for g at T = 16384),
+and the kernel TMA-loads those straight into its bf16 ring: no split work per CTA.
+
 Constraints the kernels rely on (the planner falls back to XLA otherwise):
-  d and E multiples of 4 (16-byte TMA row strides for fp32), T >= 1 any value,
-  E <= 65535 * tile_m etc. (grid limits, never hit in practice).
+  d and E multiples of 8 (16-byte TMA row strides for the bf16 hi/lo arrays), T >= 1
+  any value, E <= 65535 * tile_m etc. (grid limits, never hit in practice).
 """
 
 from __future__ import annotations
@@ -27,6 +33,16 @@ PROGRAM_MAJORS = {
     "dgrad": ("k", "n"),
     "wgrad": ("m", "n"),
 }
+
+# Which operands arrive pre-split as bf16 (hi, lo) pairs: (A pre-split, B pre-split).
+PRESPLIT = {
+    "fwd": (False, True),  # x split on chip, w pre-split
+    "dgrad": (True, True),  # g and w pre-split: the kernel only runs the three wgmma
+    "wgrad": (True, False),  # g pre-split, x split on chip
+}
+
+# Row-stride alignment (elements) of every router operand: 16 bytes of bf16.
+ALIGN_ELEMENTS = 8
 
 REDUCTION_NONE = 0
 REDUCTION_ORDERED = 1  # fp32 partials [splits, E, d] + the reduce pass in split order
@@ -49,6 +65,14 @@ class RouterVariant:
     @property
     def b_major(self) -> str:
         return PROGRAM_MAJORS[self.program][1]
+
+    @property
+    def a_presplit(self) -> bool:
+        return PRESPLIT[self.program][0]
+
+    @property
+    def b_presplit(self) -> bool:
+        return PRESPLIT[self.program][1]
 
     @property
     def tile(self) -> tuple[int, int, int]:

@@ -58,16 +58,22 @@ def _variants():
     return variants
 
 
+def _router_variants():
+    """The router variant list and its contract helpers (plain data, no cutlass)."""
+    from jax_cake.kernels import router_variants
+
+    return router_variants
+
+
 def _wgrad_supported(tile, out_dtype: str, splits: int, reduction: str) -> bool:
     """Whether the library can run this wgrad program (ordered split-K runs the fp32
     variant of the tile into the workspace, arrival order its fp32 "add" variant)."""
     return _variants().supports("wgrad", tile, (1, 1), out_dtype, splits, _REDUCTION_CODES[reduction])
 
 
-# TMA needs 16-byte strides: bf16 rows must hold a multiple of 8 elements, fp32 rows
-# (the router) a multiple of 4.
+# TMA needs 16-byte strides: bf16 rows must hold a multiple of 8 elements (the router's
+# pre-split bf16 hi/lo operands too, see router_variants.ALIGN_ELEMENTS).
 _ALIGN_ELEMENTS = 8
-_ROUTER_ALIGN_ELEMENTS = 4
 # A split gets at least this many K tiles, so the partial-sum traffic stays small
 # against the operand reads.
 _MIN_K_TILES_PER_SPLIT = 8
@@ -286,10 +292,11 @@ def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
     args = (op, batch, m, n, k, "float32", dev)
     if batch != 1:
         return _xla_plan(*args, "the router takes one [T, d] block")
-    if d_in % _ROUTER_ALIGN_ELEMENTS or d_out % _ROUTER_ALIGN_ELEMENTS:
+    align = _router_variants().ALIGN_ELEMENTS
+    if d_in % align or d_out % align:
         return _xla_plan(
             *args,
-            f"d={d_in} and E={d_out} must be multiples of {_ROUTER_ALIGN_ELEMENTS} for the router kernels' "
+            f"d={d_in} and E={d_out} must be multiples of {align} for the router kernels' "
             "16-byte TMA strides: XLA runs the BF16x3 split with FP32 accumulation",
         )
     if not ROUTER_KERNELS_ENABLED:
