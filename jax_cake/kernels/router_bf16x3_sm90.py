@@ -66,13 +66,17 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from jax_cake.kernels.gemm_sm90 import _fence_tensor
 from jax_cake.kernels.router_variants import VARIANTS, RouterVariant
 
-# Registers per thread after setmaxnreg (384-thread CTAs): the transform warpgroup holds
-# _SPLIT_GROUP 4-element fp32 vectors in flight plus addresses (ptxas used ~70); each MMA
-# warpgroup holds two 64 x tile_n fp32 accumulators (the wgmma chain and the promoted
-# total: tile_n = 128 registers per thread) plus descriptors and the epilogue (SASS uses
-# R0-R135 at tile_n = 128, no local memory). 128 * 120 + 256 * 184 = 62464 <= 65536.
-_TRANSFORM_REGS = 120
-_MMA_REGS = 184
+# Registers per thread after setmaxnreg, by the number of transform warpgroups (with two
+# MMA warpgroups): (transform, MMA). A transform thread holds _SPLIT_GROUP 4-element fp32
+# vectors in flight plus addresses (ptxas used ~70); each MMA warpgroup holds two
+# 64 x tile_n fp32 accumulators (the wgmma chain and the promoted total: tile_n = 128
+# registers per thread) plus descriptors and the epilogue (SASS uses R0-R135 at
+# tile_n = 128, no local memory). 128 * 120 + 256 * 184 = 62464 and
+# 256 * 88 + 256 * 168 = 65536, both <= 65536.
+_REGS = {1: (120, 184), 2: (88, 168)}
+# fwd (A in registers): one TMA-only warpgroup; an MMA thread also holds its fp32 x
+# fragment and the bf16 hi / lo fragments of one K tile. 128 * 40 + 256 * 232 = 64512.
+_REGS_RS = (40, 232)
 # Two-level accumulation interval in K tiles (32 each). wgmma's fp32 accumulation in the
 # tensor core loses precision along one chain (measured on the H200: about 1.85e-8
 # relative per k16 wgmma in the chain, i.e. 1.5e-5 at K = 4096 and 5.7e-5 at
@@ -82,6 +86,21 @@ _MMA_REGS = 184
 _PROMOTE_EVERY = 2
 # Passes (one 16-byte load each) whose loads are issued back to back in the split.
 _SPLIT_GROUP = 8
+
+
+def _split_rn(v, f32, bf16):
+    """(hi as fp32, lo as bf16) of an fp32 vector: hi = bf16 round-to-nearest-even of v.
+
+    hi is rounded in integer arithmetic (full rate) instead of single-element F2F
+    conversions (quarter rate): keep the top 16 bits of v + 0x7FFF + lsb. hi as fp32 is
+    exact, so v - hi is exact and only lo takes one (packed) conversion.
+    """
+    bits = v.bitcast(cutlass.Uint32)
+    lsb = (bits // cutlass.Uint32(0x10000)) & cutlass.Uint32(1)
+    rounded = bits + cutlass.Uint32(0x7FFF) + lsb
+    hi32 = (rounded & cutlass.Uint32(0xFFFF0000)).bitcast(f32).reshape(v.shape)
+    return hi32, (v - hi32).to(bf16)
+
 
 # Named barrier ids (0 is __syncthreads).
 _EPI_BARRIER_ID = 1
@@ -117,7 +136,8 @@ class RouterBf16x3Sm90:
         self.mma_dtype = cutlass.BFloat16
         self.num_mma_wg = variant.tile_m // 64
         self.mma_threads = 128 * self.num_mma_wg
-        self.transform_threads = 128
+        self.transform_wgs = variant.transform_wgs
+        self.transform_threads = 128 * self.transform_wgs
         self.threads = self.transform_threads + self.mma_threads
         self.epi_stage = 2
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
@@ -128,6 +148,21 @@ class RouterBf16x3Sm90:
         bf16_stage_bytes = (tm + tn) * tk * 2 * 2  # hi and lo
         self.has_f32 = f32_stage_bytes > 0
         self.has_pre = self.a_pre or self.b_pre
+        self.a_rs = variant.a_in_registers
+        if self.a_rs:
+            # One ring: the fp32 A tile and the pre-split B tiles of a K tile share a stage
+            # (one TMA barrier), released once both MMA warpgroups' wgmma are done.
+            if self.a_pre or not self.b_pre or not variant.a_major == "k":
+                raise ValueError("A in registers needs an on-chip-split, K-major A and a pre-split B")
+            self.epi_tile = (tm, 32)
+            epi_bytes = tm * 32 * 4 * self.epi_stage
+            stage_bytes = tm * tk * 4 + tn * tk * 2 * 2
+            budget = self.smem_capacity - 2048
+            self.s32 = self.s16 = min(8, (budget - epi_bytes) // stage_bytes)
+            if self.s32 < 2:
+                raise ValueError(f"tile {self.tile_mnk} does not fit two stages in shared memory")
+            self.smem_bytes = self.s32 * stage_bytes + epi_bytes
+            return
         # Epilogue sub-tile: all rows x 32 columns per TMA store. The bf16 ring gets 4 stages
         # when a pre-split operand's TMA loads land in it (they are issued when a stage
         # frees, so the ring depth is their lookahead), else 2; fewer if they do not fit.
@@ -196,8 +231,11 @@ class RouterBf16x3Sm90:
             fields["sA32"] = buf(f32, a32_staged)
         if not self.b_pre:
             fields["sB32"] = buf(f32, b32_staged)
-        for name, layout in (("sAhi", a16_staged), ("sAlo", a16_staged), ("sBhi", b16_staged), ("sBlo", b16_staged)):
-            fields[name] = buf(bf16, layout)
+        if not self.a_rs:  # A in registers: its bf16 parts never touch shared memory
+            fields["sAhi"] = buf(bf16, a16_staged)
+            fields["sAlo"] = buf(bf16, a16_staged)
+        fields["sBhi"] = buf(bf16, b16_staged)
+        fields["sBlo"] = buf(bf16, b16_staged)
         fields["sC"] = buf(f32, epi_staged)
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -230,6 +268,7 @@ class RouterBf16x3Sm90:
             self.acc_dtype,
             (self.num_mma_wg, 1, 1),
             tiler_mn=(64, self.tile_mnk[1]),
+            a_source=cute.nvgpu.warpgroup.OperandSource.RMEM if self.a_rs else cute.nvgpu.warpgroup.OperandSource.SMEM,
         )
         tm, tn, tk = self.tile_mnk
         # bf16 stages (wgmma source), same majorness as the source operand.
@@ -318,18 +357,19 @@ class RouterBf16x3Sm90:
         k_major: cutlass.Constexpr,
         tid: cutlass.Int32,
     ):
-        """dst_hi, dst_lo = bf16 split of src32, one (rows, tile_k) tile, by 128 threads.
+        """dst_hi, dst_lo = bf16 split of src32, one (rows, tile_k) tile, by the transform threads.
 
         Both sides are indexed by the same logical (row, k) coordinates through the same
         thread/value mapping, so any swizzle on either side is handled by the layouts.
         Each thread moves 4 elements contiguous in the operand's major mode per pass
         (one 16-byte load, two 8-byte stores).
         """
-        if cutlass.const_expr(k_major):
-            thr_layout = cute.make_layout((16, 8), stride=(8, 1))
+        t = self.transform_threads
+        if cutlass.const_expr(k_major):  # 8 threads x 4 values along K (32), t / 8 rows
+            thr_layout = cute.make_layout((t // 8, 8), stride=(8, 1))
             val_layout = cute.make_layout((1, 4))
-        else:
-            thr_layout = cute.make_layout((32, 4), stride=(1, 32))
+        else:  # 32 threads x 4 values along M/N (128), t / 32 along K
+            thr_layout = cute.make_layout((32, t // 32), stride=(1, 32))
             val_layout = cute.make_layout((4, 1))
         ld_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.io_dtype, num_bits_per_copy=128)
         st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mma_dtype, num_bits_per_copy=64)
@@ -357,18 +397,8 @@ class RouterBf16x3Sm90:
                 frags.append(r32)
             for j in cutlass.range_constexpr(min(_SPLIT_GROUP, n_pass - g0)):
                 i = g0 + j
-                v = frags[j].load()
-                # hi = bf16 round-to-nearest-even of v, done in integer arithmetic (full
-                # rate) instead of single-element F2F conversions (quarter rate): keep
-                # the top 16 bits of v + 0x7FFF + lsb. hi as fp32 is exact, so
-                # v - hi is exact and only lo takes one (packed) conversion.
-                bits = v.bitcast(cutlass.Uint32)
-                lsb = (bits // cutlass.Uint32(0x10000)) & cutlass.Uint32(1)
-                rounded = bits + cutlass.Uint32(0x7FFF) + lsb
-                hi32 = (rounded & cutlass.Uint32(0xFFFF0000)).bitcast(self.io_dtype).reshape(v.shape)
-                hi = hi32.to(self.mma_dtype)  # exact: hi32 is a bf16 value (packed cvt)
-                lo = (v - hi32).to(self.mma_dtype)
-                rhi.store(hi)
+                hi32, lo = _split_rn(frags[j].load(), self.io_dtype, self.mma_dtype)
+                rhi.store(hi32.to(self.mma_dtype))  # exact: hi32 is a bf16 value (packed cvt)
                 rlo.store(lo)
                 cute.copy(tiled_st, rhi, tHi[(None, i % n_p, i // n_p)])
                 cute.copy(tiled_st, rlo, tLo[(None, i % n_p, i // n_p)])
@@ -424,44 +454,63 @@ class RouterBf16x3Sm90:
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        # fp32 ring (operands split on chip): full = 1 producer arrive (warp 0, elected) +
-        # TMA bytes; empty = one arrive per transform warp (lane 0 signals in
-        # PipelineTmaAsync.consumer_release).
-        tx32 = 0
-        if cutlass.const_expr(not self.a_pre):
-            tx32 += cute.size_in_bytes(self.io_dtype, cute.slice_(a32_staged, (None, None, 0)))
-        if cutlass.const_expr(not self.b_pre):
-            tx32 += cute.size_in_bytes(self.io_dtype, cute.slice_(b32_staged, (None, None, 0)))
-        pipe32 = None
-        if cutlass.const_expr(self.has_f32):
-            pipe32 = pipeline.PipelineTmaAsync.create(
+        pipe = pipe32 = pipe16 = None
+        tx16 = 0
+        if cutlass.const_expr(self.a_rs):
+            # One ring (A in registers): full = 1 producer arrive + the fp32 A and bf16 B
+            # hi/lo TMA bytes; empty = lane 0 of every MMA warp, once its wgmma are done.
+            tx = cute.size_in_bytes(self.io_dtype, cute.slice_(a32_staged, (None, None, 0)))
+            tx += 2 * cute.size_in_bytes(self.mma_dtype, cute.slice_(b16_staged, (None, None, 0)))
+            pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar32.data_ptr(),
                 num_stages=self.s32,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.transform_threads // 32),
-                tx_count=tx32,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
+                tx_count=tx,
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             )
-        # bf16 ring: full = one arrive per transform thread (each after its own proxy
-        # fence), plus, with pre-split operands, warp 0's arrive-with-expected-bytes for
-        # their TMA loads into the stage; empty = one arrive per MMA warp (lane 0 only,
-        # see the release below).
-        tx16 = 0
-        if cutlass.const_expr(self.a_pre):
-            tx16 += 2 * cute.size_in_bytes(self.mma_dtype, cute.slice_(a16_staged, (None, None, 0)))
-        if cutlass.const_expr(self.b_pre):
-            tx16 += 2 * cute.size_in_bytes(self.mma_dtype, cute.slice_(b16_staged, (None, None, 0)))
-        pipe16 = pipeline.PipelineAsync.create(
-            barrier_storage=storage.mbar16.data_ptr(),
-            num_stages=self.s16,
-            producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.transform_threads + (1 if self.has_pre else 0)
-            ),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
-        )
+            sAhi = sAlo = None
+        else:
+            # fp32 ring (operands split on chip): full = 1 producer arrive (warp 0, elected) +
+            # TMA bytes; empty = one arrive per transform warp (lane 0 signals in
+            # PipelineTmaAsync.consumer_release).
+            tx32 = 0
+            if cutlass.const_expr(not self.a_pre):
+                tx32 += cute.size_in_bytes(self.io_dtype, cute.slice_(a32_staged, (None, None, 0)))
+            if cutlass.const_expr(not self.b_pre):
+                tx32 += cute.size_in_bytes(self.io_dtype, cute.slice_(b32_staged, (None, None, 0)))
+            pipe32 = None
+            if cutlass.const_expr(self.has_f32):
+                pipe32 = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=storage.mbar32.data_ptr(),
+                    num_stages=self.s32,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.transform_threads // 32),
+                    tx_count=tx32,
+                    cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                )
+            # bf16 ring: full = one arrive per transform thread (each after its own proxy
+            # fence), plus, with pre-split operands, warp 0's arrive-with-expected-bytes for
+            # their TMA loads into the stage; empty = one arrive per MMA warp (lane 0 only,
+            # see the release below).
+            tx16 = 0
+            if cutlass.const_expr(self.a_pre):
+                tx16 += 2 * cute.size_in_bytes(self.mma_dtype, cute.slice_(a16_staged, (None, None, 0)))
+            if cutlass.const_expr(self.b_pre):
+                tx16 += 2 * cute.size_in_bytes(self.mma_dtype, cute.slice_(b16_staged, (None, None, 0)))
+            pipe16 = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar16.data_ptr(),
+                num_stages=self.s16,
+                producer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.transform_threads + (1 if self.has_pre else 0)
+                ),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
+            )
 
-        sAhi = storage.sAhi.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
-        sAlo = storage.sAlo.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
+            sAhi = storage.sAhi.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
+            sAlo = storage.sAlo.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
+            sAhi = storage.sAhi.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
+            sAlo = storage.sAlo.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
         sBhi = storage.sBhi.get_tensor(b16_staged.outer, swizzle=b16_staged.inner)
         sBlo = storage.sBlo.get_tensor(b16_staged.outer, swizzle=b16_staged.inner)
         sC = storage.sC.get_tensor(epi_staged.outer, swizzle=epi_staged.inner)
@@ -473,150 +522,225 @@ class RouterBf16x3Sm90:
         gB_lo = cute.local_tile(mB_lo, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(None, 1, 1))
         gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, split), proj=(1, 1, None))
 
-        if wg_idx == 0:
+        transform_regs, mma_regs = _REGS_RS if self.a_rs else _REGS[self.transform_wgs]
+        if wg_idx < self.transform_wgs:
             # ------------------------------------------------------- load + transform
             if cutlass.const_expr(self.num_mma_wg == 2):
-                cute.arch.setmaxregister_decrease(_TRANSFORM_REGS)
-            # TMA partitions: on-chip operands into the fp32 ring, pre-split ones (hi, lo)
-            # into the bf16 ring.
-            part = self._tma_part
-            a32_load = b32_load = None  # (atom, gmem tiles, smem stages) of on-chip operands
-            if cutlass.const_expr(self.a_pre):
-                tAsHi, tAgHi = part(tma_atom_a, sAhi, gA)
-                tAsLo, tAgLo = part(tma_atom_a_lo, sAlo, gA_lo)
-            else:
-                sA32 = storage.sA32.get_tensor(a32_staged.outer, swizzle=a32_staged.inner)
-                tAsA, tAgA = part(tma_atom_a, sA32, gA)
-                a32_load = (tma_atom_a, tAgA, tAsA)
-            if cutlass.const_expr(self.b_pre):
-                tBsHi, tBgHi = part(tma_atom_b, sBhi, gB)
-                tBsLo, tBgLo = part(tma_atom_b_lo, sBlo, gB_lo)
-            else:
-                sB32 = storage.sB32.get_tensor(b32_staged.outer, swizzle=b32_staged.inner)
-                tBsB, tBgB = part(tma_atom_b, sB32, gB)
-                b32_load = (tma_atom_b, tBgB, tBsB)
-            load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, max(self.s32, 1))
-            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, max(self.s32, 1))
-            write_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.s16)
-            # Prologue: warp 0 fills the fp32 ring (the empty barriers start free).
-            if cutlass.const_expr(self.has_f32):
+                cute.arch.setmaxregister_decrease(transform_regs)
+            if cutlass.const_expr(self.a_rs):
+                # Warp 0 streams K tiles (fp32 A, bf16 B hi and lo) into the one ring.
                 if warp_idx == 0:
-                    for kt in cutlass.range(cutlass.min(k_cnt, self.s32), unroll=1):
-                        self._load_f32(pipe32, load_state, k_begin + kt, a32_load, b32_load)
+                    part = self._tma_part
+                    sA32 = storage.sA32.get_tensor(a32_staged.outer, swizzle=a32_staged.inner)
+                    tAsA, tAgA = part(tma_atom_a, sA32, gA)
+                    tBsHi, tBgHi = part(tma_atom_b, sBhi, gB)
+                    tBsLo, tBgLo = part(tma_atom_b_lo, sBlo, gB_lo)
+                    load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.s32)
+                    for kt in cutlass.range(k_cnt, unroll=1):
+                        pipe.producer_acquire(load_state)
+                        bar = pipe.producer_get_barrier(load_state)
+                        k_coord = k_begin + kt
+                        s_idx = load_state.index
+                        cute.copy(tma_atom_a, tAgA[(None, k_coord)], tAsA[(None, s_idx)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_b, tBgHi[(None, k_coord)], tBsHi[(None, s_idx)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_b_lo, tBgLo[(None, k_coord)], tBsLo[(None, s_idx)], tma_bar_ptr=bar)
+                        pipe.producer_commit(load_state)
                         load_state.advance()
-            for kt in cutlass.range(k_cnt, unroll=1):
-                pipe16.producer_acquire(write_state)
-                k_coord = k_begin + kt
-                if cutlass.const_expr(self.has_pre):
-                    # The stage is free: load the pre-split hi and lo tiles straight into it.
-                    if warp_idx == 0:
-                        bar16 = pipe16.producer_get_barrier(write_state)
-                        with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive_and_expect_tx(bar16, tx16)
-                        w16 = write_state.index
-                        if cutlass.const_expr(self.a_pre):
-                            cute.copy(tma_atom_a, tAgHi[(None, k_coord)], tAsHi[(None, w16)], tma_bar_ptr=bar16)
-                            cute.copy(tma_atom_a_lo, tAgLo[(None, k_coord)], tAsLo[(None, w16)], tma_bar_ptr=bar16)
-                        if cutlass.const_expr(self.b_pre):
-                            cute.copy(tma_atom_b, tBgHi[(None, k_coord)], tBsHi[(None, w16)], tma_bar_ptr=bar16)
-                            cute.copy(tma_atom_b_lo, tBgLo[(None, k_coord)], tBsLo[(None, w16)], tma_bar_ptr=bar16)
+            else:
+                # TMA partitions: on-chip operands into the fp32 ring, pre-split ones (hi, lo)
+                # into the bf16 ring.
+                part = self._tma_part
+                a32_load = b32_load = None  # (atom, gmem tiles, smem stages) of on-chip operands
+                if cutlass.const_expr(self.a_pre):
+                    tAsHi, tAgHi = part(tma_atom_a, sAhi, gA)
+                    tAsLo, tAgLo = part(tma_atom_a_lo, sAlo, gA_lo)
+                else:
+                    sA32 = storage.sA32.get_tensor(a32_staged.outer, swizzle=a32_staged.inner)
+                    tAsA, tAgA = part(tma_atom_a, sA32, gA)
+                    a32_load = (tma_atom_a, tAgA, tAsA)
+                if cutlass.const_expr(self.b_pre):
+                    tBsHi, tBgHi = part(tma_atom_b, sBhi, gB)
+                    tBsLo, tBgLo = part(tma_atom_b_lo, sBlo, gB_lo)
+                else:
+                    sB32 = storage.sB32.get_tensor(b32_staged.outer, swizzle=b32_staged.inner)
+                    tBsB, tBgB = part(tma_atom_b, sB32, gB)
+                    b32_load = (tma_atom_b, tBgB, tBsB)
+                load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, max(self.s32, 1))
+                read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, max(self.s32, 1))
+                write_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.s16)
+                # Prologue: warp 0 fills the fp32 ring (the empty barriers start free).
                 if cutlass.const_expr(self.has_f32):
-                    pipe32.consumer_wait(read_state)
-                    if cutlass.const_expr(not self.a_pre):
-                        self._split_tile(
-                            sA32[(None, None, read_state.index)],
-                            sAhi[(None, None, write_state.index)],
-                            sAlo[(None, None, write_state.index)],
-                            self.a_k_major,
-                            tidx,
-                        )
-                    if cutlass.const_expr(not self.b_pre):
-                        self._split_tile(
-                            sB32[(None, None, read_state.index)],
-                            sBhi[(None, None, write_state.index)],
-                            sBlo[(None, None, write_state.index)],
-                            self.b_k_major,
-                            tidx,
-                        )
-                    # Generic-proxy smem writes -> visible to wgmma (async proxy).
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                pipe16.producer_commit(write_state)
-                write_state.advance()
-                if cutlass.const_expr(self.has_f32):
-                    # Every lane of this warp has finished reading the fp32 stage.
-                    cute.arch.sync_warp()
-                    pipe32.consumer_release(read_state)
-                    read_state.advance()
-                    # Refill the stage just consumed with K tile kt + s32 (waits until all
-                    # four transform warps have released it).
                     if warp_idx == 0:
-                        if kt + self.s32 < k_cnt:
-                            self._load_f32(pipe32, load_state, k_coord + self.s32, a32_load, b32_load)
+                        for kt in cutlass.range(cutlass.min(k_cnt, self.s32), unroll=1):
+                            self._load_f32(pipe32, load_state, k_begin + kt, a32_load, b32_load)
                             load_state.advance()
+                for kt in cutlass.range(k_cnt, unroll=1):
+                    pipe16.producer_acquire(write_state)
+                    k_coord = k_begin + kt
+                    if cutlass.const_expr(self.has_pre):
+                        # The stage is free: load the pre-split hi and lo tiles straight into it.
+                        if warp_idx == 0:
+                            bar16 = pipe16.producer_get_barrier(write_state)
+                            with cute.arch.elect_one():
+                                cute.arch.mbarrier_arrive_and_expect_tx(bar16, tx16)
+                            w16 = write_state.index
+                            if cutlass.const_expr(self.a_pre):
+                                cute.copy(tma_atom_a, tAgHi[(None, k_coord)], tAsHi[(None, w16)], tma_bar_ptr=bar16)
+                                cute.copy(tma_atom_a_lo, tAgLo[(None, k_coord)], tAsLo[(None, w16)], tma_bar_ptr=bar16)
+                            if cutlass.const_expr(self.b_pre):
+                                cute.copy(tma_atom_b, tBgHi[(None, k_coord)], tBsHi[(None, w16)], tma_bar_ptr=bar16)
+                                cute.copy(tma_atom_b_lo, tBgLo[(None, k_coord)], tBsLo[(None, w16)], tma_bar_ptr=bar16)
+                    if cutlass.const_expr(self.has_f32):
+                        pipe32.consumer_wait(read_state)
+                        if cutlass.const_expr(not self.a_pre):
+                            self._split_tile(
+                                sA32[(None, None, read_state.index)],
+                                sAhi[(None, None, write_state.index)],
+                                sAlo[(None, None, write_state.index)],
+                                self.a_k_major,
+                                tidx,
+                            )
+                        if cutlass.const_expr(not self.b_pre):
+                            self._split_tile(
+                                sB32[(None, None, read_state.index)],
+                                sBhi[(None, None, write_state.index)],
+                                sBlo[(None, None, write_state.index)],
+                                self.b_k_major,
+                                tidx,
+                            )
+                        # Generic-proxy smem writes -> visible to wgmma (async proxy).
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                    pipe16.producer_commit(write_state)
+                    write_state.advance()
+                    if cutlass.const_expr(self.has_f32):
+                        # Every lane of this warp has finished reading the fp32 stage.
+                        cute.arch.sync_warp()
+                        pipe32.consumer_release(read_state)
+                        read_state.advance()
+                        # Refill the stage just consumed with K tile kt + s32 (waits until all
+                        # four transform warps have released it).
+                        if warp_idx == 0:
+                            if kt + self.s32 < k_cnt:
+                                self._load_f32(pipe32, load_state, k_coord + self.s32, a32_load, b32_load)
+                                load_state.advance()
         else:
             # ------------------------------------------------------------ MMA warps
             if cutlass.const_expr(self.num_mma_wg == 2):
-                cute.arch.setmaxregister_increase(_MMA_REGS)
-            mma_wg = wg_idx - 1
+                cute.arch.setmaxregister_increase(mma_regs)
+            mma_wg = wg_idx - self.transform_wgs
             mma_tidx = tidx - self.transform_threads
-            thr_mma = tiled_mma.get_slice(mma_wg * 128)
-            tCrAhi = tiled_mma.make_fragment_A(thr_mma.partition_A(sAhi))
-            tCrAlo = tiled_mma.make_fragment_A(thr_mma.partition_A(sAlo))
-            tCrBhi = tiled_mma.make_fragment_B(thr_mma.partition_B(sBhi))
-            tCrBlo = tiled_mma.make_fragment_B(thr_mma.partition_B(sBlo))
-            tCgC = thr_mma.partition_C(gC)
-            # Two-level accumulation: wgmma accumulates _PROMOTE_EVERY K tiles from zero
-            # into acc_k, which is then added (FADD, round-to-nearest fp32) into acc.
-            acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
-            acc_k = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
-            acc.fill(0.0)
-            num_k_blocks = cute.size(tCrAhi, mode=[2])
-
-            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s16)
-            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s16)
-            # The MMA warpgroups promote on alternate K tiles (phase = warpgroup index), so
-            # while one drains its wgmma chain and adds it up, the other's wgmma keep the
-            # tensor cores busy.
-            phase = mma_wg % _PROMOTE_EVERY
-            for kt in cutlass.range(k_cnt, unroll=1):
-                pos = (kt + phase) % _PROMOTE_EVERY
-                # wgmma accumulates into acc_k unless this K tile starts a chain.
-                accumulate = (pos != 0) & (kt != 0)
-                chain_end = (pos == _PROMOTE_EVERY - 1) | (kt == k_cnt - 1)
-                pipe16.consumer_wait(read_state)
-                cute.nvgpu.warpgroup.fence()
-                # Small terms first (lo.hi and hi.lo of every k block, then hi.hi), so the
-                # chain adds them while acc_k is smallest. The first wgmma of a chain
-                # overwrites acc_k (ACCUMULATE = False): no zeroing.
-                for p in cutlass.range_constexpr(3):
-                    for kb in cutlass.range_constexpr(num_k_blocks):
-                        kb_coord = (None, None, kb, read_state.index)
-                        if cutlass.const_expr(p == 0 and kb == 0):
-                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, accumulate)
-                        if cutlass.const_expr(p == 0):
-                            cute.gemm(tiled_mma, acc_k, tCrAlo[kb_coord], tCrBhi[kb_coord], acc_k)
-                        elif cutlass.const_expr(p == 1):
-                            cute.gemm(tiled_mma, acc_k, tCrAhi[kb_coord], tCrBlo[kb_coord], acc_k)
-                        else:
-                            cute.gemm(tiled_mma, acc_k, tCrAhi[kb_coord], tCrBhi[kb_coord], acc_k)
-                        if cutlass.const_expr(p == 0 and kb == 0):
-                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.commit_group()
-                # Keep one wgmma group in flight; the previous bf16 stage is now free.
-                cute.nvgpu.warpgroup.wait_group(1)
-                if kt > 0:
-                    if lane == 0:
-                        pipe16.consumer_release(release_state)
-                    release_state.advance()
-                read_state.advance()
-                # Promote: drain the chain and add it into the fp32 total (FADD,
-                # round-to-nearest). The fence keeps the FADDs after the wait (see
-                # gemm_sm90._fence_f32: otherwise ptxas serializes every wgmma).
-                if chain_end:
+            if cutlass.const_expr(self.a_rs):
+                # A in registers: each thread loads its fragment of the fp32 A tile (its
+                # warpgroup's 64 rows), splits it into bf16 hi and lo registers and issues
+                # the stage's wgmma with A from registers. One stage at a time per
+                # warpgroup (wait_group 0): the two warpgroups' wgmma alternate on the
+                # tensor cores while the other one loads and splits.
+                thr_mma = tiled_mma.get_slice(mma_tidx)
+                sA32 = storage.sA32.get_tensor(a32_staged.outer, swizzle=a32_staged.inner)
+                tCsA = thr_mma.partition_A(sA32)
+                tCrBhi = tiled_mma.make_fragment_B(thr_mma.partition_B(sBhi))
+                tCrBlo = tiled_mma.make_fragment_B(thr_mma.partition_B(sBlo))
+                tCgC = thr_mma.partition_C(gC)
+                acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+                acc_k = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+                acc.fill(0.0)
+                a_frag_shape = tCsA[(None, None, None, 0)].shape
+                rA32 = cute.make_rmem_tensor(a_frag_shape, self.io_dtype)
+                rAhi = cute.make_rmem_tensor(a_frag_shape, self.mma_dtype)
+                rAlo = cute.make_rmem_tensor(a_frag_shape, self.mma_dtype)
+                num_k_blocks = cute.size(tCrBhi, mode=[2])
+                read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s32)
+                phase = mma_wg % _PROMOTE_EVERY
+                for kt in cutlass.range(k_cnt, unroll=1):
+                    pos = (kt + phase) % _PROMOTE_EVERY
+                    accumulate = (pos != 0) & (kt != 0)
+                    chain_end = (pos == _PROMOTE_EVERY - 1) | (kt == k_cnt - 1)
+                    pipe.consumer_wait(read_state)
+                    cute.autovec_copy(tCsA[(None, None, None, read_state.index)], rA32)
+                    hi32, lo = _split_rn(rA32.load(), self.io_dtype, self.mma_dtype)
+                    rAhi.store(hi32.to(self.mma_dtype))
+                    rAlo.store(lo)
+                    cute.nvgpu.warpgroup.fence()
+                    for p in cutlass.range_constexpr(3):
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            a_coord = (None, None, kb)
+                            b_coord = (None, None, kb, read_state.index)
+                            if cutlass.const_expr(p == 0 and kb == 0):
+                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, accumulate)
+                            if cutlass.const_expr(p == 0):
+                                cute.gemm(tiled_mma, acc_k, rAlo[a_coord], tCrBhi[b_coord], acc_k)
+                            elif cutlass.const_expr(p == 1):
+                                cute.gemm(tiled_mma, acc_k, rAhi[a_coord], tCrBlo[b_coord], acc_k)
+                            else:
+                                cute.gemm(tiled_mma, acc_k, rAhi[a_coord], tCrBhi[b_coord], acc_k)
+                            if cutlass.const_expr(p == 0 and kb == 0):
+                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.commit_group()
                     cute.nvgpu.warpgroup.wait_group(0)
-                    _fence_tensor(acc_k)
-                    acc.store(acc.load() + acc_k.load())
-            cute.nvgpu.warpgroup.wait_group(0)
+                    pipe.consumer_release(read_state)
+                    read_state.advance()
+                    if chain_end:
+                        _fence_tensor(acc_k)
+                        acc.store(acc.load() + acc_k.load())
+            else:
+                thr_mma = tiled_mma.get_slice(mma_wg * 128)
+                tCrAhi = tiled_mma.make_fragment_A(thr_mma.partition_A(sAhi))
+                tCrAlo = tiled_mma.make_fragment_A(thr_mma.partition_A(sAlo))
+                tCrBhi = tiled_mma.make_fragment_B(thr_mma.partition_B(sBhi))
+                tCrBlo = tiled_mma.make_fragment_B(thr_mma.partition_B(sBlo))
+                tCgC = thr_mma.partition_C(gC)
+                # Two-level accumulation: wgmma accumulates _PROMOTE_EVERY K tiles from zero
+                # into acc_k, which is then added (FADD, round-to-nearest fp32) into acc.
+                acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+                acc_k = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+                acc.fill(0.0)
+                num_k_blocks = cute.size(tCrAhi, mode=[2])
+
+                read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s16)
+                release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s16)
+                # The MMA warpgroups promote on alternate K tiles (phase = warpgroup index), so
+                # while one drains its wgmma chain and adds it up, the other's wgmma keep the
+                # tensor cores busy.
+                phase = mma_wg % _PROMOTE_EVERY
+                for kt in cutlass.range(k_cnt, unroll=1):
+                    pos = (kt + phase) % _PROMOTE_EVERY
+                    # wgmma accumulates into acc_k unless this K tile starts a chain.
+                    accumulate = (pos != 0) & (kt != 0)
+                    chain_end = (pos == _PROMOTE_EVERY - 1) | (kt == k_cnt - 1)
+                    pipe16.consumer_wait(read_state)
+                    cute.nvgpu.warpgroup.fence()
+                    # Small terms first (lo.hi and hi.lo of every k block, then hi.hi), so the
+                    # chain adds them while acc_k is smallest. The first wgmma of a chain
+                    # overwrites acc_k (ACCUMULATE = False): no zeroing.
+                    for p in cutlass.range_constexpr(3):
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            kb_coord = (None, None, kb, read_state.index)
+                            if cutlass.const_expr(p == 0 and kb == 0):
+                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, accumulate)
+                            if cutlass.const_expr(p == 0):
+                                cute.gemm(tiled_mma, acc_k, tCrAlo[kb_coord], tCrBhi[kb_coord], acc_k)
+                            elif cutlass.const_expr(p == 1):
+                                cute.gemm(tiled_mma, acc_k, tCrAhi[kb_coord], tCrBlo[kb_coord], acc_k)
+                            else:
+                                cute.gemm(tiled_mma, acc_k, tCrAhi[kb_coord], tCrBhi[kb_coord], acc_k)
+                            if cutlass.const_expr(p == 0 and kb == 0):
+                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.commit_group()
+                    # Keep one wgmma group in flight; the previous bf16 stage is now free.
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    if kt > 0:
+                        if lane == 0:
+                            pipe16.consumer_release(release_state)
+                        release_state.advance()
+                    read_state.advance()
+                    # Promote: drain the chain and add it into the fp32 total (FADD,
+                    # round-to-nearest). The fence keeps the FADDs after the wait (see
+                    # gemm_sm90._fence_f32: otherwise ptxas serializes every wgmma).
+                    if chain_end:
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        _fence_tensor(acc_k)
+                        acc.store(acc.load() + acc_k.load())
+                cute.nvgpu.warpgroup.wait_group(0)
 
             # ------------------------------------------------------------ epilogue
             c_layout = self.c_layout

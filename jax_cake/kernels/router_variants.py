@@ -75,6 +75,22 @@ class RouterVariant:
         return PRESPLIT[self.program][1]
 
     @property
+    def a_in_registers(self) -> bool:
+        """fwd: the MMA warpgroups load their x rows (fp32) from shared memory, split them
+        in registers and feed wgmma's A from registers (RS). The split's bf16 tiles then
+        never go through shared memory, whose bandwidth bounded the SS design (136 KB of
+        traffic per 128x128x32 K tile against ~96 KB now)."""
+        return self.program == "fwd"
+
+    @property
+    def transform_wgs(self) -> int:
+        """Warpgroups ahead of the MMA ones: two where an operand is split on chip into the
+        bf16 ring (wgrad), else one, which only issues the TMA loads."""
+        if self.a_in_registers or (self.a_presplit and self.b_presplit):
+            return 1
+        return 2
+
+    @property
     def tile(self) -> tuple[int, int, int]:
         return (self.tile_m, self.tile_n, self.tile_k)
 
