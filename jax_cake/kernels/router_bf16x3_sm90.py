@@ -632,9 +632,10 @@ class RouterBf16x3Sm90:
             if cutlass.const_expr(self.a_rs):
                 # A in registers: each thread loads its fragment of the fp32 A tile (its
                 # warpgroup's 64 rows), splits it into bf16 hi and lo registers and issues
-                # the stage's wgmma with A from registers. One stage at a time per
-                # warpgroup (wait_group 0): the two warpgroups' wgmma alternate on the
-                # tensor cores while the other one loads and splits.
+                # the K tile's wgmma with A from registers. Two register buffers (K tiles
+                # alternate between them, the loop body is unrolled twice so each names
+                # its buffer statically) let one wgmma group stay in flight while the
+                # next tile is loaded and split.
                 thr_mma = tiled_mma.get_slice(mma_tidx)
                 sA32 = storage.sA32.get_tensor(a32_staged.outer, swizzle=a32_staged.inner)
                 tCsA = thr_mma.partition_A(sA32)
@@ -646,42 +647,55 @@ class RouterBf16x3Sm90:
                 acc.fill(0.0)
                 a_frag_shape = tCsA[(None, None, None, 0)].shape
                 rA32 = cute.make_rmem_tensor(a_frag_shape, self.io_dtype)
-                rAhi = cute.make_rmem_tensor(a_frag_shape, self.mma_dtype)
-                rAlo = cute.make_rmem_tensor(a_frag_shape, self.mma_dtype)
+                rAhi = [cute.make_rmem_tensor(a_frag_shape, self.mma_dtype) for _ in range(2)]
+                rAlo = [cute.make_rmem_tensor(a_frag_shape, self.mma_dtype) for _ in range(2)]
                 num_k_blocks = cute.size(tCrBhi, mode=[2])
                 read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s32)
+                release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s32)
                 phase = mma_wg % _PROMOTE_EVERY
-                for kt in cutlass.range(k_cnt, unroll=1):
-                    pos = (kt + phase) % _PROMOTE_EVERY
-                    accumulate = (pos != 0) & (kt != 0)
-                    chain_end = (pos == _PROMOTE_EVERY - 1) | (kt == k_cnt - 1)
-                    pipe.consumer_wait(read_state)
-                    cute.autovec_copy(tCsA[(None, None, None, read_state.index)], rA32)
-                    hi32, lo = _split_rn(rA32.load(), self.io_dtype, self.mma_dtype)
-                    rAhi.store(hi32.to(self.mma_dtype))
-                    rAlo.store(lo)
-                    cute.nvgpu.warpgroup.fence()
-                    for p in cutlass.range_constexpr(3):
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            a_coord = (None, None, kb)
-                            b_coord = (None, None, kb, read_state.index)
-                            if cutlass.const_expr(p == 0 and kb == 0):
-                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, accumulate)
-                            if cutlass.const_expr(p == 0):
-                                cute.gemm(tiled_mma, acc_k, rAlo[a_coord], tCrBhi[b_coord], acc_k)
-                            elif cutlass.const_expr(p == 1):
-                                cute.gemm(tiled_mma, acc_k, rAhi[a_coord], tCrBlo[b_coord], acc_k)
-                            else:
-                                cute.gemm(tiled_mma, acc_k, rAhi[a_coord], tCrBhi[b_coord], acc_k)
-                            if cutlass.const_expr(p == 0 and kb == 0):
-                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    pipe.consumer_release(read_state)
-                    read_state.advance()
-                    if chain_end:
-                        _fence_tensor(acc_k)
-                        acc.store(acc.load() + acc_k.load())
+                for kp in cutlass.range((k_cnt + 1) // 2, unroll=1):
+                    for j in cutlass.range_constexpr(2):
+                        kt = kp * 2 + j
+                        if kt < k_cnt:
+                            pos = (kt + phase) % _PROMOTE_EVERY
+                            accumulate = (pos != 0) & (kt != 0)
+                            chain_end = (pos == _PROMOTE_EVERY - 1) | (kt == k_cnt - 1)
+                            pipe.consumer_wait(read_state)
+                            cute.autovec_copy(tCsA[(None, None, None, read_state.index)], rA32)
+                            # Buffer j was last read by the wgmma of K tile kt - 2, done
+                            # since the wait_group(1) of tile kt - 1.
+                            hi32, lo = _split_rn(rA32.load(), self.io_dtype, self.mma_dtype)
+                            rAhi[j].store(hi32.to(self.mma_dtype))
+                            rAlo[j].store(lo)
+                            cute.nvgpu.warpgroup.fence()
+                            for p in cutlass.range_constexpr(3):
+                                for kb in cutlass.range_constexpr(num_k_blocks):
+                                    a_coord = (None, None, kb)
+                                    b_coord = (None, None, kb, read_state.index)
+                                    if cutlass.const_expr(p == 0 and kb == 0):
+                                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, accumulate)
+                                    if cutlass.const_expr(p == 0):
+                                        cute.gemm(tiled_mma, acc_k, rAlo[j][a_coord], tCrBhi[b_coord], acc_k)
+                                    elif cutlass.const_expr(p == 1):
+                                        cute.gemm(tiled_mma, acc_k, rAhi[j][a_coord], tCrBlo[b_coord], acc_k)
+                                    else:
+                                        cute.gemm(tiled_mma, acc_k, rAhi[j][a_coord], tCrBhi[b_coord], acc_k)
+                                    if cutlass.const_expr(p == 0 and kb == 0):
+                                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                            cute.nvgpu.warpgroup.commit_group()
+                            # Keep one group in flight: tile kt - 1's wgmma are done, so its
+                            # stage (B tiles) and its A buffer are free.
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            if kt > 0:
+                                pipe.consumer_release(release_state)
+                                release_state.advance()
+                            read_state.advance()
+                            # Promote: drain the chain and add it into the fp32 total.
+                            if chain_end:
+                                cute.nvgpu.warpgroup.wait_group(0)
+                                _fence_tensor(acc_k)
+                                acc.store(acc.load() + acc_k.load())
+                cute.nvgpu.warpgroup.wait_group(0)
             else:
                 thr_mma = tiled_mma.get_slice(mma_wg * 128)
                 tCrAhi = tiled_mma.make_fragment_A(thr_mma.partition_A(sAhi))
