@@ -80,9 +80,11 @@ _REGS_RS = (40, 232)
 # Two-level accumulation interval in K tiles (32 each). wgmma's fp32 accumulation in the
 # tensor core loses precision along one chain (measured on the H200: about 1.85e-8
 # relative per k16 wgmma in the chain, i.e. 1.5e-5 at K = 4096 and 5.7e-5 at
-# K = 16384 with all three products in one chain). Every 2 K tiles: a chain of 12
-# wgmma (64 K elements), predicted 4.4e-6 in all (docs/ROUTER_NOTES.md). 1 also works
-# (both warpgroups then drain on every K tile).
+# K = 16384 with all three products in one chain). Every 2 K tiles: chains of 12 wgmma
+# (64 K elements): 4.36e-6 to 4.45e-6 on the H200 (docs/ROUTER_NOTES.md). Every 4 tiles
+# measured the same error and fwd only 0.7 % faster (H200, 2026-11-29): the drains are
+# not what bounds the loop, so the shorter chain stays. The warpgroups' drains are
+# spread over the interval, so the other warpgroup's wgmma cover each one.
 _PROMOTE_EVERY = 2
 # Passes (one 16-byte load each) whose loads are issued back to back in the split.
 _SPLIT_GROUP = 8
@@ -652,7 +654,7 @@ class RouterBf16x3Sm90:
                 num_k_blocks = cute.size(tCrBhi, mode=[2])
                 read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s32)
                 release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s32)
-                phase = mma_wg % _PROMOTE_EVERY
+                phase = (mma_wg * _PROMOTE_EVERY) // self.num_mma_wg  # drains spread evenly
                 for kp in cutlass.range((k_cnt + 1) // 2, unroll=1):
                     for j in cutlass.range_constexpr(2):
                         kt = kp * 2 + j
@@ -715,7 +717,7 @@ class RouterBf16x3Sm90:
                 # The MMA warpgroups promote on alternate K tiles (phase = warpgroup index), so
                 # while one drains its wgmma chain and adds it up, the other's wgmma keep the
                 # tensor cores busy.
-                phase = mma_wg % _PROMOTE_EVERY
+                phase = (mma_wg * _PROMOTE_EVERY) // self.num_mma_wg  # drains spread evenly
                 for kt in cutlass.range(k_cnt, unroll=1):
                     pos = (kt + phase) % _PROMOTE_EVERY
                     # wgmma accumulates into acc_k unless this K tile starts a chain.
