@@ -49,6 +49,7 @@ struct RouterOperand {
 struct RouterArgs {
   RouterOperand a, a_lo, b, b_lo, c;
   int32_t splits;
+  int32_t max_ctas;  // persistent grid: at most one CTA per SM
 };
 
 using LoadFn = cudaError_t (*)();
@@ -106,7 +107,8 @@ ffi::Error NoVariant(const char* program, int64_t tm, int64_t tn, int64_t tk) {
   return ffi::Error::InvalidArgument(buf);
 }
 
-ffi::Error Launch(const RouterVariantEntry* v, const RouterArgs& args, cudaStream_t stream) {
+ffi::Error Launch(const RouterVariantEntry* v, RouterArgs args, cudaStream_t stream) {
+  args.max_ctas = g_modules.num_sms;
   int32_t ret = v->launch(args, stream);
   if (ret != 0) {
     return ffi::Error::Internal(std::string("jax_cake router: launch of ") + v->name + " returned " +

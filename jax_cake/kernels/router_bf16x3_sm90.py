@@ -250,6 +250,7 @@ class RouterBf16x3Sm90:
         mB_lo: cute.Tensor,
         mC: cute.Tensor,
         splits: cutlass.Int32,
+        max_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         """mA, mB: fp32 operands split on chip, or the bf16 hi parts of pre-split ones (then
@@ -298,11 +299,8 @@ class RouterBf16x3Sm90:
 
         m = cute.size(mC, mode=[0])
         n = cute.size(mC, mode=[1])
-        tiles_m = (m + tm - 1) // tm
-        tiles_n = (n + tn - 1) // tn
-        # dgrad/wgrad: blockIdx.x walks M, consecutive CTAs share the B tile in L2 (w in
-        # dgrad; x in wgrad, whose M = E takes 2 tiles). fwd: blockIdx.x walks N = E, so
-        # the E / tile_n CTAs of one x tile run together and x is read from HBM once.
+        num_tiles = cutlass.Int32((m + tm - 1) // tm) * cutlass.Int32((n + tn - 1) // tn) * splits
+        # Persistent: at most max_ctas CTAs (one per SM), each walking tiles (kernel).
         self.kernel(
             tma_atom_a,
             tma_a,
@@ -322,7 +320,7 @@ class RouterBf16x3Sm90:
             epi_staged,
             splits,
         ).launch(
-            grid=[tiles_n, tiles_m, splits] if self.n_first else [tiles_m, tiles_n, splits],
+            grid=[cutlass.max(cutlass.min(num_tiles, max_ctas), 1), 1, 1],
             block=[self.threads, 1, 1],
             stream=stream,
         )
@@ -405,6 +403,35 @@ class RouterBf16x3Sm90:
                 cute.copy(tiled_st, rhi, tHi[(None, i % n_p, i // n_p)])
                 cute.copy(tiled_st, rlo, tLo[(None, i % n_p, i // n_p)])
 
+    def _tile_coords(self, tile, tiles_m, tiles_n, k_tiles, per_split):
+        """(pid_m, pid_n, split, k_begin, k_cnt) of linear tile index `tile` (plain Python,
+        traced inline). fwd walks N fastest, so the E / tile_n CTAs that share an x tile
+        run side by side and x comes from HBM once; dgrad / wgrad walk M fastest, so
+        neighbouring CTAs share the B tile (w in dgrad, x in wgrad) in L2. A split with no
+        K tile gets k_cnt = 0 and stores zeros."""
+        if self.n_first:
+            pid_n = tile % tiles_n
+            rest = tile // tiles_n
+            pid_m = rest % tiles_m
+        else:
+            pid_m = tile % tiles_m
+            rest = tile // tiles_m
+            pid_n = rest % tiles_n
+        split = rest // (tiles_m if self.n_first else tiles_n)
+        k_begin = split * per_split
+        k_cnt = cutlass.max(cutlass.min(per_split, k_tiles - k_begin), 0)
+        return pid_m, pid_n, split, k_begin, k_cnt
+
+    def _ab_tiles(self, mA, mA_lo, mB, mB_lo, pid_m, pid_n):
+        """gA, gA_lo (bM, bK, k tiles) and gB, gB_lo (bN, bK, k tiles); unit batch mode."""
+        t = self.tile_mnk
+        return (
+            cute.local_tile(mA, t, (pid_m, pid_n, None, 0), proj=(1, None, 1)),
+            cute.local_tile(mA_lo, t, (pid_m, pid_n, None, 0), proj=(1, None, 1)),
+            cute.local_tile(mB, t, (pid_m, pid_n, None, 0), proj=(None, 1, 1)),
+            cute.local_tile(mB_lo, t, (pid_m, pid_n, None, 0), proj=(None, 1, 1)),
+        )
+
     @cute.kernel
     def kernel(
         self,
@@ -440,18 +467,18 @@ class RouterBf16x3Sm90:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b_lo)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
-        if cutlass.const_expr(self.n_first):
-            pid_n, pid_m, split = cute.arch.block_idx()
-        else:
-            pid_m, pid_n, split = cute.arch.block_idx()
-
-        # This CTA's K tiles: [k_begin, k_begin + k_cnt).
-        k_total = cute.size(mA, mode=[1])
-        k_tiles = (k_total + self.tile_mnk[2] - 1) // self.tile_mnk[2]
+        # Persistent: CTA `bid` takes tiles bid, bid + grid, ... of the (split, M, N) tile
+        # space; the rings and their phases carry over from one tile to the next, so the
+        # loads of a tile start while the previous tile's epilogue runs.
+        tm, tn, tk = self.tile_mnk
+        tiles_m = cutlass.Int32((cute.size(mC, mode=[0]) + tm - 1) // tm)
+        tiles_n = cutlass.Int32((cute.size(mC, mode=[1]) + tn - 1) // tn)
+        num_tiles = tiles_m * tiles_n * splits
+        k_tiles = cutlass.Int32((cute.size(mA, mode=[1]) + tk - 1) // tk)
         per_split = (k_tiles + splits - 1) // splits
-        k_begin = split * per_split
-        k_cnt = cutlass.min(per_split, k_tiles - k_begin)
-        k_cnt = cutlass.max(k_cnt, 0)
+        bid, _, _ = cute.arch.block_idx()
+        nctas, _, _ = cute.arch.grid_dim()
+        tile_args = (tiles_m, tiles_n, k_tiles, per_split)
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -481,7 +508,6 @@ class RouterBf16x3Sm90:
                 tx32 += cute.size_in_bytes(self.io_dtype, cute.slice_(a32_staged, (None, None, 0)))
             if cutlass.const_expr(not self.b_pre):
                 tx32 += cute.size_in_bytes(self.io_dtype, cute.slice_(b32_staged, (None, None, 0)))
-            pipe32 = None
             if cutlass.const_expr(self.has_f32):
                 pipe32 = pipeline.PipelineTmaAsync.create(
                     barrier_storage=storage.mbar32.data_ptr(),
@@ -495,7 +521,6 @@ class RouterBf16x3Sm90:
             # fence), plus, with pre-split operands, warp 0's arrive-with-expected-bytes for
             # their TMA loads into the stage; empty = one arrive per MMA warp (lane 0 only,
             # see the release below).
-            tx16 = 0
             if cutlass.const_expr(self.a_pre):
                 tx16 += 2 * cute.size_in_bytes(self.mma_dtype, cute.slice_(a16_staged, (None, None, 0)))
             if cutlass.const_expr(self.b_pre):
@@ -508,129 +533,140 @@ class RouterBf16x3Sm90:
                 ),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
             )
-
-            sAhi = storage.sAhi.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
-            sAlo = storage.sAlo.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
             sAhi = storage.sAhi.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
             sAlo = storage.sAlo.get_tensor(a16_staged.outer, swizzle=a16_staged.inner)
         sBhi = storage.sBhi.get_tensor(b16_staged.outer, swizzle=b16_staged.inner)
         sBlo = storage.sBlo.get_tensor(b16_staged.outer, swizzle=b16_staged.inner)
         sC = storage.sC.get_tensor(epi_staged.outer, swizzle=epi_staged.inner)
 
-        # (bM, bK, k tiles), (bN, bK, k tiles), (bM, bN); A and B have a unit batch mode.
-        gA = cute.local_tile(mA, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(1, None, 1))
-        gA_lo = cute.local_tile(mA_lo, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(1, None, 1))
-        gB = cute.local_tile(mB, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(None, 1, 1))
-        gB_lo = cute.local_tile(mB_lo, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(None, 1, 1))
-        gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, split), proj=(1, 1, None))
-
         transform_regs, mma_regs = _REGS_RS if self.a_rs else _REGS[self.transform_wgs]
         if wg_idx < self.transform_wgs:
             # ------------------------------------------------------- load + transform
             if cutlass.const_expr(self.num_mma_wg == 2):
                 cute.arch.setmaxregister_decrease(transform_regs)
+            part = self._tma_part
             if cutlass.const_expr(self.a_rs):
                 # Warp 0 streams K tiles (fp32 A, bf16 B hi and lo) into the one ring.
                 if warp_idx == 0:
-                    part = self._tma_part
                     sA32 = storage.sA32.get_tensor(a32_staged.outer, swizzle=a32_staged.inner)
-                    tAsA, tAgA = part(tma_atom_a, sA32, gA)
-                    tBsHi, tBgHi = part(tma_atom_b, sBhi, gB)
-                    tBsLo, tBgLo = part(tma_atom_b_lo, sBlo, gB_lo)
                     load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.s32)
-                    for kt in cutlass.range(k_cnt, unroll=1):
-                        pipe.producer_acquire(load_state)
-                        bar = pipe.producer_get_barrier(load_state)
-                        k_coord = k_begin + kt
-                        s_idx = load_state.index
-                        cute.copy(tma_atom_a, tAgA[(None, k_coord)], tAsA[(None, s_idx)], tma_bar_ptr=bar)
-                        cute.copy(tma_atom_b, tBgHi[(None, k_coord)], tBsHi[(None, s_idx)], tma_bar_ptr=bar)
-                        cute.copy(tma_atom_b_lo, tBgLo[(None, k_coord)], tBsLo[(None, s_idx)], tma_bar_ptr=bar)
-                        pipe.producer_commit(load_state)
-                        load_state.advance()
+                    for tile in cutlass.range(bid, num_tiles, nctas, unroll=1):
+                        pid_m, pid_n, split, k_begin, k_cnt = self._tile_coords(tile, *tile_args)
+                        gA, gA_lo, gB, gB_lo = self._ab_tiles(mA, mA_lo, mB, mB_lo, pid_m, pid_n)
+                        tAsA, tAgA = part(tma_atom_a, sA32, gA)
+                        tBsHi, tBgHi = part(tma_atom_b, sBhi, gB)
+                        tBsLo, tBgLo = part(tma_atom_b_lo, sBlo, gB_lo)
+                        for kt in cutlass.range(k_cnt, unroll=1):
+                            pipe.producer_acquire(load_state)
+                            bar = pipe.producer_get_barrier(load_state)
+                            k_coord = k_begin + kt
+                            s_idx = load_state.index
+                            cute.copy(tma_atom_a, tAgA[(None, k_coord)], tAsA[(None, s_idx)], tma_bar_ptr=bar)
+                            cute.copy(tma_atom_b, tBgHi[(None, k_coord)], tBsHi[(None, s_idx)], tma_bar_ptr=bar)
+                            cute.copy(tma_atom_b_lo, tBgLo[(None, k_coord)], tBsLo[(None, s_idx)], tma_bar_ptr=bar)
+                            pipe.producer_commit(load_state)
+                            load_state.advance()
             else:
-                # TMA partitions: on-chip operands into the fp32 ring, pre-split ones (hi, lo)
-                # into the bf16 ring.
-                part = self._tma_part
-                a32_load = b32_load = None  # (atom, gmem tiles, smem stages) of on-chip operands
-                if cutlass.const_expr(self.a_pre):
-                    tAsHi, tAgHi = part(tma_atom_a, sAhi, gA)
-                    tAsLo, tAgLo = part(tma_atom_a_lo, sAlo, gA_lo)
-                else:
+                sA32 = sB32 = None
+                if cutlass.const_expr(not self.a_pre):
                     sA32 = storage.sA32.get_tensor(a32_staged.outer, swizzle=a32_staged.inner)
-                    tAsA, tAgA = part(tma_atom_a, sA32, gA)
-                    a32_load = (tma_atom_a, tAgA, tAsA)
-                if cutlass.const_expr(self.b_pre):
-                    tBsHi, tBgHi = part(tma_atom_b, sBhi, gB)
-                    tBsLo, tBgLo = part(tma_atom_b_lo, sBlo, gB_lo)
-                else:
+                if cutlass.const_expr(not self.b_pre):
                     sB32 = storage.sB32.get_tensor(b32_staged.outer, swizzle=b32_staged.inner)
-                    tBsB, tBgB = part(tma_atom_b, sB32, gB)
-                    b32_load = (tma_atom_b, tBgB, tBsB)
                 load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, max(self.s32, 1))
                 read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, max(self.s32, 1))
                 write_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.s16)
-                # Prologue: warp 0 fills the fp32 ring (the empty barriers start free).
-                if cutlass.const_expr(self.has_f32):
-                    if warp_idx == 0:
-                        for kt in cutlass.range(cutlass.min(k_cnt, self.s32), unroll=1):
-                            self._load_f32(pipe32, load_state, k_begin + kt, a32_load, b32_load)
-                            load_state.advance()
-                for kt in cutlass.range(k_cnt, unroll=1):
-                    pipe16.producer_acquire(write_state)
-                    k_coord = k_begin + kt
-                    if cutlass.const_expr(self.has_pre):
-                        # The stage is free: load the pre-split hi and lo tiles straight into it.
-                        if warp_idx == 0:
-                            bar16 = pipe16.producer_get_barrier(write_state)
-                            with cute.arch.elect_one():
-                                cute.arch.mbarrier_arrive_and_expect_tx(bar16, tx16)
-                            w16 = write_state.index
-                            if cutlass.const_expr(self.a_pre):
-                                cute.copy(tma_atom_a, tAgHi[(None, k_coord)], tAsHi[(None, w16)], tma_bar_ptr=bar16)
-                                cute.copy(tma_atom_a_lo, tAgLo[(None, k_coord)], tAsLo[(None, w16)], tma_bar_ptr=bar16)
-                            if cutlass.const_expr(self.b_pre):
-                                cute.copy(tma_atom_b, tBgHi[(None, k_coord)], tBsHi[(None, w16)], tma_bar_ptr=bar16)
-                                cute.copy(tma_atom_b_lo, tBgLo[(None, k_coord)], tBsLo[(None, w16)], tma_bar_ptr=bar16)
+                for tile in cutlass.range(bid, num_tiles, nctas, unroll=1):
+                    pid_m, pid_n, split, k_begin, k_cnt = self._tile_coords(tile, *tile_args)
+                    gA, gA_lo, gB, gB_lo = self._ab_tiles(mA, mA_lo, mB, mB_lo, pid_m, pid_n)
+                    # TMA partitions: on-chip operands into the fp32 ring (a32_load /
+                    # b32_load: atom, gmem K tiles, smem stages), pre-split ones (hi, lo)
+                    # into the bf16 ring.
+                    a32_load = b32_load = None
+                    if cutlass.const_expr(self.a_pre):
+                        tAsHi, tAgHi = part(tma_atom_a, sAhi, gA)
+                        tAsLo, tAgLo = part(tma_atom_a_lo, sAlo, gA_lo)
+                    else:
+                        tAsA, tAgA = part(tma_atom_a, sA32, gA)
+                        a32_load = (tma_atom_a, tAgA, tAsA)
+                    if cutlass.const_expr(self.b_pre):
+                        tBsHi, tBgHi = part(tma_atom_b, sBhi, gB)
+                        tBsLo, tBgLo = part(tma_atom_b_lo, sBlo, gB_lo)
+                    else:
+                        tBsB, tBgB = part(tma_atom_b, sB32, gB)
+                        b32_load = (tma_atom_b, tBgB, tBsB)
+                    # Prologue: warp 0 fills the fp32 ring (free at a tile's start: the
+                    # previous tile consumed every stage it loaded).
                     if cutlass.const_expr(self.has_f32):
-                        pipe32.consumer_wait(read_state)
-                        if cutlass.const_expr(not self.a_pre):
-                            self._split_tile(
-                                sA32[(None, None, read_state.index)],
-                                sAhi[(None, None, write_state.index)],
-                                sAlo[(None, None, write_state.index)],
-                                self.a_k_major,
-                                tidx,
-                            )
-                        if cutlass.const_expr(not self.b_pre):
-                            self._split_tile(
-                                sB32[(None, None, read_state.index)],
-                                sBhi[(None, None, write_state.index)],
-                                sBlo[(None, None, write_state.index)],
-                                self.b_k_major,
-                                tidx,
-                            )
-                        # Generic-proxy smem writes -> visible to wgmma (async proxy).
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                    pipe16.producer_commit(write_state)
-                    write_state.advance()
-                    if cutlass.const_expr(self.has_f32):
-                        # Every lane of this warp has finished reading the fp32 stage.
-                        cute.arch.sync_warp()
-                        pipe32.consumer_release(read_state)
-                        read_state.advance()
-                        # Refill the stage just consumed with K tile kt + s32 (waits until all
-                        # four transform warps have released it).
                         if warp_idx == 0:
-                            if kt + self.s32 < k_cnt:
-                                self._load_f32(pipe32, load_state, k_coord + self.s32, a32_load, b32_load)
+                            for kt in cutlass.range(cutlass.min(k_cnt, self.s32), unroll=1):
+                                self._load_f32(pipe32, load_state, k_begin + kt, a32_load, b32_load)
                                 load_state.advance()
+                    for kt in cutlass.range(k_cnt, unroll=1):
+                        pipe16.producer_acquire(write_state)
+                        k_coord = k_begin + kt
+                        if cutlass.const_expr(self.has_pre):
+                            # The stage is free: load the pre-split hi and lo tiles into it.
+                            if warp_idx == 0:
+                                bar16 = pipe16.producer_get_barrier(write_state)
+                                with cute.arch.elect_one():
+                                    cute.arch.mbarrier_arrive_and_expect_tx(bar16, tx16)
+                                w16 = write_state.index
+                                if cutlass.const_expr(self.a_pre):
+                                    cute.copy(tma_atom_a, tAgHi[(None, k_coord)], tAsHi[(None, w16)], tma_bar_ptr=bar16)
+                                    cute.copy(
+                                        tma_atom_a_lo, tAgLo[(None, k_coord)], tAsLo[(None, w16)], tma_bar_ptr=bar16
+                                    )
+                                if cutlass.const_expr(self.b_pre):
+                                    cute.copy(tma_atom_b, tBgHi[(None, k_coord)], tBsHi[(None, w16)], tma_bar_ptr=bar16)
+                                    cute.copy(
+                                        tma_atom_b_lo, tBgLo[(None, k_coord)], tBsLo[(None, w16)], tma_bar_ptr=bar16
+                                    )
+                        if cutlass.const_expr(self.has_f32):
+                            pipe32.consumer_wait(read_state)
+                            if cutlass.const_expr(not self.a_pre):
+                                self._split_tile(
+                                    sA32[(None, None, read_state.index)],
+                                    sAhi[(None, None, write_state.index)],
+                                    sAlo[(None, None, write_state.index)],
+                                    self.a_k_major,
+                                    tidx,
+                                )
+                            if cutlass.const_expr(not self.b_pre):
+                                self._split_tile(
+                                    sB32[(None, None, read_state.index)],
+                                    sBhi[(None, None, write_state.index)],
+                                    sBlo[(None, None, write_state.index)],
+                                    self.b_k_major,
+                                    tidx,
+                                )
+                            # Generic-proxy smem writes -> visible to wgmma (async proxy).
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                        pipe16.producer_commit(write_state)
+                        write_state.advance()
+                        if cutlass.const_expr(self.has_f32):
+                            # Every lane of this warp has finished reading the fp32 stage.
+                            cute.arch.sync_warp()
+                            pipe32.consumer_release(read_state)
+                            read_state.advance()
+                            # Refill the stage just consumed with K tile kt + s32 (waits
+                            # until every transform warp has released it).
+                            if warp_idx == 0:
+                                if kt + self.s32 < k_cnt:
+                                    self._load_f32(pipe32, load_state, k_coord + self.s32, a32_load, b32_load)
+                                    load_state.advance()
         else:
             # ------------------------------------------------------------ MMA warps
             if cutlass.const_expr(self.num_mma_wg == 2):
                 cute.arch.setmaxregister_increase(mma_regs)
             mma_wg = wg_idx - self.transform_wgs
             mma_tidx = tidx - self.transform_threads
+            # The MMA warpgroups promote on different K tiles (spread over the interval),
+            # so while one drains its wgmma chain and adds it up, the other's wgmma keep
+            # the tensor cores busy.
+            phase = (mma_wg * _PROMOTE_EVERY) // self.num_mma_wg
+            gC0 = cute.local_tile(mC, self.tile_mnk, (0, 0, None, 0), proj=(1, 1, None))
+            # Two-level accumulation: wgmma accumulates _PROMOTE_EVERY K tiles from zero
+            # into acc_k, which is then added (FADD, round-to-nearest fp32) into acc.
             if cutlass.const_expr(self.a_rs):
                 # A in registers: each thread loads its fragment of the fp32 A tile (its
                 # warpgroup's 64 rows), splits it into bf16 hi and lo registers and issues
@@ -641,124 +677,26 @@ class RouterBf16x3Sm90:
                 thr_mma = tiled_mma.get_slice(mma_tidx)
                 sA32 = storage.sA32.get_tensor(a32_staged.outer, swizzle=a32_staged.inner)
                 tCsA = thr_mma.partition_A(sA32)
-                tCrBhi = tiled_mma.make_fragment_B(thr_mma.partition_B(sBhi))
-                tCrBlo = tiled_mma.make_fragment_B(thr_mma.partition_B(sBlo))
-                tCgC = thr_mma.partition_C(gC)
-                acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
-                acc_k = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
-                acc.fill(0.0)
                 a_frag_shape = tCsA[(None, None, None, 0)].shape
                 rA32 = cute.make_rmem_tensor(a_frag_shape, self.io_dtype)
                 rAhi = [cute.make_rmem_tensor(a_frag_shape, self.mma_dtype) for _ in range(2)]
                 rAlo = [cute.make_rmem_tensor(a_frag_shape, self.mma_dtype) for _ in range(2)]
-                num_k_blocks = cute.size(tCrBhi, mode=[2])
-                read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s32)
-                release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s32)
-                phase = (mma_wg * _PROMOTE_EVERY) // self.num_mma_wg  # drains spread evenly
-                for kp in cutlass.range((k_cnt + 1) // 2, unroll=1):
-                    for j in cutlass.range_constexpr(2):
-                        kt = kp * 2 + j
-                        if kt < k_cnt:
-                            pos = (kt + phase) % _PROMOTE_EVERY
-                            accumulate = (pos != 0) & (kt != 0)
-                            chain_end = (pos == _PROMOTE_EVERY - 1) | (kt == k_cnt - 1)
-                            pipe.consumer_wait(read_state)
-                            cute.autovec_copy(tCsA[(None, None, None, read_state.index)], rA32)
-                            # Buffer j was last read by the wgmma of K tile kt - 2, done
-                            # since the wait_group(1) of tile kt - 1.
-                            hi32, lo = _split_rn(rA32.load(), self.io_dtype, self.mma_dtype)
-                            rAhi[j].store(hi32.to(self.mma_dtype))
-                            rAlo[j].store(lo)
-                            cute.nvgpu.warpgroup.fence()
-                            for p in cutlass.range_constexpr(3):
-                                for kb in cutlass.range_constexpr(num_k_blocks):
-                                    a_coord = (None, None, kb)
-                                    b_coord = (None, None, kb, read_state.index)
-                                    if cutlass.const_expr(p == 0 and kb == 0):
-                                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, accumulate)
-                                    if cutlass.const_expr(p == 0):
-                                        cute.gemm(tiled_mma, acc_k, rAlo[j][a_coord], tCrBhi[b_coord], acc_k)
-                                    elif cutlass.const_expr(p == 1):
-                                        cute.gemm(tiled_mma, acc_k, rAhi[j][a_coord], tCrBlo[b_coord], acc_k)
-                                    else:
-                                        cute.gemm(tiled_mma, acc_k, rAhi[j][a_coord], tCrBhi[b_coord], acc_k)
-                                    if cutlass.const_expr(p == 0 and kb == 0):
-                                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                            cute.nvgpu.warpgroup.commit_group()
-                            # Keep one group in flight: tile kt - 1's wgmma are done, so its
-                            # stage (B tiles) and its A buffer are free.
-                            cute.nvgpu.warpgroup.wait_group(1)
-                            if kt > 0:
-                                pipe.consumer_release(release_state)
-                                release_state.advance()
-                            read_state.advance()
-                            # Promote: drain the chain and add it into the fp32 total.
-                            if chain_end:
-                                cute.nvgpu.warpgroup.wait_group(0)
-                                _fence_tensor(acc_k)
-                                acc.store(acc.load() + acc_k.load())
-                cute.nvgpu.warpgroup.wait_group(0)
+                ring_stages = self.s32
             else:
                 thr_mma = tiled_mma.get_slice(mma_wg * 128)
                 tCrAhi = tiled_mma.make_fragment_A(thr_mma.partition_A(sAhi))
                 tCrAlo = tiled_mma.make_fragment_A(thr_mma.partition_A(sAlo))
-                tCrBhi = tiled_mma.make_fragment_B(thr_mma.partition_B(sBhi))
-                tCrBlo = tiled_mma.make_fragment_B(thr_mma.partition_B(sBlo))
-                tCgC = thr_mma.partition_C(gC)
-                # Two-level accumulation: wgmma accumulates _PROMOTE_EVERY K tiles from zero
-                # into acc_k, which is then added (FADD, round-to-nearest fp32) into acc.
-                acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
-                acc_k = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
-                acc.fill(0.0)
-                num_k_blocks = cute.size(tCrAhi, mode=[2])
+                ring_stages = self.s16
+            tCrBhi = tiled_mma.make_fragment_B(thr_mma.partition_B(sBhi))
+            tCrBlo = tiled_mma.make_fragment_B(thr_mma.partition_B(sBlo))
+            acc_shape = thr_mma.partition_C(gC0).shape
+            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            acc_k = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            num_k_blocks = cute.size(tCrBhi, mode=[2])
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ring_stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ring_stages)
 
-                read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s16)
-                release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s16)
-                # The MMA warpgroups promote on alternate K tiles (phase = warpgroup index), so
-                # while one drains its wgmma chain and adds it up, the other's wgmma keep the
-                # tensor cores busy.
-                phase = (mma_wg * _PROMOTE_EVERY) // self.num_mma_wg  # drains spread evenly
-                for kt in cutlass.range(k_cnt, unroll=1):
-                    pos = (kt + phase) % _PROMOTE_EVERY
-                    # wgmma accumulates into acc_k unless this K tile starts a chain.
-                    accumulate = (pos != 0) & (kt != 0)
-                    chain_end = (pos == _PROMOTE_EVERY - 1) | (kt == k_cnt - 1)
-                    pipe16.consumer_wait(read_state)
-                    cute.nvgpu.warpgroup.fence()
-                    # Small terms first (lo.hi and hi.lo of every k block, then hi.hi), so the
-                    # chain adds them while acc_k is smallest. The first wgmma of a chain
-                    # overwrites acc_k (ACCUMULATE = False): no zeroing.
-                    for p in cutlass.range_constexpr(3):
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            kb_coord = (None, None, kb, read_state.index)
-                            if cutlass.const_expr(p == 0 and kb == 0):
-                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, accumulate)
-                            if cutlass.const_expr(p == 0):
-                                cute.gemm(tiled_mma, acc_k, tCrAlo[kb_coord], tCrBhi[kb_coord], acc_k)
-                            elif cutlass.const_expr(p == 1):
-                                cute.gemm(tiled_mma, acc_k, tCrAhi[kb_coord], tCrBlo[kb_coord], acc_k)
-                            else:
-                                cute.gemm(tiled_mma, acc_k, tCrAhi[kb_coord], tCrBhi[kb_coord], acc_k)
-                            if cutlass.const_expr(p == 0 and kb == 0):
-                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.commit_group()
-                    # Keep one wgmma group in flight; the previous bf16 stage is now free.
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    if kt > 0:
-                        if lane == 0:
-                            pipe16.consumer_release(release_state)
-                        release_state.advance()
-                    read_state.advance()
-                    # Promote: drain the chain and add it into the fp32 total (FADD,
-                    # round-to-nearest). The fence keeps the FADDs after the wait (see
-                    # gemm_sm90._fence_f32: otherwise ptxas serializes every wgmma).
-                    if chain_end:
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        _fence_tensor(acc_k)
-                        acc.store(acc.load() + acc_k.load())
-                cute.nvgpu.warpgroup.wait_group(0)
-
-            # ------------------------------------------------------------ epilogue
+            # Epilogue pieces that do not depend on the tile.
             c_layout = self.c_layout
             copy_atom_r2s = sm90_utils.get_smem_store_op(c_layout, elem_ty_d=self.io_dtype, elem_ty_acc=self.acc_dtype)
             copy_atom_c = cute.make_copy_atom(
@@ -773,35 +711,135 @@ class RouterBf16x3Sm90:
             tRS_rD_layout = cute.make_layout(rD_shape[:3])
             tRS_rD = cute.make_rmem_tensor_like(tRS_rD_layout, self.acc_dtype)
             size_tRS_rD = cute.size(tRS_rD)
-
-            gC_epi = cute.zipped_divide(gC, self.epi_tile)
-            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
-            )
-            epi_tile_num = cute.size(gC_epi, mode=[1])
-            epi_tile_shape = gC_epi.shape[1]
-            epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
-
             c_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_stage,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
             )
             epi_bar = pipeline.NamedBarrier(barrier_id=_EPI_BARRIER_ID, num_threads=self.mma_threads)
             first_mma_warp = self.transform_threads // 32
-            for epi_idx in cutlass.range_constexpr(epi_tile_num):
-                for v in cutlass.range_constexpr(size_tRS_rD):
-                    tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
-                buf = epi_idx % self.epi_stage
-                cute.copy(tiled_copy_r2s, tRS_rD, tRS_sD[(None, None, None, buf)])
-                # Ordinary smem stores must be visible to the TMA (async proxy).
-                cute.arch.fence_view_async_shared()
-                epi_bar.arrive_and_wait()
-                gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
-                if warp_idx == first_mma_warp:
-                    cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
-                    c_pipe.producer_commit()
-                    c_pipe.producer_acquire()
-                epi_bar.arrive_and_wait()
+
+            for tile in cutlass.range(bid, num_tiles, nctas, unroll=1):
+                pid_m, pid_n, split, k_begin, k_cnt = self._tile_coords(tile, *tile_args)
+                acc.fill(0.0)
+                if cutlass.const_expr(self.a_rs):
+                    for kp in cutlass.range((k_cnt + 1) // 2, unroll=1):
+                        for j in cutlass.range_constexpr(2):
+                            kt = kp * 2 + j
+                            if kt < k_cnt:
+                                pos = (kt + phase) % _PROMOTE_EVERY
+                                accumulate = (pos != 0) & (kt != 0)
+                                chain_end = (pos == _PROMOTE_EVERY - 1) | (kt == k_cnt - 1)
+                                pipe.consumer_wait(read_state)
+                                cute.autovec_copy(tCsA[(None, None, None, read_state.index)], rA32)
+                                # Buffer j was last read by the wgmma of K tile kt - 2, done
+                                # since the wait_group(1) of tile kt - 1.
+                                hi32, lo = _split_rn(rA32.load(), self.io_dtype, self.mma_dtype)
+                                rAhi[j].store(hi32.to(self.mma_dtype))
+                                rAlo[j].store(lo)
+                                cute.nvgpu.warpgroup.fence()
+                                for p in cutlass.range_constexpr(3):
+                                    for kb in cutlass.range_constexpr(num_k_blocks):
+                                        a_coord = (None, None, kb)
+                                        b_coord = (None, None, kb, read_state.index)
+                                        if cutlass.const_expr(p == 0 and kb == 0):
+                                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, accumulate)
+                                        if cutlass.const_expr(p == 0):
+                                            cute.gemm(tiled_mma, acc_k, rAlo[j][a_coord], tCrBhi[b_coord], acc_k)
+                                        elif cutlass.const_expr(p == 1):
+                                            cute.gemm(tiled_mma, acc_k, rAhi[j][a_coord], tCrBlo[b_coord], acc_k)
+                                        else:
+                                            cute.gemm(tiled_mma, acc_k, rAhi[j][a_coord], tCrBhi[b_coord], acc_k)
+                                        if cutlass.const_expr(p == 0 and kb == 0):
+                                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                                cute.nvgpu.warpgroup.commit_group()
+                                # Keep one group in flight: tile kt - 1's wgmma are done, so
+                                # its stage (B tiles) and its A buffer are free.
+                                cute.nvgpu.warpgroup.wait_group(1)
+                                if kt > 0:
+                                    pipe.consumer_release(release_state)
+                                    release_state.advance()
+                                read_state.advance()
+                                # Promote: drain the chain and add it into the fp32 total.
+                                if chain_end:
+                                    cute.nvgpu.warpgroup.wait_group(0)
+                                    _fence_tensor(acc_k)
+                                    acc.store(acc.load() + acc_k.load())
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    # The tile's last stage (its wgmma are done).
+                    if k_cnt > 0:
+                        pipe.consumer_release(release_state)
+                        release_state.advance()
+                else:
+                    for kt in cutlass.range(k_cnt, unroll=1):
+                        pos = (kt + phase) % _PROMOTE_EVERY
+                        # wgmma accumulates into acc_k unless this K tile starts a chain.
+                        accumulate = (pos != 0) & (kt != 0)
+                        chain_end = (pos == _PROMOTE_EVERY - 1) | (kt == k_cnt - 1)
+                        pipe16.consumer_wait(read_state)
+                        cute.nvgpu.warpgroup.fence()
+                        # Small terms first (lo.hi and hi.lo of every k block, then hi.hi), so
+                        # the chain adds them while acc_k is smallest. The first wgmma of a
+                        # chain overwrites acc_k (ACCUMULATE = False): no zeroing.
+                        for p in cutlass.range_constexpr(3):
+                            for kb in cutlass.range_constexpr(num_k_blocks):
+                                kb_coord = (None, None, kb, read_state.index)
+                                if cutlass.const_expr(p == 0 and kb == 0):
+                                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, accumulate)
+                                if cutlass.const_expr(p == 0):
+                                    cute.gemm(tiled_mma, acc_k, tCrAlo[kb_coord], tCrBhi[kb_coord], acc_k)
+                                elif cutlass.const_expr(p == 1):
+                                    cute.gemm(tiled_mma, acc_k, tCrAhi[kb_coord], tCrBlo[kb_coord], acc_k)
+                                else:
+                                    cute.gemm(tiled_mma, acc_k, tCrAhi[kb_coord], tCrBhi[kb_coord], acc_k)
+                                if cutlass.const_expr(p == 0 and kb == 0):
+                                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                        cute.nvgpu.warpgroup.commit_group()
+                        # Keep one wgmma group in flight; the previous bf16 stage is now free.
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        if kt > 0:
+                            if lane == 0:
+                                pipe16.consumer_release(release_state)
+                            release_state.advance()
+                        read_state.advance()
+                        # Promote: drain the chain and add it into the fp32 total (FADD,
+                        # round-to-nearest). The fence keeps the FADDs after the wait (see
+                        # gemm_sm90._fence_f32: otherwise ptxas serializes every wgmma).
+                        if chain_end:
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            _fence_tensor(acc_k)
+                            acc.store(acc.load() + acc_k.load())
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    # The tile's last stage (its wgmma are done).
+                    if k_cnt > 0:
+                        if lane == 0:
+                            pipe16.consumer_release(release_state)
+                        release_state.advance()
+
+                # -------------------------------------------------------- epilogue
+                # registers -> swizzled smem (2 buffers) -> TMA store, which clips the edges.
+                # The store of a tile drains while the next tile's K loop runs.
+                gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, split), proj=(1, 1, None))
+                gC_epi = cute.zipped_divide(gC, self.epi_tile)
+                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                    tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+                )
+                epi_tile_num = cute.size(gC_epi, mode=[1])
+                epi_tile_shape = gC_epi.shape[1]
+                epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
+                for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                    for v in cutlass.range_constexpr(size_tRS_rD):
+                        tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
+                    buf = epi_idx % self.epi_stage
+                    cute.copy(tiled_copy_r2s, tRS_rD, tRS_sD[(None, None, None, buf)])
+                    # Ordinary smem stores must be visible to the TMA (async proxy).
+                    cute.arch.fence_view_async_shared()
+                    epi_bar.arrive_and_wait()
+                    gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
+                    if warp_idx == first_mma_warp:
+                        cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
+                        c_pipe.producer_commit()
+                        c_pipe.producer_acquire()
+                    epi_bar.arrive_and_wait()
             if warp_idx == first_mma_warp:
                 c_pipe.producer_tail()
 
@@ -839,7 +877,9 @@ def compile_variant(v: RouterVariant):
     a, a_lo = operand(v.a_presplit, v.a_major)
     b, b_lo = operand(v.b_presplit, v.b_major)
     c = _fake_operand(cutlass.Float32, 1)
-    return cute.compile(RouterBf16x3Sm90(v), a, a_lo, b, b_lo, c, cutlass.Int32(1), make_fake_stream())
+    return cute.compile(
+        RouterBf16x3Sm90(v), a, a_lo, b, b_lo, c, cutlass.Int32(1), cutlass.Int32(132), make_fake_stream()
+    )
 
 
 def write_router_variant_table(variants, obj_dir: pathlib.Path) -> pathlib.Path:
@@ -886,7 +926,7 @@ def write_router_variant_table(variants, obj_dir: pathlib.Path) -> pathlib.Path:
                 f"  for (int i = 0; i < 2; ++i) {op}.dynamic_strides[i] = g.{op}.stride[i];",
             ]
         lines += [
-            f"  return cute_dsl_{n}_wrapper(&g_mod_{n}, &a, &a_lo, &b, &b_lo, &c, g.splits, stream);",
+            f"  return cute_dsl_{n}_wrapper(&g_mod_{n}, &a, &a_lo, &b, &b_lo, &c, g.splits, g.max_ctas, stream);",
             "}",
         ]
     lines.append("}  // namespace gen")
