@@ -147,3 +147,39 @@ def test_every_lowered_target_is_registered_and_built():
     used = {v for k, v in vars(primitives).items() if k.endswith("_TARGET")}
     assert used == set(native.TARGETS)
     assert {native.handler_symbol(t) for t in native.TARGETS} == set(build.HANDLER_SYMBOLS)
+
+
+@pytest.mark.parametrize(
+    "program,a_shape,b_shape,dtypes",
+    [
+        ("fwd", (37, 24), (16, 24), ["float32", "bfloat16", "bfloat16"]),  # x, w_hi, w_lo
+        ("dgrad", (37, 16), (16, 24), ["bfloat16"] * 4),  # g_hi, g_lo, w_hi, w_lo
+        ("wgrad", (37, 16), (37, 24), ["bfloat16", "bfloat16", "float32"]),  # g_hi, g_lo, x
+    ],
+)
+def test_router_ffi_operands_split_w_and_g_once_and_exactly(program, a_shape, b_shape, dtypes):
+    """What the router kernels receive: x as fp32, w and g as RNE bf16 (hi, lo) pairs, under jit."""
+    import ml_dtypes
+    import numpy as np
+
+    from jax_cake import primitives
+    from jax_cake.kernels import router_variants
+
+    ka, kb = jax.random.split(jax.random.key(7))
+    a = jax.random.normal(ka, a_shape, jnp.float32)
+    b = 0.02 * jax.random.normal(kb, b_shape, jnp.float32)
+    ops = jax.jit(lambda a, b: primitives.router_ffi_operands(program, a, b))(a, b)
+    assert [str(o.dtype) for o in ops] == dtypes
+    pre = router_variants.PRESPLIT[program]
+    it = iter(ops)
+    for v, is_pre in ((a, pre[0]), (b, pre[1])):
+        v = np.asarray(v)
+        if not is_pre:
+            np.testing.assert_array_equal(np.asarray(next(it)), v)
+            continue
+        hi, lo = (np.asarray(next(it)).astype(np.float32) for _ in range(2))
+        want_hi = v.astype(ml_dtypes.bfloat16).astype(np.float32)  # round to nearest even
+        np.testing.assert_array_equal(hi, want_hi)
+        np.testing.assert_array_equal(lo, (v - want_hi).astype(ml_dtypes.bfloat16).astype(np.float32))
+        assert np.all(np.abs(v - hi - lo) <= 2.0**-16 * np.abs(v))  # lo survived jit
+        assert np.count_nonzero(lo) > lo.size // 2
