@@ -1,47 +1,48 @@
 """Fused FP32 GEMM by BF16x3 emulation for sm_90a (Hopper), written in CuTe DSL.
 
-C[M, N, s] = sum_k A[M, K] * B[N, K] with fp32 A, B, C, where every product is done
-as three bf16 wgmma products into one fp32 accumulator:
+C[M, N, s] = sum_k A[M, K] * B[N, K] with fp32 logical operands and fp32 C, where every
+product is done as three bf16 wgmma products into fp32:
 
     a = a_hi + a_lo,  a_hi = bf16_rn(a),  a_lo = bf16_rn(a - f32(a_hi))
     a . b ~= a_hi b_hi + a_hi b_lo + a_lo b_hi        (a_lo b_lo, ~2^-18 relative, dropped)
 
 This is the router GEMM of jax_cake (logits = x w^T and both gradients), the same
-algorithm as XLA's BF16_BF16_F32_X3 but fused: fp32 operands are read from global
-memory once and split on chip.
+algorithm as XLA's BF16_BF16_F32_X3 but fused. Per operand (router_variants.PRESPLIT):
+the activation x is read as fp32 and split on chip; w and g, small and re-read by many
+CTAs, arrive as bf16 (hi, lo) pairs split once per call by the caller and are TMA-loaded
+straight into shared memory.
 
-CTA layout (warp-specialized, 128 + 128 * tile_m/64 threads):
-  warpgroup 0 = the transform warpgroup. Warp 0 also issues the TMA loads of the fp32
-     A and B tiles into a ring of `s32` fp32 stages (PipelineTmaAsync, full barrier =
-     1 arrive + TMA bytes, empty barrier = 1 arrive per transform warp). All 128 threads
-     read each fp32 stage, split it and write bf16 hi and lo tiles into a ring of `s16`
-     bf16 stages laid out exactly as wgmma wants them (same swizzled layouts the dense
-     kernel feeds from TMA). Each thread then runs `fence.proxy.async.shared::cta`
-     (generic-proxy smem writes -> visible to the async proxy that wgmma reads with)
-     and arrives on the bf16 full barrier (PipelineAsync, 128 arrivals per phase).
-  warpgroups 1.. = MMA warpgroups (64 rows of the tile each): wait on the bf16 full
-     barrier, issue the A_lo.B_hi, then A_hi.B_lo, then A_hi.B_hi wgmma (SS) of the
-     stage's k blocks into a chain accumulator acc_k, keep one wgmma group in flight,
-     release the previous bf16 stage (one arrive per MMA warp, after wait_group proves
-     its wgmma finished reading), and finally store the tile with TMA through shared
-     memory. Two-level accumulation: every _PROMOTE_EVERY K tiles a warpgroup drains
-     its chain (wait_group 0) and adds acc_k into an fp32 register total with FADD; the
-     next chain starts with ACCUMULATE = False. wgmma's own fp32 accumulation loses
-     precision along a chain (about 1.85e-8 relative per k16 wgmma on the H200: one
-     chain over K = 16384 gave 5.7e-5), so chains stay 12 wgmma long. The two MMA
-     warpgroups promote on alternate K tiles, so one keeps the tensor cores busy while
-     the other drains. Two 64 x tile_n accumulators per thread limit tile_n to 128.
-The transform of stage k+1 overlaps the wgmma of stage k; the TMA loads run s32 stages
-ahead of the transform.
+Persistent: at most one CTA per SM (max_ctas), each walking linear tiles bid, bid + grid,
+... of the (split, M, N) tile space (fwd N fastest, the others M fastest, so neighbouring
+CTAs share an operand tile in L2). The rings and their barrier phases carry over from
+tile to tile: loads of the next tile start while a tile's epilogue runs, and its TMA
+stores drain under the next K loop.
 
-The bf16 tiles keep the source operand's majorness (K-major stays K-major, M/N-major
-stays M/N-major): the split is then an element-wise copy between two tensors of the
-same logical (rows, k) shape, which is correct by construction for any thread mapping,
-and wgmma reads MN-major bf16 operands natively (transpose bit).
+CTA layouts (warp-specialized; two MMA warpgroups of 64 rows each at tile_m = 128):
+  fwd (A in registers): warpgroup 0, warp 0 streams each K tile's fp32 A and bf16 B
+     hi/lo tiles into one ring (PipelineTmaAsync; empty = lane 0 of each MMA warp). Each
+     MMA thread loads its wgmma-A fragment of the fp32 tile, splits it in registers
+     (two buffers, so one wgmma group stays in flight while the next tile is split) and
+     issues the wgmma with A from registers (RS).
+  dgrad / wgrad (split into shared memory): the transform warpgroups (two when an
+     operand is split on chip, else one) split fp32 stages from an fp32 ring into a bf16
+     ring laid out as a TMA-fed bf16 GEMM wants it (same swizzled layouts and
+     majorness), run `fence.proxy.async.shared::cta` and arrive on the bf16 full
+     barrier; warp 0 also TMA-loads the pre-split operands' hi/lo tiles into the same
+     bf16 stage (its arrive-with-expected-bytes is one more arrival). The MMA warpgroups
+     issue SS wgmma from the bf16 ring, keeping one group in flight.
+  MMA order per K tile: A_lo.B_hi, A_hi.B_lo, then A_hi.B_hi, so the small terms are
+     added while the chain is small. Two-level accumulation: every _PROMOTE_EVERY K tiles
+     a warpgroup drains its chain (wait_group 0) and adds it into an fp32 register total
+     with FADD; the next chain starts with ACCUMULATE = False. wgmma's fp32 accumulation
+     loses precision along a chain (about 1.85e-8 relative per k16 wgmma on the H200: one
+     chain over K = 16384 gave 5.7e-5), so chains stay short. The two warpgroups' drains
+     are spread over the interval. Two 64 x tile_n accumulators per thread limit tile_n
+     to 128. Epilogue: registers -> swizzled smem (2 buffers) -> TMA store.
 
-Split-K: grid z = split. A CTA reduces its contiguous range of K tiles and stores into
-batch z of C, so with splits > 1 C is the fp32 workspace [splits, M, N] and a separate
-pass sums it in split order (bitwise reproducible). A split with no K tile writes zeros.
+Split-K: a tile's split s reduces a contiguous range of K tiles and stores into batch s
+of C, so with splits > 1 C is the fp32 workspace [splits, M, N] and a separate pass sums
+it in split order (bitwise reproducible). A split with no K tile writes zeros.
 
 Ragged edges: TMA loads zero-fill out-of-bounds rows and the K tail (zeros split into
 zero hi and lo), TMA stores clip out-of-bounds rows/columns of C.
