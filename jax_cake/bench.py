@@ -8,8 +8,8 @@
 Families (`--family`, one per invocation), each with its ops, arms and grid flags:
 - dense: `dense_projection(x bf16 [T, d_in], w [d_out, d_in])`; ops fwd, dgrad, wgrad,
   bwd, 2fwd+bwd; grid --tokens x --d_in x --d_out x --out_dtype (w's dtype).
-- router: `router_logits(x f32 [T, d], w f32 [E, d])`; ops fwd, fwd+bwd (value, dx
-  and dw); grid --tokens (16384) x --d_in (d: 4096, 7168) x --experts (256); arms new,
+- router: `router_logits(x f32 [T, d], w f32 [E, d])`; ops fwd, dgrad, wgrad, bwd,
+  fwd+bwd (value, dx and dw); grid --tokens (16384) x --d_in (d: 4096, 7168) x --experts (256); arms new,
   xla_x3 = `jnp.dot(x, w.T, precision=DotAlgorithmPreset.BF16_BF16_F32_X3)`,
   xla_highest = the same with `Precision.HIGHEST` (no det/split: one program).
 - batched: `batched_projection(x bf16 [B, T, d_in], w bf16 [B, d_out, d_in])`; ops fwd,
@@ -179,7 +179,7 @@ FAMILIES = {
         unused=("experts", "batch", "pairs"),
     ),
     "router": Family(
-        ("fwd", "fwd+bwd"),
+        ("fwd", "dgrad", "wgrad", "bwd", "fwd+bwd"),
         ROUTER_ARMS,
         ("d -> E", "T"),
         lambda p: (f"{p.d_in} -> {p.d_out}", p.tokens),

@@ -142,12 +142,12 @@ class ArmsLowerForTheH200Test(parameterized.TestCase):
         """new runs jax_cake's kernels (the fused BF16x3 router on an H200); XLA's arms
         keep their precision in the gradients."""
         steps = 2
+        router = bench.Point(16384, 4096, 256, "float32", family="router")
         cases = (  # point, op, new's primitives per step (one GEMM each)
-            (
-                bench.Point(16384, 4096, 256, "float32", family="router"),
-                "fwd+bwd",
-                ["router_fwd", "router_dgrad", "router_wgrad"],
-            ),
+            (router, "fwd+bwd", ["router_fwd", "router_dgrad", "router_wgrad"]),
+            (router, "dgrad", ["router_dgrad"]),
+            (router, "wgrad", ["router_wgrad"]),
+            (router, "bwd", ["router_dgrad", "router_wgrad"]),
             (bench.Point(4096, 128, 512, "bfloat16", 16, "batched"), "2fwd+bwd", ["fwd", "fwd", "dgrad", "wgrad"]),
         )
         for point, op, gemms in cases:
