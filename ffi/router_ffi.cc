@@ -4,9 +4,9 @@
 //   jax_cake_router_wgrad g_hi, g_lo bf16 [T, E], x f32 [T, d]  -> dw f32 [E, d], workspace u8 [bytes]
 // The activation x is split into bf16 hi + lo inside the kernel; the weight w and the logit
 // gradient g arrive split already (hi = bf16_rn(v), lo = bf16_rn(v - hi), done once per call
-// by the caller, see jax_cake/kernels/router_variants.py:PRESPLIT).
+// by the caller, see jax_cake/planner/router_variants.py:PRESPLIT).
 // Attributes (all int64): tile_m, tile_n, tile_k (must name a compiled variant of
-// jax_cake/kernels/router_variants.py), splits (K splits, wgrad only; fwd/dgrad take 1),
+// jax_cake/planner/router_variants.py), splits (K splits, wgrad only; fwd/dgrad take 1),
 // reduction (0 = none, splits == 1; 1 = ordered: fp32 partials [splits, E, d] in the
 // workspace, summed by a second pass in split order, bitwise reproducible).
 //

@@ -1,7 +1,7 @@
 """Ahead-of-time build of the native library: `python -m jax_cake.build`.
 
 Runs on a CPU machine (no GPU, no driver needed):
-  1. compiles every kernel variant of jax_cake/kernels/variants.py with CuTe DSL for
+  1. compiles every kernel variant of jax_cake/planner/variants.py with CuTe DSL for
      the target arch (CUTE_DSL_ARCH is set before cutlass is imported), with dynamic
      M/N/K/L, and exports each one to C (`<name>.h` + `<name>.o`) under build/obj/;
   2. generates build/obj/jax_cake_variants.inc (the variant table for the handlers);
@@ -165,7 +165,7 @@ def export_kernels(arch: str, obj_dir: pathlib.Path) -> list:
     from cutlass.runtime import make_fake_stream
 
     from jax_cake.kernels.gemm_sm90 import GemmSm90
-    from jax_cake.kernels.variants import VARIANTS
+    from jax_cake.planner.variants import VARIANTS
 
     dtypes = {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
 

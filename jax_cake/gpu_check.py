@@ -52,7 +52,7 @@ _REPO = pathlib.Path(__file__).resolve().parent.parent
 
 import jax_cake  # noqa: E402
 from jax_cake import native, primitives  # noqa: E402
-from jax_cake.kernels import router_variants, variants  # noqa: E402
+from jax_cake.planner import router_variants, variants  # noqa: E402
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32

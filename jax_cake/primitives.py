@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cake import reference
-from jax_cake.kernels import router_variants  # plain data, no cutlass
+from jax_cake.planner import router_variants  # plain data, no cutlass
 from jax_cake.planner import Plan
 
 FWD_TARGET = "jax_cake_fwd"

@@ -4,7 +4,7 @@
     python -m jax_cake.tune ... --write   # into jax_cake/planner/tables/<arch>.json
 
 Per point (T, d_in, d_out, out dtype) and candidate split program (`split/tMxNxK` per
-arrival-order wgrad tile of jax_cake.kernels.variants, optionally `--splits` counts),
+arrival-order wgrad tile of jax_cake.planner.variants, optionally `--splits` counts),
 with the timing machinery of jax_cake.bench (child process per run and mode, paired
 groups, L2 flushed, CUPTI device time):
 - (a) wgrad alone, modes g and e: each run's paired groups, det vs candidate;
@@ -55,10 +55,10 @@ FLAGS = flags.FLAGS
 def candidate_arms(splits: Sequence[int] = ()) -> list[str]:
     """Split arms: the arrival-order wgrad tiles that are compiled, times split counts.
 
-    Without jax_cake.kernels.variants, one arm: the planner's own split program.
+    Without jax_cake.planner.variants, one arm: the planner's own split program.
     """
     try:
-        from jax_cake.kernels import variants
+        from jax_cake.planner import variants
     except ImportError:
         return ["split"]
     tiles = sorted({v.tile for v in variants.VARIANTS if v.program == "wgrad" and v.store == "add"})

@@ -163,7 +163,7 @@ def test_router_ffi_operands_split_w_and_g_once_and_exactly(program, a_shape, b_
     import numpy as np
 
     from jax_cake import primitives
-    from jax_cake.kernels import router_variants
+    from jax_cake.planner import router_variants
 
     ka, kb = jax.random.split(jax.random.key(7))
     a = jax.random.normal(ka, a_shape, jnp.float32)

@@ -305,7 +305,7 @@ def test_force_tile_is_honoured_when_compiled():
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_every_wgrad_plan_names_a_program_the_library_holds(out, deterministic):
     """A tile may exist for one output dtype or split form only; plans must respect that."""
-    from jax_cake.kernels import variants
+    from jax_cake.planner import variants
 
     codes = {"none": 0, "ordered": 1, "arrival": 2}
     for t in (37, 1011, 16172, 16384):

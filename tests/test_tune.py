@@ -3,7 +3,7 @@
 from absl.testing import absltest, parameterized
 
 from jax_cake import bench, plan_rule, tune
-from jax_cake.kernels import variants
+from jax_cake.planner import variants
 from jax_cake.planner import tables
 
 SPLIT_A = {"program": "split", "tile": [64, 256, 64], "splits": 8, "reduction": "arrival"}

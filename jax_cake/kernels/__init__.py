@@ -1,5 +1,6 @@
 """CuTe DSL kernels for sm_90a, compiled ahead of time by `python -m jax_cake.build`.
 
-Only `variants` may be imported at run time (plain data, no cutlass); the kernel
-modules (`gemm_sm90`) import cutlass and are used by the build alone.
+These modules import cutlass and are used by the build alone, never at run time. The
+lists of what they compile (plain data the planner also reads) live in
+`jax_cake/planner/variants.py` and `jax_cake/planner/router_variants.py`.
 """

@@ -44,7 +44,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_cake.kernels.variants import GemmVariant
+from jax_cake.planner.variants import GemmVariant
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
 

@@ -65,7 +65,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 
 from jax_cake.kernels.gemm_sm90 import _fence_tensor
-from jax_cake.kernels.router_variants import VARIANTS, RouterVariant
+from jax_cake.planner.router_variants import VARIANTS, RouterVariant
 
 # Registers per thread after setmaxnreg, by the number of transform warpgroups (with two
 # MMA warpgroups): (transform, MMA). A transform thread holds _SPLIT_GROUP 4-element fp32

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from absl import logging
 
 from jax_cake.planner import device as device_lib
-from jax_cake.planner import tables
+from jax_cake.planner import router_variants, tables, variants
 
 OPS = ("fwd", "dgrad", "wgrad", "router_fwd", "router_dgrad", "router_wgrad")
 _DENSE_OPS = ("fwd", "dgrad", "wgrad")
@@ -33,8 +33,6 @@ def compiled_tiles(program: str, out_dtype: str | None = None) -> tuple[tuple[in
     "wgrad", or the router's "router_fwd" / "router_dgrad" / "router_wgrad", optionally
     only those with an `out_dtype` output. Read from the build's variant lists (cluster
     1x1, the only cluster the planner picks), so a plan never names a missing kernel."""
-    from jax_cake.kernels import router_variants, variants  # plain data, no cutlass
-
     if program.startswith("router_"):
         family, program = router_variants.VARIANTS, program[len("router_") :]
     else:
@@ -51,24 +49,10 @@ def compiled_tiles(program: str, out_dtype: str | None = None) -> tuple[tuple[in
     )
 
 
-def _variants():
-    """The GEMM variant list and its contract helpers (plain data, no cutlass)."""
-    from jax_cake.kernels import variants
-
-    return variants
-
-
-def _router_variants():
-    """The router variant list and its contract helpers (plain data, no cutlass)."""
-    from jax_cake.kernels import router_variants
-
-    return router_variants
-
-
 def _wgrad_supported(tile, out_dtype: str, splits: int, reduction: str) -> bool:
     """Whether the library can run this wgrad program (ordered split-K runs the fp32
     variant of the tile into the workspace, arrival order its fp32 "add" variant)."""
-    return _variants().supports("wgrad", tile, (1, 1), out_dtype, splits, _REDUCTION_CODES[reduction])
+    return variants.supports("wgrad", tile, (1, 1), out_dtype, splits, _REDUCTION_CODES[reduction])
 
 
 # TMA needs 16-byte strides: bf16 rows must hold a multiple of 8 elements (the router's
@@ -279,7 +263,7 @@ def _wgrad_plan(
             tile=tile,
             splits=splits,
             reduction=reduction,
-            workspace_bytes=_variants().workspace_bytes(splits, _REDUCTION_CODES[reduction], batch, m, n, out_dtype),
+            workspace_bytes=variants.workspace_bytes(splits, _REDUCTION_CODES[reduction], batch, m, n, out_dtype),
             reason=reason,
         )
     return _xla_plan(
@@ -292,7 +276,7 @@ def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
     args = (op, batch, m, n, k, "float32", dev)
     if batch != 1:
         return _xla_plan(*args, "the router takes one [T, d] block")
-    align = _router_variants().ALIGN_ELEMENTS
+    align = router_variants.ALIGN_ELEMENTS
     if d_in % align or d_out % align:
         return _xla_plan(
             *args,
@@ -317,8 +301,6 @@ def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
     tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1])
     splits = _det_splits(tiles, k, tile[2], dev.sm_count)
     reduction = "ordered" if splits > 1 else "none"
-    from jax_cake.kernels import router_variants
-
     workspace = router_variants.workspace_bytes(splits, _REDUCTION_CODES[reduction], m, n)
     split_note = f"{splits} K splits summed in fixed split order" if splits > 1 else "one pass over K"
     return Plan(
