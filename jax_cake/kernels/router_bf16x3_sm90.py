@@ -122,8 +122,8 @@ class RouterBf16x3Sm90:
             raise ValueError(f"tile_n must be 64 or 128, got {variant.tile_n}")
         if variant.tile_k != 32:
             raise ValueError(f"tile_k must be 32 (one 128-byte fp32 row per K-major stage), got {variant.tile_k}")
-        # The transform's thread mapping: K-major tiles take 16 rows per pass, M/N-major
-        # tiles 128 rows per pass.
+        # The on-chip split's thread mapping (_split_tile): K-major tiles take
+        # transform_threads / 8 rows per pass, M/N-major tiles 128 rows per pass.
         for major, rows, what in (
             (variant.a_major, variant.tile_m, "tile_m"),
             (variant.b_major, variant.tile_n, "tile_n"),
@@ -156,7 +156,7 @@ class RouterBf16x3Sm90:
         if self.a_rs:
             # One ring: the fp32 A tile and the pre-split B tiles of a K tile share a stage
             # (one TMA barrier), released once both MMA warpgroups' wgmma are done.
-            if self.a_pre or not self.b_pre or not variant.a_major == "k":
+            if self.a_pre or not self.b_pre or variant.a_major != "k":
                 raise ValueError("A in registers needs an on-chip-split, K-major A and a pre-split B")
             self.epi_tile = (tm, 32)
             epi_bytes = tm * 32 * 4 * self.epi_stage
