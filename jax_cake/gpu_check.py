@@ -481,6 +481,11 @@ N_CALLS = 20
 REPS = 11
 
 
+def _ffi_fn(target, out, attrs):
+    """(a, b) -> the custom call `target` with result type(s) `out` and these attributes."""
+    return lambda a, b: jax.ffi.ffi_call(target, out)(a, b, **attrs)
+
+
 def _time_jit(fn, args_list, *rest):
     """Median per-call time (us): one jit holding N_CALLS calls on distinct inputs,
     wall time around block_until_ready divided by N_CALLS (dispatch amortized)."""
@@ -522,9 +527,6 @@ def timing_clusters():
         "|---|---|---|---|---|---|---|---|"
     )
 
-    def ffi(target, out, attrs):
-        return lambda a, b: jax.ffi.ffi_call(target, out)(a, b, **attrs)
-
     for T, d_in, d_out in shapes:
         xs = [rand((1, T, d_in)) for _ in range(N_CALLS)]
         w = rand((1, d_out, d_in))
@@ -532,7 +534,7 @@ def timing_clusters():
         for op, operands, n_out in (("fwd", xs, d_out), ("dgrad", dys, d_in)):
             out = jax.ShapeDtypeStruct((1, T, n_out), BF16)
             cells = [
-                _time_jit(ffi(f"jax_cake_{op}", out, _attrs((128, 256, 64), raster=r, cluster=c)), operands, w)
+                _time_jit(_ffi_fn(f"jax_cake_{op}", out, _attrs((128, 256, 64), raster=r, cluster=c)), operands, w)
                 for c in ((1, 1), (2, 1))
                 for r in (0, 1)
             ]
@@ -544,7 +546,7 @@ def timing_clusters():
             outs = (jax.ShapeDtypeStruct((1, d_out, d_in), dt), jax.ShapeDtypeStruct((16,), jnp.uint8))
             for c in ((1, 1), (2, 1)):
                 for r in (0, 1):
-                    f = ffi("jax_cake_wgrad", outs, _attrs((128, 128, 64), raster=r, cluster=c))
+                    f = _ffi_fn("jax_cake_wgrad", outs, _attrs((128, 128, 64), raster=r, cluster=c))
                     cells.append(_time_jit(lambda x, dy, f=f: f(dy, x)[0], xs, dys[0]))
             TIMING_ROWS.append(
                 f"| {T} | {d_in}->{d_out} | wgrad {dname} | (128, 128) | " + " | ".join(_fmt(v) for v in cells) + " |"
@@ -746,9 +748,6 @@ def timing():
     )
     TIMING_ROWS.append(header)
 
-    def ffi(target, out, attrs):
-        return lambda a, b: jax.ffi.ffi_call(target, out)(a, b, **attrs)
-
     for T, d_in, d_out in shapes:
         xs = [rand((1, T, d_in)) for _ in range(N_CALLS)]
         w = rand((1, d_out, d_in))
@@ -760,7 +759,7 @@ def timing():
         # fwd
         ft = fwd_tile(d_out)
         out = jax.ShapeDtypeStruct((1, T, d_out), BF16)
-        t_r = [_time_jit(ffi("jax_cake_fwd", out, _attrs(ft, raster=r)), xs, w) for r in (0, 1)]
+        t_r = [_time_jit(_ffi_fn("jax_cake_fwd", out, _attrs(ft, raster=r)), xs, w) for r in (0, 1)]
         t_xla = _time_jit(lambda x, w: jnp.einsum("btk,bnk->btn", x, w), xs, w)
         t_cb = _time_torch(lambda x: torch.matmul(x, tw.t()), txs)
         TIMING_ROWS.append(
@@ -769,7 +768,7 @@ def timing():
         # dgrad
         dt_ = dgrad_tile(d_in)
         out = jax.ShapeDtypeStruct((1, T, d_in), BF16)
-        t_r = [_time_jit(ffi("jax_cake_dgrad", out, _attrs(dt_, raster=r)), dys, w) for r in (0, 1)]
+        t_r = [_time_jit(_ffi_fn("jax_cake_dgrad", out, _attrs(dt_, raster=r)), dys, w) for r in (0, 1)]
         t_xla = _time_jit(lambda dy, w: jnp.einsum("btn,bnk->btk", dy, w), dys, w)
         t_cb = _time_torch(lambda dy: torch.matmul(dy, tw), tdys)
         TIMING_ROWS.append(
@@ -785,13 +784,13 @@ def timing():
             outs = (jax.ShapeDtypeStruct((1, d_out, d_in), dt), jax.ShapeDtypeStruct((ws,), jnp.uint8))
             t_r = []
             for r in (0, 1):
-                f_det = ffi("jax_cake_wgrad", outs, _attrs(wt, splits=s, reduction=red, raster=r))
+                f_det = _ffi_fn("jax_cake_wgrad", outs, _attrs(wt, splits=s, reduction=red, raster=r))
                 t_r.append(_time_jit(lambda x, dy, f=f_det: f(dy, x)[0], xs, dy0))
             t_at = None
             if s > 1:
                 ws2 = variants.workspace_bytes(s, 2, 1, d_out, d_in, dname)
                 outs2 = (jax.ShapeDtypeStruct((1, d_out, d_in), dt), jax.ShapeDtypeStruct((ws2,), jnp.uint8))
-                f_at = ffi("jax_cake_wgrad", outs2, _attrs(wt, splits=s, reduction=2))
+                f_at = _ffi_fn("jax_cake_wgrad", outs2, _attrs(wt, splits=s, reduction=2))
                 t_at = _time_jit(lambda x, dy: f_at(dy, x)[0], xs, dy0)
             t_xla = _time_jit(
                 lambda x, dy: jax.lax.dot_general(dy, x, (((1,), (1,)), ((0,), (0,))), preferred_element_type=dt),
@@ -817,7 +816,7 @@ def timing():
                 for bt in _BF16_ONLY_WGRAD_TILES:
                     t_b = []
                     for r in (0, 1):
-                        f_b = ffi("jax_cake_wgrad", outs1, _attrs(bt, raster=r))
+                        f_b = _ffi_fn("jax_cake_wgrad", outs1, _attrs(bt, raster=r))
                         t_b.append(_time_jit(lambda x, dy, f=f_b: f(dy, x)[0], xs, dy0))
                     TIMING_ROWS.append(
                         f"| {T} | {d_in}->{d_out} | wgrad {dname} | tile {bt[:2]} splits 1 | {_fmt(t_b[0])} | {_fmt(t_b[1])} | - | {_fmt(t_xla)} | {_fmt(t_cb)} |"
