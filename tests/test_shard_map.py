@@ -97,25 +97,34 @@ def test_forward_under_shard_map_keeps_per_shard_shapes():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(jc.batched_projection(x, w)))
 
 
-def test_cuda_lowering_under_shard_map_uses_per_shard_custom_calls():
-    """On a faked 8-GPU H200 mesh, each GEMM is one custom call on the per-shard shapes."""
+def _custom_calls_on_faked_h200_mesh(project, loss, x_shape, x_dtype, w_shape, prefix):
+    """The gradient step of psum(loss(project(x, w))) under shard_map on a faked 4 x 2 H200
+    mesh (x rows over the first axis, w rows over the second), lowered for CUDA: the
+    custom-call lines of each GEMM (fwd, dgrad, wgrad) whose target starts with `prefix`."""
     from jax.sharding import AbstractDevice, AbstractMesh
 
-    mesh = AbstractMesh((4, 2), ("dp", "tp"), abstract_device=AbstractDevice("NVIDIA H200", 132, "cuda"))
+    mesh = AbstractMesh((4, 2), ("a", "b"), abstract_device=AbstractDevice("NVIDIA H200", 132, "cuda"))
 
     def local_loss(x, w):
-        return jax.lax.psum(_loss(jc.dense_projection(x, w)), ("dp", "tp"))
+        return jax.lax.psum(loss(project(x, w)), ("a", "b"))
 
     f = jax.shard_map(
-        jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("dp"), P("tp")), out_specs=(P("dp"), P("tp"))
+        jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("a"), P("b")), out_specs=(P("a"), P("b"))
     )
-    x = jax.ShapeDtypeStruct((4 * 1024, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("dp")))
-    w = jax.ShapeDtypeStruct((2 * 256, 512), jnp.float32, sharding=NamedSharding(mesh, P("tp")))
+    x = jax.ShapeDtypeStruct(x_shape, x_dtype, sharding=NamedSharding(mesh, P("a")))
+    w = jax.ShapeDtypeStruct(w_shape, jnp.float32, sharding=NamedSharding(mesh, P("b")))
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    calls = {
-        op: [l for l in text.splitlines() if f"custom_call @jax_cake_{op}(" in l] for op in ("fwd", "dgrad", "wgrad")
+    return {
+        op: [l for l in text.splitlines() if f"custom_call @{prefix}{op}(" in l] for op in ("fwd", "dgrad", "wgrad")
     }
+
+
+def test_cuda_lowering_under_shard_map_uses_per_shard_custom_calls():
+    """On a faked 8-GPU H200 mesh, each GEMM is one custom call on the per-shard shapes."""
+    calls = _custom_calls_on_faked_h200_mesh(
+        jc.dense_projection, _loss, (4 * 1024, 512), jnp.bfloat16, (2 * 256, 512), "jax_cake_"
+    )
     assert all(len(c) == 1 for c in calls.values()), calls
     assert "(tensor<1x1024x512xbf16>, tensor<1x256x512xbf16>) -> tensor<1x1024x256xbf16>" in calls["fwd"][0]
     assert "-> (tensor<1x256x512xf32>," in calls["wgrad"][0]
@@ -149,24 +158,9 @@ def test_router_data_and_expert_parallel_matches_unsharded():
 def test_router_cuda_lowering_under_shard_map_uses_per_shard_custom_calls():
     """On a faked 8-GPU H200 mesh: one router custom call per GEMM, per-shard shapes, w and
     g as bf16 hi/lo pairs of the shard."""
-    from jax.sharding import AbstractDevice, AbstractMesh
-
-    mesh = AbstractMesh((4, 2), ("dp", "ep"), abstract_device=AbstractDevice("NVIDIA H200", 132, "cuda"))
-
-    def local_loss(x, w):
-        return jax.lax.psum(_router_loss(jc.router_logits(x, w)), ("dp", "ep"))
-
-    f = jax.shard_map(
-        jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("dp"), P("ep")), out_specs=(P("dp"), P("ep"))
+    calls = _custom_calls_on_faked_h200_mesh(
+        jc.router_logits, _router_loss, (4 * 1024, 512), jnp.float32, (2 * 128, 512), "jax_cake_router_"
     )
-    x = jax.ShapeDtypeStruct((4 * 1024, 512), jnp.float32, sharding=NamedSharding(mesh, P("dp")))
-    w = jax.ShapeDtypeStruct((2 * 128, 512), jnp.float32, sharding=NamedSharding(mesh, P("ep")))
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    calls = {
-        op: [l for l in text.splitlines() if f"custom_call @jax_cake_router_{op}(" in l]
-        for op in ("fwd", "dgrad", "wgrad")
-    }
     assert all(len(c) == 1 for c in calls.values()), calls
     w16, g16 = "tensor<128x512xbf16>", "tensor<1024x128xbf16>"
     assert f"(tensor<1024x512xf32>, {w16}, {w16}) -> tensor<1024x128xf32>" in calls["fwd"][0]
