@@ -106,6 +106,11 @@ def _split_rn(v, f32, bf16):
     return hi32, (v - hi32).to(bf16)
 
 
+def _stage_bytes(dtype, staged):
+    """Bytes of one stage of a staged (.., .., stage) shared-memory layout: a TMA transaction."""
+    return cute.size_in_bytes(dtype, cute.slice_(staged, (None, None, 0)))
+
+
 # Named barrier ids (0 is __syncthreads).
 _EPI_BARRIER_ID = 1
 
@@ -490,8 +495,8 @@ class RouterBf16x3Sm90:
         if cutlass.const_expr(self.a_rs):
             # One ring (A in registers): full = 1 producer arrive + the fp32 A and bf16 B
             # hi/lo TMA bytes; empty = lane 0 of every MMA warp, once its wgmma are done.
-            tx = cute.size_in_bytes(self.io_dtype, cute.slice_(a32_staged, (None, None, 0)))
-            tx += 2 * cute.size_in_bytes(self.mma_dtype, cute.slice_(b16_staged, (None, None, 0)))
+            tx = _stage_bytes(self.io_dtype, a32_staged)
+            tx += 2 * _stage_bytes(self.mma_dtype, b16_staged)
             pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar32.data_ptr(),
                 num_stages=self.s32,
@@ -507,9 +512,9 @@ class RouterBf16x3Sm90:
             # PipelineTmaAsync.consumer_release).
             tx32 = 0
             if cutlass.const_expr(not self.a_pre):
-                tx32 += cute.size_in_bytes(self.io_dtype, cute.slice_(a32_staged, (None, None, 0)))
+                tx32 += _stage_bytes(self.io_dtype, a32_staged)
             if cutlass.const_expr(not self.b_pre):
-                tx32 += cute.size_in_bytes(self.io_dtype, cute.slice_(b32_staged, (None, None, 0)))
+                tx32 += _stage_bytes(self.io_dtype, b32_staged)
             if cutlass.const_expr(self.has_f32):
                 pipe32 = pipeline.PipelineTmaAsync.create(
                     barrier_storage=storage.mbar32.data_ptr(),
@@ -524,9 +529,9 @@ class RouterBf16x3Sm90:
             # their TMA loads into the stage; empty = one arrive per MMA warp (lane 0 only,
             # see the release below).
             if cutlass.const_expr(self.a_pre):
-                tx16 += 2 * cute.size_in_bytes(self.mma_dtype, cute.slice_(a16_staged, (None, None, 0)))
+                tx16 += 2 * _stage_bytes(self.mma_dtype, a16_staged)
             if cutlass.const_expr(self.b_pre):
-                tx16 += 2 * cute.size_in_bytes(self.mma_dtype, cute.slice_(b16_staged, (None, None, 0)))
+                tx16 += 2 * _stage_bytes(self.mma_dtype, b16_staged)
             pipe16 = pipeline.PipelineAsync.create(
                 barrier_storage=storage.mbar16.data_ptr(),
                 num_stages=self.s16,
