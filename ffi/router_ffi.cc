@@ -264,20 +264,22 @@ ffi::Error RouterWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi
   JCR_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "E", E));
   JCR_RETURN_IF_ERROR(EnsureLoaded());
 
+  // Transposed (router_variants.TRANSPOSED): dw^T[d, E] = x^T g, so x (split on chip) is
+  // the kernel's A and can feed wgmma from registers; C = dw^T is M-major.
   RouterArgs a;
-  a.a = {g_in.untyped_data(), {E, T, 1}, {E, T * E}};          // M-major: stride(M) = 1
-  a.a_lo = {g_lo.untyped_data(), {E, T, 1}, {E, T * E}};
-  a.b = {x.untyped_data(), {d, T, 1}, {d, T * d}};             // N-major: stride(N) = 1, split on chip
-  a.b_lo = a.b;
+  a.a = {x.untyped_data(), {d, T, 1}, {d, T * d}};             // M-major: stride(M) = 1, split on chip
+  a.a_lo = a.a;
+  a.b = {g_in.untyped_data(), {E, T, 1}, {E, T * E}};          // N-major: stride(N) = 1
+  a.b_lo = {g_lo.untyped_data(), {E, T, 1}, {E, T * E}};
   a.splits = static_cast<int32_t>(splits);
   if (reduction == 0) {
-    a.c = {dw->untyped_data(), {E, d, 1}, {d, E * d}};
+    a.c = {dw->untyped_data(), {d, E, 1}, {d, E * d}};         // M-major: stride(M) = 1
     return Launch(v, a, stream);
   }
-  // Ordered: partials [splits, E, d] fp32 (C viewed as [M, N, splits]), then the
+  // Ordered: partials [splits, E, d] fp32 (C viewed as [M = d, N = E, splits]), then the
   // reduce pass sums them in split order into dw: bitwise reproducible.
   void* ws = workspace->untyped_data();
-  a.c = {ws, {E, d, splits}, {d, E * d}};
+  a.c = {ws, {d, E, splits}, {d, E * d}};
   JCR_RETURN_IF_ERROR(Launch(v, a, stream));
   cudaError_t err = jax_cake_splitk_reduce(static_cast<const float*>(ws), dw->untyped_data(), /*out_is_bf16=*/0,
                                            splits, count, g_modules.num_sms, stream);

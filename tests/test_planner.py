@@ -96,6 +96,30 @@ def test_router_plans_use_the_fused_bf16x3_kernels(d, router_kernels_enabled):
     assert wgrad.workspace_bytes == (wgrad.splits * 256 * d * 4 if wgrad.splits > 1 else 16)
 
 
+def test_router_variants_put_the_on_chip_split_operand_in_registers():
+    """x is the only operand split on chip; it must be the kernel's A (wgmma takes only A from
+    registers), so wgrad runs transposed, and B always arrives pre-split."""
+    from jax_cake.planner import router_variants as rv
+
+    for v in rv.VARIANTS:
+        first_pre, second_pre = rv.PRESPLIT[v.program]  # FFI operand order: (g|x, w|x)
+        a_pre, b_pre = (second_pre, first_pre) if v.transposed else (first_pre, second_pre)
+        assert (v.a_presplit, v.b_presplit) == (a_pre, b_pre)
+        assert v.b_presplit and v.a_in_registers == (not v.a_presplit)
+    wgrad = rv.find_variant("wgrad", (128, 128, 32))
+    assert wgrad.transposed and wgrad.a_in_registers and wgrad.c_major == "m"
+    assert not rv.find_variant("dgrad", (128, 128, 32)).a_in_registers
+
+
+def test_batched_fwd_with_128_outputs_runs_128_wide_tiles():
+    """512 -> 128 (MLA head rows): a 128 x 128 fwd tile covers N = 128 whole; 128 x 64 tiles
+    ran 228 us against 178 at B = 128, T = 4096 on the H200 (docs/BENCHMARKS.md)."""
+    p = jc.plan("fwd", tokens=4096, d_in=512, d_out=128, batch=128, device=H200)
+    assert p.uses_kernel and p.tile == (128, 128, 64)
+    p = jc.plan("fwd", tokens=16384, d_in=4096, d_out=4096, device=H200)
+    assert p.tile == (128, 256, 64)  # wide outputs keep the 128 x 256 tile
+
+
 def test_router_unaligned_shape_runs_xla_and_says_why(router_kernels_enabled):
     p = jc.plan("router_fwd", tokens=37, d_in=30, d_out=256, out_dtype=jnp.float32, device=H200)
     assert not p.uses_kernel and "multiples of 8" in p.reason and "BF16x3" in p.reason

@@ -9,10 +9,11 @@ logical operands and the output float32, each product done as BF16x3
 (a_hi b_hi + a_hi b_lo + a_lo b_hi, fp32 accumulation, hi = bf16(a), lo = bf16(a - hi)).
   fwd:   A = x [T, d] K-major,               B = w [E, d] K-major,               C = logits [T, E]
   dgrad: A = g [T, E] K-major,               B = w viewed [N=d, K=E] N-major,    C = dx [T, d]
-  wgrad: A = g viewed [M=E, K=T] M-major,    B = x viewed [N=d, K=T] N-major,    C = dw [E, d]
-         (splits > 1: fp32 partials [splits, E, d] in the workspace + the ordered reduce)
+  wgrad: A = x viewed [M=d, K=T] M-major,    B = g viewed [N=E, K=T] N-major,    C = dw^T [d, E]
+         (TRANSPOSED: dw^T = x^T g, C M-major, i.e. dw [E, d] row-major; splits > 1: fp32
+         partials [splits, E, d] in the workspace + the ordered reduce)
 
-Where the split happens (PRESPLIT): the activation x (T x d, the big operand) is read as
+Where the split happens (PRESPLIT, by FFI operand): the activation x (T x d, the big operand) is read as
 fp32 and split on chip. The weight w and the logit gradient g are small next to it and
 every CTA column re-reads them, so the caller splits them once per call into bf16 hi and
 lo arrays (jax_cake.primitives does it in XLA: ~4 MB for w, ~16 MB for g at T = 16384),
@@ -33,6 +34,10 @@ PROGRAM_MAJORS = {
     "dgrad": ("k", "n"),
     "wgrad": ("m", "n"),
 }
+
+# wgrad runs transposed (dw^T = x^T g): x, the operand split on chip, is then the kernel's
+# A, which wgmma can take from registers as in fwd (A in registers, see a_in_registers).
+TRANSPOSED = frozenset({"wgrad"})
 
 # Which operands arrive pre-split as bf16 (hi, lo) pairs: (A pre-split, B pre-split).
 PRESPLIT = {
@@ -67,28 +72,29 @@ class RouterVariant:
         return PROGRAM_MAJORS[self.program][1]
 
     @property
+    def transposed(self) -> bool:
+        return self.program in TRANSPOSED
+
+    @property
     def a_presplit(self) -> bool:
-        return PRESPLIT[self.program][0]
+        """Whether the kernel's A operand arrives pre-split (PRESPLIT is in FFI operand order)."""
+        return PRESPLIT[self.program][1 if self.transposed else 0]
 
     @property
     def b_presplit(self) -> bool:
-        return PRESPLIT[self.program][1]
+        return PRESPLIT[self.program][0 if self.transposed else 1]
+
+    @property
+    def c_major(self) -> str:
+        return "m" if self.transposed else "n"
 
     @property
     def a_in_registers(self) -> bool:
-        """fwd: the MMA warpgroups load their x rows (fp32) from shared memory, split them
-        in registers and feed wgmma's A from registers (RS). The split's bf16 tiles then
-        never go through shared memory, whose bandwidth bounded the SS design (136 KB of
-        traffic per 128x128x32 K tile against ~96 KB now)."""
-        return self.program == "fwd"
-
-    @property
-    def transform_wgs(self) -> int:
-        """Warpgroups ahead of the MMA ones: two where an operand is split on chip into the
-        bf16 ring (wgrad), else one, which only issues the TMA loads."""
-        if self.a_in_registers or (self.a_presplit and self.b_presplit):
-            return 1
-        return 2
+        """fwd and wgrad (A = x, split on chip): the MMA warpgroups load their x fragment
+        (fp32) from shared memory, split it in registers and feed wgmma's A from registers
+        (RS). The split's bf16 tiles then never go through shared memory (96 KB of traffic
+        per 128x128x32 K tile against 136 KB for a split into shared memory)."""
+        return not self.a_presplit
 
     @property
     def tile(self) -> tuple[int, int, int]:
