@@ -86,6 +86,7 @@ class GemmVariant:
 VARIANTS: tuple[GemmVariant, ...] = (
     # forward: big d_out (>= 512) and skinny d_out (<= 256)
     GemmVariant("fwd", 128, 256),
+    GemmVariant("fwd", 128, 128),
     GemmVariant("fwd", 128, 64),
     # dgrad: N = d_in is large; K = d_out may be as small as 32 (TMA zero-fills)
     GemmVariant("dgrad", 128, 256),
