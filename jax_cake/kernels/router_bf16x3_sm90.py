@@ -175,9 +175,9 @@ class RouterBf16x3Sm90:
         self.mma_threads = 128 * self.num_mma_wg
         self.threads = 128 + self.mma_threads
         # Epilogue buffers (tile_m x 32 fp32 each). dgrad (K = E = 256: 8 K tiles per
-        # tile) writes a 64 KB fp32 tile per 8 K tiles, so storing takes as long as the
-        # MMA: a buffer per sub-tile lets the stores drain under the next tile's K loop.
-        # fwd and wgrad (long K) store little per K tile: two.
+        # tile) writes a 64 KB fp32 tile per 8 K tiles: a buffer per sub-tile lets the
+        # stores drain under the next tile's K loop (H200: 194.7 -> 189.6 us at T = 16384,
+        # d = 4096). fwd and wgrad (long K) store little per K tile: two.
         self.epi_stage = variant.tile_n // 32 if variant.program == "dgrad" else 2
         self.epi_tile = (variant.tile_m, 32)
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
@@ -307,7 +307,8 @@ class RouterBf16x3Sm90:
         """(pid_m, pid_n, split, k_begin, k_cnt) of linear tile index `tile` (plain Python,
         traced inline). fwd walks N fastest, so the E / tile_n CTAs that share an x tile
         run side by side and x comes from HBM once; dgrad / wgrad walk M fastest, so
-        neighbouring CTAs share the B tile (w in dgrad, x in wgrad) in L2. A split with no
+        neighbouring CTAs share the B tile (w in dgrad, g in the transposed wgrad) in L2,
+        and wgrad's E / tile_n CTAs on one x tile run in the same wave. A split with no
         K tile gets k_cnt = 0 and stores zeros."""
         if self.n_first:
             pid_n = tile % tiles_n
