@@ -75,6 +75,12 @@ def _load() -> ctypes.CDLL:
             "`python -m jax_cake.build` (needs nvidia-cutlass-dsl and a CUDA toolkit), "
             "or point JAX_CAKE_LIBRARY at a built libjax_cake_ffi.so."
         )
+    _lib = _open(path)
+    return _lib
+
+
+def _open(path) -> ctypes.CDLL:
+    """dlopen one build of the library (its own copy of every symbol) and declare its C API."""
     lib = ctypes.CDLL(str(path))
     for loader in _MODULE_LOADERS:
         getattr(lib, loader).argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -83,8 +89,24 @@ def _load() -> ctypes.CDLL:
     lib.jax_cake_num_variants.restype = ctypes.c_int
     lib.jax_cake_variant_name.argtypes = [ctypes.c_int]
     lib.jax_cake_variant_name.restype = ctypes.c_char_p
-    _lib = lib
     return lib
+
+
+def _load_modules(lib: ctypes.CDLL) -> None:
+    """Loads the library's kernel modules (needs the CUDA driver up)."""
+    err = ctypes.create_string_buffer(1024)
+    for loader in _MODULE_LOADERS:
+        if getattr(lib, loader)(err, len(err)) != 0:
+            raise RuntimeError(f"jax_cake: {loader} failed: {err.value.decode(errors='replace')}")
+
+
+def _register(lib: ctypes.CDLL, prefix: str) -> None:
+    """Registers the library's handlers as CUDA FFI targets named `<prefix><target>`."""
+    import jax
+
+    for target in TARGETS:
+        fn = getattr(lib, handler_symbol(target))
+        jax.ffi.register_ffi_target(prefix + target, jax.ffi.pycapsule(fn), platform="CUDA")
 
 
 def ensure_registered() -> None:
@@ -101,8 +123,6 @@ def ensure_registered() -> None:
     with _lock:
         if _registered:
             return
-        import jax
-
         if library_path() is None and not _cuda_device_present():
             return  # CPU-only machine: the XLA reference path needs no library
         lib = _load()
@@ -110,14 +130,34 @@ def ensure_registered() -> None:
         # backend starts. Loading here, outside any jitted step, keeps module loading
         # out of CUDA-graph capture.
         if _cuda_device_present():
-            err = ctypes.create_string_buffer(1024)
-            for loader in _MODULE_LOADERS:
-                if getattr(lib, loader)(err, len(err)) != 0:
-                    raise RuntimeError(f"jax_cake: {loader} failed: {err.value.decode(errors='replace')}")
-        for target in TARGETS:
-            fn = getattr(lib, handler_symbol(target))
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="CUDA")
+            _load_modules(lib)
+        _register(lib, "")
         _registered = True
+
+
+_other_builds: dict[str, ctypes.CDLL] = {}
+
+
+def register_build(path, prefix: str) -> None:
+    """Loads another build of the library beside the default one and registers its
+    handlers as `<prefix><target>`; custom calls traced under
+    `jax_cake.primitives.targets_from(prefix)` then run that build
+    (`python -m jax_cake.compare_builds` times builds side by side this way). Needs a
+    CUDA GPU; a prefix is registered once."""
+    import jax
+
+    if not prefix:
+        raise ValueError("register_build: the prefix must not be empty (that is the default library's)")
+    if not pathlib.Path(path).is_file():
+        raise FileNotFoundError(f"register_build: no library at {path}")
+    jax.devices()  # the CUDA backend (and driver) up before the modules load
+    with _lock:
+        if prefix in _other_builds:
+            raise ValueError(f"register_build: prefix {prefix!r} is already registered")
+        lib = _open(path)
+        _load_modules(lib)
+        _register(lib, prefix)
+        _other_builds[prefix] = lib  # keep the handle: the handlers live in it
 
 
 def compiled_variants() -> tuple[str, ...]:

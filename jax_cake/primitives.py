@@ -9,6 +9,8 @@ so under shard_map they carry the per-shard shape and varying axes.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -27,6 +29,21 @@ ROUTER_WGRAD_TARGET = "jax_cake_router_wgrad"
 
 # The router handlers take no cluster or raster attributes (docs/FFI_CONTRACT.md).
 _ROUTER_ATTRIBUTES = ("tile_m", "tile_n", "tile_k", "splits", "reduction")
+
+# Prefix of the FFI target names the custom calls name: "" is the default library; another
+# build registered with `native.register_build(path, prefix)` runs what is traced under
+# `targets_from(prefix)` (jax_cake.compare_builds).
+_target_prefix: contextvars.ContextVar[str] = contextvars.ContextVar("jax_cake_target_prefix", default="")
+
+
+@contextlib.contextmanager
+def targets_from(prefix: str):
+    """Custom calls traced inside name the targets `<prefix><target>` (another build)."""
+    token = _target_prefix.set(prefix)
+    try:
+        yield
+    finally:
+        _target_prefix.reset(token)
 
 
 @functools.cache
@@ -51,7 +68,8 @@ def _result_type(operand, shape, dtype, keep_batch_spec: bool = True):
 
 
 def _ffi(target: str, plan: Plan, results, *operands):
-    if _gpu_present():
+    prefix = _target_prefix.get()
+    if _gpu_present() and not prefix:
         from jax_cake import native  # only a GPU process needs the library
 
         native.ensure_registered()
@@ -59,7 +77,7 @@ def _ffi(target: str, plan: Plan, results, *operands):
     if target.startswith("jax_cake_router_"):
         attributes = {name: attributes[name] for name in _ROUTER_ATTRIBUTES}
     # vmap of a custom call: one call per batch element (correct; fold batches into T for speed).
-    return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*operands, **attributes)
+    return jax.ffi.ffi_call(prefix + target, results, vmap_method="sequential")(*operands, **attributes)
 
 
 def _dispatch(plan: Plan, ref_fn, cuda_fn, *operands):

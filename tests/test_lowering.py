@@ -183,3 +183,18 @@ def test_router_ffi_operands_split_w_and_g_once_and_exactly(program, a_shape, b_
         np.testing.assert_array_equal(lo, (v - want_hi).astype(ml_dtypes.bfloat16).astype(np.float32))
         assert np.all(np.abs(v - hi - lo) <= 2.0**-16 * np.abs(v))  # lo survived jit
         assert np.count_nonzero(lo) > lo.size // 2
+
+
+def test_targets_from_names_another_builds_targets():
+    """compare_builds traces each build's arm under its prefix: every custom call names the
+    prefixed target, and outside the context the default names come back."""
+    from jax_cake import primitives
+
+    args = (_spec((16384, 4096), jnp.bfloat16), _spec((48, 4096), jnp.float32))
+    with primitives.targets_from("before__"):
+        text = _cuda_text(_train_step(), *args)
+    for op in ("fwd", "dgrad", "wgrad"):
+        assert len(_calls(text, f"before__jax_cake_{op}")) == 1, text
+    assert "@jax_cake_" not in text
+    text = _cuda_text(_train_step(), *args)
+    assert len(_calls(text, "jax_cake_fwd")) == 1 and "before__" not in text
