@@ -44,6 +44,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from jax_cake.kernels.epilogue_sm90 import make_epilogue
 from jax_cake.planner.variants import GemmVariant
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
@@ -387,25 +388,19 @@ class GemmSm90:
             promote_phase = mma_wg * (_PROMOTE_EVERY // 2)
 
             # Epilogue plumbing shared by all tiles.
-            c_layout = self.c_layout
-            copy_atom_r2s = sm90_utils.get_smem_store_op(c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
-            copy_atom_c = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(c_layout.is_m_major_c(), 4), self.c_dtype
+            (tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD_layout, tRS_rD, c_pipe, epi_bar) = make_epilogue(
+                tiled_mma,
+                self.c_layout,
+                self.c_dtype,
+                self.acc_dtype,
+                acc,
+                sC,
+                mma_tidx,
+                self.epi_stage,
+                self.mma_threads,
+                1,
             )
-            tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
-            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
-            thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
-            tRS_sD = thr_copy_r2s.partition_D(sC)
-            tRS_rAcc = tiled_copy_r2s.retile(acc)
-            rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
-            tRS_rD_layout = cute.make_layout(rD_shape[:3])
-            tRS_rD = cute.make_rmem_tensor_like(tRS_rD_layout, self.acc_dtype)
             size_tRS_rD = cute.size(tRS_rD)
-            c_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
-            )
-            epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)

@@ -62,6 +62,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_cake.kernels import c_table
+from jax_cake.kernels.epilogue_sm90 import make_epilogue
 from jax_cake.kernels.gemm_sm90 import _fence_tensor
 from jax_cake.planner.router_variants import VARIANTS, RouterVariant
 
@@ -130,7 +131,7 @@ def _bf16x2_lo(a0, a1, hi, *, loc=None, ip=None):
 @cute.jit
 def _split_pairs(src: cute.Tensor, hi: cute.Tensor, lo: cute.Tensor):
     """hi, lo (bf16 pairs viewed as u32) = the split of the fp32 fragment src, two elements
-    per register: 3 instructions per element against ~6 for _split_rn, same bits."""
+    per register: 3 instructions per element against ~6 for integer rounding, same bits."""
     for i in cutlass.range_constexpr(cute.size(hi)):
         h = _bf16x2_hi(src[2 * i], src[2 * i + 1])
         hi[i] = h
@@ -473,25 +474,19 @@ class RouterBf16x3Sm90:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
             # Epilogue pieces that do not depend on the tile.
-            c_layout = self.c_layout
-            copy_atom_r2s = sm90_utils.get_smem_store_op(c_layout, elem_ty_d=self.io_dtype, elem_ty_acc=self.acc_dtype)
-            copy_atom_c = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(c_layout.is_m_major_c(), 4), self.io_dtype
+            (tiled_copy_r2s, tRS_sD, tRS_rAcc, _, tRS_rD, c_pipe, epi_bar) = make_epilogue(
+                tiled_mma,
+                self.c_layout,
+                self.io_dtype,
+                self.acc_dtype,
+                acc,
+                sC,
+                mma_tidx,
+                self.epi_stage,
+                self.mma_threads,
+                _EPI_BARRIER_ID,
             )
-            tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
-            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
-            thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
-            tRS_sD = thr_copy_r2s.partition_D(sC)
-            tRS_rAcc = tiled_copy_r2s.retile(acc)
-            rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
-            tRS_rD_layout = cute.make_layout(rD_shape[:3])
-            tRS_rD = cute.make_rmem_tensor_like(tRS_rD_layout, self.acc_dtype)
             size_tRS_rD = cute.size(tRS_rD)
-            c_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
-            )
-            epi_bar = pipeline.NamedBarrier(barrier_id=_EPI_BARRIER_ID, num_threads=self.mma_threads)
             first_mma_warp = 4
 
             for tile in cutlass.range(bid, num_tiles, nctas, unroll=1):
@@ -589,7 +584,7 @@ class RouterBf16x3Sm90:
                         release_state.advance()
 
                 # -------------------------------------------------------- epilogue
-                # registers -> swizzled smem (2 buffers) -> TMA store, which clips the edges.
+                # registers -> swizzled smem (epi_stage buffers) -> TMA store, which clips the edges.
                 # The store of a tile drains while the next tile's K loop runs.
                 gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, split), proj=(1, 1, None))
                 gC_epi = cute.zipped_divide(gC, self.epi_tile)

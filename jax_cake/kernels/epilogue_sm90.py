@@ -1,0 +1,54 @@
+"""The pieces of the C epilogue both sm_90a kernel families use: registers -> swizzled
+shared memory -> TMA store, in sub-tiles of (tile_m, 32) columns through `epi_stage`
+buffers.
+
+Only the construction is shared: each kernel runs its own store loop inside its persistent
+tile loop (a CuTe DSL helper called there would have to carry these trace-time objects
+through the dynamic loop, which the DSL refuses).
+
+Imported only by the kernel modules (AOT); never at run time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+
+
+class EpiloguePieces(NamedTuple):
+    tiled_copy_r2s: Any  # registers -> shared memory, C's dtype
+    tRS_sD: Any  # this thread's view of the staged C buffers
+    tRS_rAcc: Any  # the accumulator retiled for the copy
+    tRS_rD_layout: Any  # one sub-tile's registers
+    tRS_rD: Any  # one sub-tile's registers, accumulator dtype
+    c_pipe: Any  # PipelineTmaStore over the epi_stage buffers
+    epi_bar: Any  # named barrier of the consumer threads
+
+
+def make_epilogue(
+    tiled_mma, c_layout, c_dtype, acc_dtype, acc, sC, mma_tidx, epi_stage: int, mma_threads: int, barrier_id: int
+) -> EpiloguePieces:
+    """The copies, register views, store pipeline and barrier of the epilogue (trace time,
+    in the consumer warps; acc is the accumulator the tiles are stored from)."""
+    copy_atom_r2s = sm90_utils.get_smem_store_op(c_layout, elem_ty_d=c_dtype, elem_ty_acc=acc_dtype)
+    copy_atom_c = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(c_layout.is_m_major_c(), 4), c_dtype)
+    tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+    tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+    thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+    rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+    tRS_rD_layout = cute.make_layout(rD_shape[:3])
+    return EpiloguePieces(
+        tiled_copy_r2s=tiled_copy_r2s,
+        tRS_sD=thr_copy_r2s.partition_D(sC),
+        tRS_rAcc=tiled_copy_r2s.retile(acc),
+        tRS_rD_layout=tRS_rD_layout,
+        tRS_rD=cute.make_rmem_tensor_like(tRS_rD_layout, acc_dtype),
+        c_pipe=pipeline.PipelineTmaStore.create(
+            num_stages=epi_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mma_threads),
+        ),
+        epi_bar=pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=mma_threads),
+    )
