@@ -13,8 +13,8 @@ logical operands and the output float32, each product done as BF16x3
          (TRANSPOSED: dw^T = x^T g, C M-major, i.e. dw [E, d] row-major; splits > 1: fp32
          partials [splits, E, d] in the workspace + the ordered reduce)
 
-Where the split happens (PRESPLIT, by FFI operand): the activation x (T x d, the big operand) is read as
-fp32 and split on chip. The weight w and the logit gradient g are small next to it and
+Where the split happens (PRESPLIT, in FFI operand order): the activation x (T x d, the big
+operand) is read as fp32 and split on chip. The weight w and the logit gradient g are small next to it and
 every CTA column re-reads them, so the caller splits them once per call into bf16 hi and
 lo arrays (jax_cake.primitives does it in XLA: ~4 MB for w, ~16 MB for g at T = 16384),
 and the kernel TMA-loads those straight into its bf16 ring: no split work per CTA.
@@ -39,7 +39,9 @@ PROGRAM_MAJORS = {
 # A, which wgmma can take from registers as in fwd (A in registers, see a_in_registers).
 TRANSPOSED = frozenset({"wgrad"})
 
-# Which operands arrive pre-split as bf16 (hi, lo) pairs: (A pre-split, B pre-split).
+# Which FFI operands arrive pre-split as bf16 (hi, lo) pairs, in the handler's operand order
+# (fwd: x, w; dgrad: g, w; wgrad: g, x). RouterVariant.a_presplit / b_presplit map this to
+# the kernel's A and B (swapped where TRANSPOSED).
 PRESPLIT = {
     "fwd": (False, True),  # x split on chip, w pre-split
     "dgrad": (True, True),  # g and w pre-split: the kernel only runs the three wgmma
