@@ -338,3 +338,32 @@ def test_every_wgrad_plan_names_a_program_the_library_holds(out, deterministic):
                 with jc.planner.force(program):
                     p = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, out_dtype=out, device=H200)
                 assert variants.supports("wgrad", p.tile, p.cluster, out, p.splits, codes[p.reduction]), jc.explain(p)
+
+
+@pytest.mark.parametrize(
+    "op, t, d_in, d_out, batch, out, pair",
+    [
+        # compute bound (N >= 1024, K >= 512): CTA pairs measured 1-3.5 % faster
+        ("fwd", 16384, 4096, 4096, 1, "bfloat16", True),
+        ("dgrad", 16172, 4096, 4096, 1, "bfloat16", True),
+        ("fwd", 16172, 5120, 1024, 1, "bfloat16", True),
+        ("wgrad", 16384, 4096, 4096, 1, "float32", True),
+        # N = 512, skinny K, or the batched 128 -> 512 forward (K = 128): no gain measured
+        ("fwd", 16384, 4096, 512, 1, "bfloat16", False),
+        ("dgrad", 16384, 4096, 48, 1, "bfloat16", False),
+        ("fwd", 4096, 128, 512, 128, "bfloat16", False),
+        ("wgrad", 16172, 4096, 48, 1, "float32", False),
+        # one M tile: no pair to share with
+        ("fwd", 100, 4096, 4096, 1, "bfloat16", False),
+    ],
+)
+def test_cluster_pairs_only_where_they_measured_faster(op, t, d_in, d_out, batch, out, pair):
+    from jax_cake.planner import variants
+
+    p = jc.plan(op, tokens=t, d_in=d_in, d_out=d_out, batch=batch, out_dtype=out, device=H200)
+    assert p.cluster == ((2, 1) if pair else (1, 1)), jc.explain(p)
+    assert p.ffi_attributes()["cluster_m"] == p.cluster[0]
+    assert ("cluster 2x1" in p.reason) == pair
+    store_out = out if op == "wgrad" else "bfloat16"
+    codes = {"none": 0, "ordered": 1, "arrival": 2}
+    assert variants.supports(op, p.tile, p.cluster, store_out, p.splits, codes[p.reduction]), jc.explain(p)

@@ -32,7 +32,8 @@ def compiled_tiles(program: str, out_dtype: str | None = None) -> tuple[tuple[in
     """The CTA tiles (M, N, K) the native library holds for a program: "fwd", "dgrad",
     "wgrad", or the router's "router_fwd" / "router_dgrad" / "router_wgrad", optionally
     only those with an `out_dtype` output. Read from the build's variant lists (cluster
-    1x1, the only cluster the planner picks), so a plan never names a missing kernel."""
+    1x1: every tile has one; `_pick_cluster` adds a (2, 1) pair where the library holds
+    it), so a plan never names a missing kernel."""
     if program.startswith("router_"):
         family, program = router_variants.VARIANTS, program[len("router_") :]
     else:
@@ -68,6 +69,12 @@ ROUTER_KERNELS_ENABLED = True
 # fwd/dgrad walk tiles along N first from this N up (measured on the H200).
 _RASTER_N_MIN = 512
 _REDUCTION_CODES = {"none": 0, "ordered": 1, "arrival": 2}
+# Cluster pairs (2, 1): the CTAs of two adjacent M tiles share their B tile (TMA multicast),
+# halving its L2 -> SM traffic. On the H200 that was 1-3.5 % faster where the GEMM is
+# compute bound (N >= 1024, K >= 512) and no gain or a loss elsewhere (N = 512: -1.5 to
+# +2 %; batched 128 -> 512, K = 128: -1 %): docs/BENCHMARKS.md, 2026-11-29 and 2026-11-30.
+_CLUSTER_MIN_N = 1024
+_CLUSTER_MIN_K = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +159,15 @@ def force(program: str, *, splits: int | None = None, tile: tuple[int, int, int]
 
 
 # --- the planner ------------------------------------------------------------------------
+
+
+def _pick_cluster(program: str, tile, m: int, n: int, k: int, out_dtype: str, splits: int, reduction: str):
+    """(cluster, note): a (2, 1) pair where it measured faster and the library holds it."""
+    if n < _CLUSTER_MIN_N or k < _CLUSTER_MIN_K or math.ceil(m / tile[0]) < 2:
+        return (1, 1), ""
+    if not variants.supports(program, tile, (2, 1), out_dtype, splits, _REDUCTION_CODES[reduction]):
+        return (1, 1), ""
+    return (2, 1), "; CTA pairs (cluster 2x1) share the B tile by TMA multicast"
 
 
 @functools.cache
@@ -257,14 +273,16 @@ def _wgrad_plan(
             reason = f"deterministic program ({why}): {how}; {tile_note}"
         if not _wgrad_supported(tile, out_dtype, splits, reduction):
             continue
+        cluster, cluster_note = _pick_cluster("wgrad", tile, m, n, k, out_dtype, splits, reduction)
         return Plan(
             **base,
             program="split" if program == "split" else "det",
             tile=tile,
+            cluster=cluster,
             splits=splits,
             reduction=reduction,
             workspace_bytes=variants.workspace_bytes(splits, _REDUCTION_CODES[reduction], batch, m, n, out_dtype),
-            reason=reason,
+            reason=reason + cluster_note,
         )
     return _xla_plan(
         "wgrad", batch, m, n, k, out_dtype, dev, f"no compiled wgrad variant runs the {program} program here"
@@ -381,12 +399,15 @@ def plan(
     # Walking tiles along N first keeps the activation rows in L2 while the weight
     # tiles stream: 6-11 % faster at N >= 512 on the H200 (docs/BENCHMARKS.md, 2026-11-29).
     raster = "n" if n >= _RASTER_N_MIN else "m"
+    cluster, cluster_note = _pick_cluster(op, tile, m, n, k, "bfloat16", 1, "none")
     return Plan(
         **base,
         program="gemm",
         tile=tile,
+        cluster=cluster,
         raster=raster,
-        reason=f"one pass over K={k} (no reduction across CTAs, reproducible), tiles walk along {raster} first: {tile_note}",
+        reason=f"one pass over K={k} (no reduction across CTAs, reproducible), tiles walk along {raster} first: "
+        f"{tile_note}{cluster_note}",
     )
 
 
