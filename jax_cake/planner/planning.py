@@ -62,6 +62,12 @@ _ALIGN_ELEMENTS = 8
 # A split gets at least this many K tiles, so the partial-sum traffic stays small
 # against the operand reads.
 _MIN_K_TILES_PER_SPLIT = 8
+# A wgrad whose FLOPs per operand byte (about m n / (m + n) for K >> m, n) stay under
+# this is bound by reading x and dy: 790 TFLOP/s / 4.3 TB/s on the H200 (FACTS.md).
+_RIDGE_FLOP_PER_BYTE = 184
+# The deterministic wgrad adds ordered K splits until the CTAs fill this much of their last
+# wave (compute-bound shapes, or fewer tiles than half the SMs).
+_WAVE_FILL = 0.9
 # The router kernels run only once their accuracy is shown on a GPU (gpu_check's
 # router checks exercise them directly either way): 4.43e-6 to 4.45e-6 against the
 # 5e-6 target on the H200, 2026-11-29 21:12 UTC (docs/BENCHMARKS.md).
@@ -217,12 +223,29 @@ def _pick_tile(
     return _ranked_tiles(program, batch, m, n, sm_count, out_dtype)[0]
 
 
-def _det_splits(tiles: int, k: int, tile_k: int, sm_count: int) -> int:
-    """Ordered K splits that fill the SMs without making splits too short."""
-    if tiles >= sm_count // 2:
-        return 1
+def _det_splits(tiles: int, k: int, tile_k: int, sm_count: int, fill_waves: bool = False) -> int:
+    """Ordered K splits, none shorter than _MIN_K_TILES_PER_SPLIT K tiles.
+
+    Default (memory-bound GEMMs): enough splits for one CTA per SM when the tiles alone
+    fill less than half the SMs, else none (extra partial sums gained nothing there:
+    5120 -> 128 ran 65 us with 1 split, 68 with 3; H200, 2026-11-30). `fill_waves`
+    (compute bound): the fewest splits whose CTAs fill their last wave to at least
+    _WAVE_FILL, else the best filling count (160 tiles on 132 SMs run 2 waves at 61 %;
+    3 splits make 480 CTAs in 4 waves at 91 %).
+    """
     k_tiles = math.ceil(k / tile_k)
-    return max(1, min(sm_count // tiles, k_tiles // _MIN_K_TILES_PER_SPLIT))
+    most = max(1, min(sm_count, k_tiles // _MIN_K_TILES_PER_SPLIT))
+    if not fill_waves:
+        return 1 if tiles >= sm_count // 2 else min(max(1, sm_count // tiles), most)
+    best, best_fill = 1, 0.0
+    for splits in range(1, most + 1):
+        ctas = tiles * splits
+        fill = ctas / (math.ceil(ctas / sm_count) * sm_count)
+        if fill >= _WAVE_FILL:
+            return splits
+        if fill > best_fill + 1e-9:
+            best, best_fill = splits, fill
+    return best
 
 
 def _wgrad_plan(
@@ -250,7 +273,13 @@ def _wgrad_plan(
     # A forced or table tile first, then the heuristic's ranking; the first tile whose
     # program (split count, reduction) the library holds wins.
     wanted = forced_tile or (row.tile if row is not None and row.tile is not None and None not in row.tile else None)
-    candidates = _ranked_tiles("wgrad", batch, m, n, dev.sm_count, out_dtype)
+    # 64-row tiles have one consumer warpgroup (half the MMA issue rate of 128 rows): only
+    # where the GEMM is bound by reading its operands (5120 -> 512 FP32 ran 217 us on
+    # 64 x 128 tiles, 143 on 128 x 128 with 3 splits, XLA 117: H200, 2026-11-30).
+    memory_bound = m * n / (m + n) < _RIDGE_FLOP_PER_BYTE
+    candidates = [
+        c for c in _ranked_tiles("wgrad", batch, m, n, dev.sm_count, out_dtype) if memory_bound or c[0][0] > 64
+    ]
     if wanted is not None and tuple(wanted) in compiled_tiles("wgrad"):
         candidates.insert(0, (tuple(wanted), f"{wanted[0]}x{wanted[1]} tiles as requested"))
     for tile, tile_note in candidates:
@@ -267,7 +296,7 @@ def _wgrad_plan(
             if forced == "det" and forced_splits:
                 splits = min(forced_splits, k_tiles)
             else:
-                splits = _det_splits(tiles, k, tile[2], dev.sm_count)
+                splits = _det_splits(tiles, k, tile[2], dev.sm_count, fill_waves=not memory_bound)
             reduction = "ordered" if splits > 1 else "none"
             how = f"{splits} K splits summed in fixed split order by a second pass" if splits > 1 else "one pass over K"
             reason = f"deterministic program ({why}): {how}; {tile_note}"
