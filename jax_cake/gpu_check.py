@@ -844,6 +844,11 @@ def public_api():
         (16172, 4096, 48, F32, True),
         (16231, 5120, 512, F32, False),
         (16384, 4096, 1024, BF16, True),
+        # compute bound: CTA pairs (cluster 2x1) in all three GEMMs, ordered splits that
+        # fill the last wave in wgrad (3 at 5120 -> 512, 2 at 5120 -> 1024)
+        (16384, 4096, 4096, F32, True),
+        (16384, 5120, 512, F32, True),
+        (16172, 5120, 1024, BF16, True),
         (1011, 256, 64, BF16, False),
         (37, 64, 32, F32, True),
     ]:
