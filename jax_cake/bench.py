@@ -718,9 +718,12 @@ def table_rows(header: dict, samples: Sequence[dict]) -> list[dict]:
         k[0].tokens,
         ALL_OPS.index(k[1]),
     )
+    # Arms with options (split/sN/tMxNxK) get their own columns after the family's, in
+    # the order first seen, so every arm asked for is reported.
+    extra = list(dict.fromkeys(k[3] for k in medians if "/" in k[3]))
     for point, op, mode in sorted({k[:3] for k in medians}, key=order):
         family = FAMILIES[point.family]
-        us = {arm: medians.get((point, op, mode, arm)) for arm in family.report_arms}
+        us = {arm: medians.get((point, op, mode, arm)) for arm in [*family.report_arms, *extra]}
         row = {"GPU": header["gpu"], "SMs": header["sms"] or "n/a"}
         row.update(zip(family.shape_columns, family.shape(point)))
         row.update(op=op, mode=mode)
@@ -728,8 +731,17 @@ def table_rows(header: dict, samples: Sequence[dict]) -> list[dict]:
             row[f"{_ARM_LABEL[arm]} us"] = us[arm]
         for base in family.ratio_arms:
             row[f"{_ARM_LABEL[base]}/new"] = us[base] / us["new"] if us[base] and us["new"] else None
+        for arm in extra:
+            row[f"{arm} us"] = us[arm]
+            row[f"{arm}/new"] = us[arm] / us["new"] if us[arm] and us["new"] else None
         rows.append(row)
     return rows
+
+
+def report_columns(rows: Sequence[dict], family: str = "dense") -> list[str]:
+    """The family's columns, then those of any arm with options the rows carry."""
+    columns = list(FAMILIES[family].columns)
+    return columns + [c for c in dict.fromkeys(c for r in rows for c in r) if c not in columns]
 
 
 def _fmt(v) -> str:
@@ -752,8 +764,8 @@ def geomean_lines(rows: Sequence[dict], family: str = "dense") -> list[str]:
         for mode in MODES:
             picked = [r for r in rows if r["op"] == op and r["mode"] == mode]
             parts = []
-            for column in [c for c in FAMILIES[family].columns if c.endswith("/new")]:
-                vals = [r[column] for r in picked if r[column]]
+            for column in [c for c in report_columns(rows, family) if c.endswith("/new")]:
+                vals = [r[column] for r in picked if r.get(column)]
                 if vals:
                     gm = math.exp(sum(math.log(v) for v in vals) / len(vals))
                     parts.append(f"{column} {gm:.3f} ({min(vals):.3f} to {max(vals):.3f})")
@@ -763,7 +775,7 @@ def geomean_lines(rows: Sequence[dict], family: str = "dense") -> list[str]:
 
 
 def markdown(header: dict, rows: Sequence[dict], family: str = "dense") -> str:
-    columns = FAMILIES[family].columns
+    columns = report_columns(rows, family)
     out = [
         header_line(header),
         "",
@@ -773,17 +785,17 @@ def markdown(header: dict, rows: Sequence[dict], family: str = "dense") -> str:
         "| " + " | ".join(columns) + " |",
         "|" + "---|" * len(columns),
     ]
-    out += ["| " + " | ".join(_fmt(r[c]) for c in columns) + " |" for r in rows]
+    out += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(out) + "\n"
 
 
 def write_csv(path: str, rows: Sequence[dict], family: str = "dense") -> None:
-    columns = FAMILIES[family].columns
+    columns = report_columns(rows, family)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for r in rows:
-            writer.writerow({c: "" if r[c] is None else r[c] for c in columns})
+            writer.writerow({c: "" if r.get(c) is None else r[c] for c in columns})
 
 
 # --- entry point -------------------------------------------------------------------------------

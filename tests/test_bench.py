@@ -262,6 +262,24 @@ class ArmsAndReportTest(absltest.TestCase):
             text,
         )
 
+    def test_arms_with_options_get_their_own_columns(self):
+        point = dict(tokens=16384, d_in=5120, d_out=512, out="float32")
+        samples = [
+            {**point, "op": "wgrad", "mode": "g", "run": 0, "arm": arm, "groups_us": [us, us]}
+            for arm, us in (("new", 140.0), ("xla", 117.0), ("split/s1/t64x128x64", 217.0))
+        ]
+        header = {"gpu": "H200", "sms": 132, "driver": "d", "jax": "0.11.2", "date": "2026-11-30"}
+        header["timer"] = bench.DEVICE_LABEL
+        (row,) = bench.table_rows(header, samples)
+        self.assertAlmostEqual(row["split/s1/t64x128x64 us"], 217.0)
+        self.assertAlmostEqual(row["split/s1/t64x128x64/new"], 217.0 / 140.0)
+        columns = bench.report_columns([row])
+        self.assertEqual(columns[: len(bench.COLUMNS)], list(bench.COLUMNS))
+        self.assertEqual(columns[len(bench.COLUMNS) :], ["split/s1/t64x128x64 us", "split/s1/t64x128x64/new"])
+        text = bench.markdown(header, [row])
+        self.assertIn("| 217.00 | 1.550 |", text)
+        self.assertIn("split/s1/t64x128x64/new 1.550", text)
+
 
 if __name__ == "__main__":
     absltest.main()
