@@ -65,8 +65,8 @@ _MIN_K_TILES_PER_SPLIT = 8
 # A wgrad whose FLOPs per operand byte (about m n / (m + n) for K >> m, n) stay under
 # this is bound by reading x and dy: 790 TFLOP/s / 4.3 TB/s on the H200 (FACTS.md).
 _RIDGE_FLOP_PER_BYTE = 184
-# The deterministic wgrad adds ordered K splits until the CTAs fill this much of their last
-# wave (compute-bound shapes, or fewer tiles than half the SMs).
+# A compute-bound deterministic wgrad adds ordered K splits until its CTAs fill this much
+# of their last wave (`_det_splits`).
 _WAVE_FILL = 0.9
 # The router kernels run only once their accuracy is shown on a GPU (gpu_check's
 # router checks exercise them directly either way): 4.43e-6 to 4.45e-6 against the
