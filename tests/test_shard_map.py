@@ -22,6 +22,24 @@ def _put(mesh, a, spec):
     return jax.device_put(a, NamedSharding(mesh, spec))
 
 
+def _shard_map_grads(mesh, project, loss, x_spec, w_spec):
+    """(x, w) -> d/dx, d/dw of psum(loss(project(x_shard, w_shard))) over every mesh axis,
+    under shard_map with x and w sharded by x_spec / w_spec (not jitted)."""
+
+    def local_loss(x, w):
+        return jax.lax.psum(loss(project(x, w)), mesh.axis_names)
+
+    return jax.shard_map(
+        jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(x_spec, w_spec), out_specs=(x_spec, w_spec)
+    )
+
+
+def _sharded_grads(mesh, project, loss, x, w, x_spec, w_spec):
+    """The gradients of _shard_map_grads on concrete x, w placed by their specs."""
+    grads = jax.jit(_shard_map_grads(mesh, project, loss, x_spec, w_spec))
+    return grads(_put(mesh, x, x_spec), _put(mesh, w, w_spec))
+
+
 def _assert_close(a, b, tol):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert a.shape == b.shape
@@ -34,15 +52,8 @@ def test_data_parallel_matches_unsharded(w_dtype):
     x = rand(1, (8 * 37, 64), jnp.bfloat16)
     w = rand(2, (48, 64), w_dtype)
 
-    def local_loss(x, w):  # x: this device's tokens, w: replicated
-        return jax.lax.psum(_loss(jc.dense_projection(x, w)), "dp")
-
-    grads = jax.jit(
-        jax.shard_map(
-            jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("dp"), P()), out_specs=(P("dp"), P())
-        )
-    )
-    dx, dw = grads(_put(mesh, x, P("dp")), _put(mesh, w, P()))
+    # x: this device's tokens, w: replicated
+    dx, dw = _sharded_grads(mesh, jc.dense_projection, _loss, x, w, P("dp"), P())
     ref_dx, ref_dw = _unsharded_grads(x, w)
     assert dw.dtype == w_dtype and dx.dtype == jnp.bfloat16
     _assert_close(dx, ref_dx, 1e-2)
@@ -55,15 +66,8 @@ def test_tensor_parallel_matches_unsharded():
     x = rand(3, (64, 128), jnp.bfloat16)
     w = rand(4, (8 * 16, 128), jnp.float32)
 
-    def local_loss(x, w):  # x: replicated, w: this device's output rows
-        return jax.lax.psum(_loss(jc.dense_projection(x, w)), "tp")
-
-    grads = jax.jit(
-        jax.shard_map(
-            jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(P(), P("tp")), out_specs=(P(), P("tp"))
-        )
-    )
-    dx, dw = grads(_put(mesh, x, P()), _put(mesh, w, P("tp")))
+    # x: replicated, w: this device's output rows
+    dx, dw = _sharded_grads(mesh, jc.dense_projection, _loss, x, w, P(), P("tp"))
     ref_dx, ref_dw = _unsharded_grads(x, w)
     _assert_close(dx, ref_dx, 1e-2)
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(ref_dw))  # same sums, one device each
@@ -74,15 +78,7 @@ def test_data_and_tensor_parallel_on_a_2d_mesh():
     x = rand(5, (4 * 19, 64), jnp.bfloat16)
     w = rand(6, (2 * 24, 64), jnp.float32)
 
-    def local_loss(x, w):
-        return jax.lax.psum(_loss(jc.dense_projection(x, w)), ("dp", "tp"))
-
-    grads = jax.jit(
-        jax.shard_map(
-            jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("dp"), P("tp")), out_specs=(P("dp"), P("tp"))
-        )
-    )
-    dx, dw = grads(_put(mesh, x, P("dp")), _put(mesh, w, P("tp")))
+    dx, dw = _sharded_grads(mesh, jc.dense_projection, _loss, x, w, P("dp"), P("tp"))
     ref_dx, ref_dw = _unsharded_grads(x, w)
     _assert_close(dx, ref_dx, 1e-2)
     _assert_close(dw, ref_dw, 1e-5)
@@ -105,12 +101,7 @@ def _custom_calls_on_faked_h200_mesh(project, loss, x_shape, x_dtype, w_shape, p
 
     mesh = AbstractMesh((4, 2), ("a", "b"), abstract_device=AbstractDevice("NVIDIA H200", 132, "cuda"))
 
-    def local_loss(x, w):
-        return jax.lax.psum(loss(project(x, w)), ("a", "b"))
-
-    f = jax.shard_map(
-        jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("a"), P("b")), out_specs=(P("a"), P("b"))
-    )
+    f = _shard_map_grads(mesh, project, loss, P("a"), P("b"))
     x = jax.ShapeDtypeStruct(x_shape, x_dtype, sharding=NamedSharding(mesh, P("a")))
     w = jax.ShapeDtypeStruct(w_shape, jnp.float32, sharding=NamedSharding(mesh, P("b")))
     with jax.sharding.use_abstract_mesh(mesh):
@@ -140,15 +131,7 @@ def test_router_data_and_expert_parallel_matches_unsharded():
     x = rand(9, (4 * 37, 64), jnp.float32)
     w = 0.02 * rand(10, (2 * 16, 64), jnp.float32)
 
-    def local_loss(x, w):
-        return jax.lax.psum(_router_loss(jc.router_logits(x, w)), ("dp", "ep"))
-
-    grads = jax.jit(
-        jax.shard_map(
-            jax.grad(local_loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("dp"), P("ep")), out_specs=(P("dp"), P("ep"))
-        )
-    )
-    dx, dw = grads(_put(mesh, x, P("dp")), _put(mesh, w, P("ep")))
+    dx, dw = _sharded_grads(mesh, jc.router_logits, _router_loss, x, w, P("dp"), P("ep"))
     ref_dx, ref_dw = jax.jit(jax.grad(lambda x, w: _router_loss(jc.router_logits(x, w)), argnums=(0, 1)))(x, w)
     assert dx.dtype == dw.dtype == jnp.float32
     _assert_close(dx, ref_dx, 1e-5)  # BF16x3: ~4e-6 either way, different summation order
