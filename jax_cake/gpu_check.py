@@ -290,9 +290,17 @@ def raster_and_tiles():
     for tile in ((128, 256, 64), (128, 128, 64)):
         e, bad = rel_err(call("jax_cake_dgrad", dy, w, tile=tile), ref_dgrad(dy, w))
         ok &= report(f"dgrad_tile{tile[:2]}", e < BF16_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
-    for tile in ((64, 128, 64), (128, 128, 64)):
-        e, bad = rel_err(call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32), ref_wgrad(dy, x))
-        ok &= report(f"wgrad_tile{tile[:2]}", e < F32_TOL and bad == 0, f"rel_err={e:.2e} nonfinite={bad}")
+    # N = 1032 leaves a ragged last N tile for each of these (160 included).
+    for tile in ((64, 128, 64), (128, 128, 64), (128, 160, 64)):
+        for splits, red in ((1, 0), (3, 1)):
+            for dt, tol in ((F32, F32_TOL), (BF16, BF16_TOL)):
+                dw = call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=dt, splits=splits, reduction=red)
+                e, bad = rel_err(dw, ref_wgrad(dy, x))
+                ok &= report(
+                    f"wgrad_tile{tile[:2]}_{jnp.dtype(dt).name}_s{splits}",
+                    e < tol and bad == 0,
+                    f"rel_err={e:.2e} nonfinite={bad}",
+                )
     # bf16-only wgrad tiles (no fp32 variant: splits = 1 only), e.g. 128 x 256.
     for tile in _BF16_ONLY_WGRAD_TILES:
         for r in (0, 1):

@@ -102,8 +102,8 @@ class GemmSm90:
     def __init__(self, variant: GemmVariant):
         if variant.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {variant.tile_m}")
-        if variant.tile_n not in (64, 128, 256):
-            raise ValueError(f"tile_n must be 64, 128 or 256, got {variant.tile_n}")
+        if variant.tile_n not in (64, 128, 160, 256):
+            raise ValueError(f"tile_n must be 64, 128, 160 or 256, got {variant.tile_n}")
         if variant.tile_k != 64:
             raise ValueError(f"tile_k must be 64, got {variant.tile_k}")
         if variant.cluster not in ((1, 1), (2, 1)):
@@ -112,10 +112,10 @@ class GemmSm90:
             raise ValueError(f"store must be 'plain' or 'add', got {variant.store!r}")
         if variant.store == "add" and variant.out_dtype != "float32":
             raise ValueError("store='add' needs float32 output")
-        if variant.promote and variant.tile_n > 128:
-            # 64 x tile_n fp32 per consumer thread twice (partial + total): 256
-            # registers at tile_n = 256, over the 232 a consumer gets.
-            raise ValueError("promote (fp32 wgrad) needs tile_n <= 128: the second accumulator does not fit")
+        if variant.promote and variant.tile_n > 160:
+            # 64 x tile_n fp32 per consumer warpgroup twice (partial + total) is tile_n
+            # registers per thread: 256 at tile_n = 256, over the 232 a consumer gets.
+            raise ValueError("promote (fp32 wgrad) needs tile_n <= 160: the second accumulator does not fit")
         self.variant = variant
         self.reduce_add = variant.store == "add"
         self.promote = variant.promote
@@ -135,8 +135,11 @@ class GemmSm90:
         # tile's K loop (H200, 2026-11-29: dgrad 4096 -> 48 43.7 -> 40.7 us, 4096 -> 1024
         # 194.3 -> 189.9); fwd (128, 256) lost 0-2 % with it (one A/B stage fewer), so
         # the others keep up to four. The ring index is epi_idx % epi_stage, so the number
-        # of sub-tiles per tile must be a multiple of epi_stage.
-        self.epi_stage = variant.tile_n // 32 if variant.program == "dgrad" else min(4, variant.tile_n // 32)
+        # of sub-tiles per tile must be a multiple of epi_stage: tile_n = 160 (five
+        # sub-tiles) gets one buffer per sub-tile.
+        sub_tiles = variant.tile_n // 32
+        whole_tile = variant.program == "dgrad" or sub_tiles % 4 != 0
+        self.epi_stage = sub_tiles if whole_tile else min(4, sub_tiles)
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
         # Epilogue sub-tile: all consumer rows x 32 columns per TMA store.
         self.epi_tile = (variant.tile_m, 32)

@@ -107,6 +107,12 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("wgrad", 128, 128, out_dtype="float32"),
     GemmVariant("wgrad", 128, 128, out_dtype="bfloat16"),
     GemmVariant("wgrad", 128, 256, out_dtype="bfloat16"),
+    # 128 x 160: d_in = 5120 is 32 such N tiles, so 5120 -> 512 / 1024 make 128 / 256
+    # CTAs (one / two full waves on 132 SMs) where 128 x 128 (160 / 320) and 128 x 256
+    # (80 / 160) leave a wave a third or half empty. The promotion total fits (160
+    # registers per consumer thread).
+    GemmVariant("wgrad", 128, 160, out_dtype="float32"),
+    GemmVariant("wgrad", 128, 160, out_dtype="bfloat16"),
     GemmVariant("wgrad", 128, 128, cluster_m=2, out_dtype="float32"),
     GemmVariant("wgrad", 128, 128, cluster_m=2, out_dtype="bfloat16"),
     # wgrad arrival-order split-K (reduction=2): fp32 reduce-add into dw or workspace
