@@ -11,6 +11,7 @@
 // (outside of any stream work) and reports any failure as an ffi::Error.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -36,6 +37,7 @@ struct Operand {
 
 struct GemmArgs {
   Operand a, b, c;
+  Operand ws;  // split-tail workspace (flags, partial tiles); a placeholder for the other programs
   int32_t splits;
   int32_t raster;
   int32_t max_ctas;  // persistent grid size: the SM count
@@ -50,6 +52,7 @@ struct Variant {
   int64_t tile_m, tile_n, tile_k, cluster_m, cluster_n;
   int out_dtype;
   bool reduce_add;
+  bool split_tail;
   LoadFn load;
   LaunchFn launch;
 };
@@ -79,11 +82,12 @@ ffi::Error EnsureLoaded() {
 }
 
 const Variant* FindVariant(const char* program, int64_t tm, int64_t tn, int64_t tk, int64_t cm, int64_t cn,
-                           int out_dtype, bool reduce_add) {
+                           int out_dtype, bool reduce_add, bool split_tail = false) {
   for (int i = 0; i < kNumVariants; ++i) {
     const Variant& v = kVariants[i];
     if (std::strcmp(v.program, program) == 0 && v.tile_m == tm && v.tile_n == tn && v.tile_k == tk &&
-        v.cluster_m == cm && v.cluster_n == cn && v.out_dtype == out_dtype && v.reduce_add == reduce_add) {
+        v.cluster_m == cm && v.cluster_n == cn && v.out_dtype == out_dtype && v.reduce_add == reduce_add &&
+        v.split_tail == split_tail) {
       return &v;
     }
   }
@@ -91,18 +95,20 @@ const Variant* FindVariant(const char* program, int64_t tm, int64_t tn, int64_t 
 }
 
 ffi::Error NoVariant(const char* program, int64_t tm, int64_t tn, int64_t tk, int64_t cm, int64_t cn, int out_dtype,
-                     bool reduce_add) {
+                     bool reduce_add, bool split_tail = false) {
   char buf[256];
   std::snprintf(buf, sizeof(buf),
-                "jax_cake: no compiled %s variant with tile (%lld, %lld, %lld), cluster (%lld, %lld), out %s%s; "
+                "jax_cake: no compiled %s variant with tile (%lld, %lld, %lld), cluster (%lld, %lld), out %s%s%s; "
                 "rebuild with python -m jax_cake.build or fix the plan",
                 program, (long long)tm, (long long)tn, (long long)tk, (long long)cm, (long long)cn,
-                out_dtype == kF32 ? "float32" : "bfloat16", reduce_add ? ", reduce-add store" : "");
+                out_dtype == kF32 ? "float32" : "bfloat16", reduce_add ? ", reduce-add store" : "",
+                split_tail ? ", split tail" : "");
   return ffi::Error::InvalidArgument(buf);
 }
 
 ffi::Error Launch(const Variant* v, GemmArgs args, cudaStream_t stream) {
   args.max_ctas = g_modules.num_sms;
+  if (!v->split_tail) args.ws = {args.c.data, {1, 1, 1}, {8, 8}};  // never read
   int32_t ret = v->launch(args, stream);
   if (ret != 0) {
     return ffi::Error::Internal(std::string("jax_cake: launch of ") + v->name + " returned " + std::to_string(ret) +
@@ -127,8 +133,8 @@ ffi::Error CheckCommonAttrs(const char* program, int64_t splits, int64_t reducti
     return ffi::Error::InvalidArgument(std::string("jax_cake: ") + program + ": raster must be 0 or 1");
   if (splits < 1 || splits > 65535)
     return ffi::Error::InvalidArgument(std::string("jax_cake: ") + program + ": splits must be in [1, 65535]");
-  if (reduction < 0 || reduction > 2)
-    return ffi::Error::InvalidArgument(std::string("jax_cake: ") + program + ": reduction must be 0, 1 or 2");
+  if (reduction < 0 || reduction > 3)
+    return ffi::Error::InvalidArgument(std::string("jax_cake: ") + program + ": reduction must be 0, 1, 2 or 3");
   return ffi::Error::Success();
 }
 
@@ -197,8 +203,8 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
                      int64_t reduction, int64_t raster) {
   JC_RETURN_IF_ERROR(EnsureLoaded());
   JC_RETURN_IF_ERROR(CheckCommonAttrs("jax_cake_wgrad", splits, reduction, raster));
-  if ((splits == 1) != (reduction == 0))
-    return ffi::Error::InvalidArgument("jax_cake_wgrad: reduction must be 0 exactly when splits == 1");
+  if (reduction != 3 && (splits == 1) != (reduction == 0))
+    return ffi::Error::InvalidArgument("jax_cake_wgrad: reduction must be 0 exactly when splits == 1 (or 3)");
   JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
   JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
   int out_dtype;
@@ -229,6 +235,31 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     const Variant* v = FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false);
     if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false);
     g.c = {dw->untyped_data(), {d_out, d_in, B}, {d_in, d_out * d_in}};
+    return Launch(v, g, stream);
+  }
+
+  if (reduction == 3) {
+    // Split tail: int32 flags (zeroed here, raised by the pieces that hand a partial tile
+    // over), then one fp32 partial tile per flag: (splits - 1) per tile of the tail
+    // rem = tiles % grid, grid = min(SMs, tiles * splits), as the kernel computes it.
+    // jax_cake/planner/variants.py split_tail_workspace_bytes is the same formula.
+    const int64_t tiles = B * ((d_out + tile_m - 1) / tile_m) * ((d_in + tile_n - 1) / tile_n);
+    const int64_t grid = std::min<int64_t>(g_modules.num_sms, tiles * splits);
+    const int64_t slots = (tiles % grid) * (splits - 1);
+    const int64_t flag_words = (slots + 31) / 32 * 32;
+    const int64_t need = (flag_words + slots * tile_m * tile_n) * 4;
+    if (ws_bytes < need)
+      return ffi::Error::InvalidArgument("jax_cake_wgrad: workspace has " + std::to_string(ws_bytes) +
+                                         " bytes, the split tail needs " + std::to_string(need));
+    const Variant* v = FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false, true);
+    if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false, true);
+    if (flag_words > 0) {
+      cudaError_t err = cudaMemsetAsync(ws, 0, static_cast<size_t>(flag_words) * 4, stream);
+      if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("cudaMemsetAsync", err));
+    }
+    const int64_t words = std::max<int64_t>(need / 4, 1), pitch = (words + 7) / 8 * 8;
+    g.c = {dw->untyped_data(), {d_out, d_in, B}, {d_in, d_out * d_in}};
+    g.ws = {ws, {words, 1, 1}, {pitch, pitch}};
     return Launch(v, g, stream);
   }
 

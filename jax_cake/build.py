@@ -183,8 +183,9 @@ def export_kernels(arch: str, obj_dir: pathlib.Path) -> list:
         a = operand(cutlass.BFloat16, 1 if v.a_major == "k" else 0)
         b = operand(cutlass.BFloat16, 1 if v.b_major == "k" else 0)
         c = operand(dtypes[v.out_dtype], 1)
+        ws = operand(cutlass.Float32, 0)  # split-tail workspace (flags, partial tiles); unused by the others
         compiled = cute.compile(
-            GemmSm90(v), a, b, c, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(132), make_fake_stream()
+            GemmSm90(v), a, b, c, ws, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(132), make_fake_stream()
         )
         compiled.export_to_c(str(obj_dir), v.name, v.name)
         _log(f"exported {v.name} ({time.time() - t0:.1f} s)")
@@ -199,7 +200,7 @@ def write_variant_table(variants: list, obj_dir: pathlib.Path) -> pathlib.Path:
     for v in variants:
         lines.append(f'#include "{v.name}.h"')
     lines.append("namespace jax_cake { namespace gen {")
-    operands = [("a", "mA"), ("b", "mB"), ("c", "mC")]
+    operands = [("a", "mA"), ("b", "mB"), ("c", "mC"), ("ws", "mWs")]
     for v in variants:
         lines += c_table.launcher_lines(v.name, "GemmArgs", operands, "g.splits, g.raster, g.max_ctas")
     lines.append("}  // namespace gen")
@@ -207,9 +208,10 @@ def write_variant_table(variants: list, obj_dir: pathlib.Path) -> pathlib.Path:
     for v in variants:
         dt = "kF32" if v.out_dtype == "float32" else "kBf16"
         add = "true" if v.store == "add" else "false"
+        sk = "true" if v.schedule == "split_tail" else "false"
         lines.append(
             f'  {{"{v.name}", "{v.program}", {v.tile_m}, {v.tile_n}, {v.tile_k}, {v.cluster_m}, {v.cluster_n}, '
-            f"{dt}, {add}, gen::load_{v.name}, gen::launch_{v.name}}},"
+            f"{dt}, {add}, {sk}, gen::load_{v.name}, gen::launch_{v.name}}},"
         )
     lines.append("};")
     lines.append(f"static constexpr int kNumVariants = {len(variants)};")

@@ -117,7 +117,9 @@ def call(target, a, b, *, tile, out_dtype=BF16, splits=1, reduction=0, raster=0,
         shape = (B, a.shape[2], b.shape[2])
     ws = 16
     if target == "jax_cake_wgrad":
-        ws = variants.workspace_bytes(splits, reduction, B, shape[1], shape[2], jnp.dtype(out_dtype).name)
+        ws = variants.workspace_bytes(
+            splits, reduction, B, shape[1], shape[2], jnp.dtype(out_dtype).name, tile=tile, sm_count=SMS
+        )
     key = tuple(sorted((k, int(v)) for k, v in _attrs(tile, splits, reduction, raster, cluster).items()))
     fn = _poisoned_fn(target, jnp.dtype(out_dtype).name, ws, key)
     poison = jnp.full(shape, jnp.nan, out_dtype)
@@ -366,6 +368,41 @@ def determinism():
         det = call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32)
         again = call("jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32)
         ok &= report(f"nosplit_bitwise[T{T}_{d_in}->{d_out}]", bool(np.array_equal(np.asarray(det), np.asarray(again))))
+    return ok
+
+
+@check
+def split_tail():
+    """Split-tail wgrad (reduction 3) against float64 and bitwise over 20 runs: tails of
+    fewer tiles than SMs (every tile cut), a full wave plus a tail, batch 2, pieces of one
+    K tile, and the planner's 5120 -> 1024 / 512 cases."""
+    ok = True
+    for B, T, d_in, d_out, splits in (
+        (1, 777, 1032, 200, 4),  # 13 K tiles: pieces of 4, 4, 4, 1
+        (2, 300, 520, 264, 3),
+        (1, 4096, 4096, 1024, 2),  # 128 x 256: all 128 tiles in the tail, 256 pieces in two waves
+        (1, 16172, 5120, 1024, 4),
+        (1, 16384, 5120, 512, 3),
+        (1, 2000, 8192, 2560, 2),  # 128 x 128: 1280 tiles, a tail of 92 over 9 waves
+    ):
+        x, dy = rand((B, T, d_in)), rand((B, T, d_out))
+        ref = ref_wgrad(dy, x)
+        for v in variants.VARIANTS:
+            if v.schedule != "split_tail":
+                continue
+            dt = BF16 if v.out_dtype == "bfloat16" else F32
+            run = functools.partial(
+                call, "jax_cake_wgrad", dy, x, tile=v.tile, out_dtype=dt, splits=splits, reduction=3
+            )
+            first = run()
+            e, bad = rel_err(first, ref)
+            tol = BF16_TOL if dt == BF16 else F32_TOL
+            same = sum(np.array_equal(np.asarray(first), np.asarray(run())) for _ in range(19)) + 1
+            ok &= report(
+                f"split_tail_{v.tile[0]}x{v.tile[1]}_{v.out_dtype}_s{splits}[B{B}_T{T}_{d_in}->{d_out}]",
+                e < tol and bad == 0 and same == 20,
+                f"rel_err={e:.2e} nonfinite={bad} bitwise {same}/20",
+            )
     return ok
 
 

@@ -25,6 +25,18 @@ accumulator. The error of one wgmma chain grows linearly with its length (H200,
 128 tiles; 2.1e-6 at 32 tiles; 2.7e-7 at 4 tiles), about 7e-8 per K tile. bf16 output
 (target 1e-2) does not promote.
 
+Split tail (`schedule="split_tail"`, cluster (1, 1)): whole waves of tiles run as
+above; the `rem = tiles % grid` tiles of the last, partial wave are each cut into
+`splits` K pieces, so the tail runs on up to `rem * splits` CTAs instead of `rem`. The
+pieces are ordered piece-major (concurrent CTAs read the same K range, as in a wave of
+whole tiles). Each piece but the last stores its fp32 partial tile into the workspace and
+raises a flag; the last piece (the highest item id of its tile, so it never waits for
+work scheduled after it) waits for the flags and adds the partials in piece order, then
+stores C. The cut depends only on the shape, the grid and `splits`: bitwise reproducible.
+Workspace: int32 flags [round_up(rem * (splits - 1), 32)], then one partial tile per
+flag. (Cutting K evenly over all CTAs, stream-K proper, was 2x slower for wgrad on the
+H200: CTAs at different K offsets lose the L2 reuse of the shared x and dy rows.)
+
 Ragged edges: TMA loads zero-fill out-of-bounds rows/columns of A and B (including the
 K tail), and TMA stores clip out-of-bounds rows/columns of C, so no predication is
 needed in the kernel body. A split with no K tile writes zeros.
@@ -43,6 +55,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.utils.distributed import spin_lock_ld_lt_relaxed_wait
 
 from jax_cake.kernels.epilogue_sm90 import make_epilogue
 from jax_cake.planner.variants import GemmVariant
@@ -112,12 +125,17 @@ class GemmSm90:
             raise ValueError(f"store must be 'plain' or 'add', got {variant.store!r}")
         if variant.store == "add" and variant.out_dtype != "float32":
             raise ValueError("store='add' needs float32 output")
+        if variant.schedule not in ("tiles", "split_tail"):
+            raise ValueError(f"schedule must be 'tiles' or 'split_tail', got {variant.schedule!r}")
+        if variant.schedule == "split_tail" and (variant.cluster != (1, 1) or variant.store != "plain"):
+            raise ValueError("schedule='split_tail' needs cluster (1, 1) and store='plain'")
         if variant.promote and variant.tile_n > 160:
             # 64 x tile_n fp32 per consumer warpgroup twice (partial + total) is tile_n
             # registers per thread: 256 at tile_n = 256, over the 232 a consumer gets.
             raise ValueError("promote (fp32 wgrad) needs tile_n <= 160: the second accumulator does not fit")
         self.variant = variant
         self.reduce_add = variant.store == "add"
+        self.split_tail = variant.schedule == "split_tail"
         self.promote = variant.promote
         self.tile_mnk = (variant.tile_m, variant.tile_n, variant.tile_k)
         # Cluster (cm, 1): the cm CTAs of a cluster own vertically adjacent M tiles of
@@ -154,6 +172,7 @@ class GemmSm90:
         mA: cute.Tensor,
         mB: cute.Tensor,
         mC: cute.Tensor,
+        mWs: cute.Tensor,
         splits: cutlass.Int32,
         raster: cutlass.Int32,
         max_ctas: cutlass.Int32,
@@ -219,6 +238,10 @@ class GemmSm90:
         tiles_n = cutlass.Int32((cute.size(mC, mode=[1]) + self.tile_mnk[1] - 1) // self.tile_mnk[1])
         num_tiles = tiles_mc * tiles_n * cutlass.Int32(cute.size(mA, mode=[2])) * splits
         grid_x = cutlass.min(num_tiles, max_ctas // cm) * cm
+        if cutlass.const_expr(self.split_tail):
+            # num_tiles counts every tile `splits` times; the kernel derives rem from the
+            # grid: tiles >= max_ctas gives grid = max_ctas, fewer gives rem = tiles.
+            grid_x = cutlass.min(num_tiles, max_ctas)
 
         self.kernel(
             tma_atom_a,
@@ -227,6 +250,7 @@ class GemmSm90:
             tma_b,
             tma_atom_c,
             tma_c,
+            mWs,
             tiled_mma,
             a_smem_staged,
             b_smem_staged,
@@ -250,6 +274,7 @@ class GemmSm90:
         mB: cute.Tensor,
         tma_atom_c: cute.CopyAtom,
         mC: cute.Tensor,
+        mWs: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
@@ -284,6 +309,15 @@ class GemmSm90:
         # K tiles per split: split s reduces K tiles [s * per_split, (s + 1) * per_split).
         k_tiles = cutlass.Int32((cute.size(mA, mode=[1]) + self.tile_mnk[2] - 1) // self.tile_mnk[2])
         per_split = (k_tiles + splits - 1) // splits
+        # Work items: tile ids (times splits); with a split tail, the whole tiles [0, dp)
+        # and then the pieces of the rem tail tiles, piece-major.
+        num_items, dp, rem = num_tiles, num_tiles, 1
+        if cutlass.const_expr(self.split_tail):
+            whole = num_tiles // splits
+            rem = whole % num_clusters
+            dp = whole - rem
+            num_items = dp + rem * splits
+            rem = cutlass.max(rem, 1)  # no tail item reads it when rem == 0
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -326,11 +360,11 @@ class GemmSm90:
                 if cutlass.const_expr(cm > 1):
                     cta_layout_mnk = cute.make_layout((cm, 1, 1))
                     b_mask = cute.make_layout_image_mask(cta_layout_mnk, cta_layout_mnk.get_flat_coord(rank), mode=0)
-                for tile_id in cutlass.range(cluster_id, num_tiles, num_clusters, unroll=1):
+                for item in cutlass.range(cluster_id, num_items, num_clusters, unroll=1):
+                    tile_id, piece, pieces = self._item(item, dp, rem, splits)
                     pid_mc, pid_n, l_idx, split = self._decode(tile_id, tiles_mc, tiles_n, num_l, raster)
                     pid_m = pid_mc * cm + rank
-                    k_begin = split * per_split
-                    k_cnt = cutlass.max(cutlass.min(per_split, k_tiles - k_begin), 0)
+                    k_begin, k_cnt = self._k_range(split, per_split, k_tiles, piece, pieces)
                     gA = cute.local_tile(mA, self.tile_mnk, (pid_m, pid_n, None, l_idx), proj=(1, None, 1))
                     gB = cute.local_tile(mB, self.tile_mnk, (pid_m, pid_n, None, l_idx), proj=(None, 1, 1))
                     tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
@@ -407,11 +441,11 @@ class GemmSm90:
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            for tile_id in cutlass.range(cluster_id, num_tiles, num_clusters, unroll=1):
+            for item in cutlass.range(cluster_id, num_items, num_clusters, unroll=1):
+                tile_id, piece, pieces = self._item(item, dp, rem, splits)
                 pid_mc, pid_n, l_idx, split = self._decode(tile_id, tiles_mc, tiles_n, num_l, raster)
                 pid_m = pid_mc * cm + rank
-                k_begin = split * per_split
-                k_cnt = cutlass.max(cutlass.min(per_split, k_tiles - k_begin), 0)
+                k_begin, k_cnt = self._k_range(split, per_split, k_tiles, piece, pieces)
                 acc.fill(0.0)
                 # With `promote`, wgmma accumulates into acc_k, which is added into acc
                 # (round-to-nearest fp32) every _PROMOTE_EVERY K tiles and at the end.
@@ -449,41 +483,99 @@ class GemmSm90:
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
 
-                # -------------------------------------------------------- epilogue
-                # plain store: batch z = split * L + l of C (the workspace when
-                # splits > 1); reduce-add: batch l (all splits add into one tile).
-                c_batch = split * num_l + l_idx
-                if cutlass.const_expr(self.reduce_add):
-                    c_batch = l_idx
-                gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, c_batch), proj=(1, 1, None))
-                gC_epi = cute.zipped_divide(gC, self.epi_tile)
-                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                    tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
-                )
-                epi_tile_num = cute.size(gC_epi, mode=[1])
-                epi_tile_shape = gC_epi.shape[1]
-                epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
-                for epi_idx in cutlass.range_constexpr(epi_tile_num):
-                    buf = epi_idx % self.epi_stage
-                    # Wait only for the store that last read this buffer (epi_stage stores
-                    # ago); the stores of a tile's last sub-tiles drain under the next K loop.
-                    if warp_idx == 4:
-                        c_pipe.producer_acquire()
-                    epi_bar.arrive_and_wait()
-                    for v in cutlass.range_constexpr(size_tRS_rD):
-                        tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
-                    tRS_rD_out = cute.make_rmem_tensor_like(tRS_rD_layout, self.c_dtype)
-                    tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
-                    cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                    # Ordinary smem stores must be visible to the TMA (async proxy).
-                    cute.arch.fence_view_async_shared()
-                    epi_bar.arrive_and_wait()
-                    gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
-                    if warp_idx == 4:
-                        cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
-                        c_pipe.producer_commit()
+                store_c = True
+                if cutlass.const_expr(self.split_tail):
+                    # Split-tail fixup (module docstring): pieces hand their partials to
+                    # the tile's last piece, which adds them in piece order.
+                    store_c = piece == pieces - 1
+                    tile_elems = self.tile_mnk[0] * self.tile_mnk[1]
+                    slots = rem * (splits - 1)
+                    flags = cute.recast_ptr(mWs.iterator, dtype=cutlass.Int32)
+                    partials = mWs.iterator + (slots + 31) // 32 * 32 + mma_tidx
+                    slot = piece * rem + (tile_id - dp)
+                    if piece < pieces - 1:
+                        mine = cute.make_tensor(
+                            partials + slot * tile_elems, cute.make_layout(cute.size(acc), stride=self.mma_threads)
+                        )
+                        for v in cutlass.range_constexpr(cute.size(acc)):
+                            mine[v] = acc[v]
+                        epi_bar.arrive_and_wait()
+                        if mma_tidx == 0:
+                            cute.arch.fence_acq_rel_gpu()
+                            cute.arch.store(flags + slot, cutlass.Int32(1), sem="release", scope="gpu")
+                    else:
+                        for earlier in cutlass.range(pieces - 1, unroll=1):
+                            other = earlier * rem + (tile_id - dp)
+                            if mma_tidx == 0:
+                                spin_lock_ld_lt_relaxed_wait(flags + other, expected_val=1, scope="gpu")
+                                cute.arch.fence_acq_rel_gpu()
+                            epi_bar.arrive_and_wait()
+                            theirs = partials + other * tile_elems
+                            for v in cutlass.range_constexpr(cute.size(acc)):
+                                acc[v] = acc[v] + cute.arch.load(
+                                    theirs + v * self.mma_threads, cutlass.Float32, cop="cg"
+                                )
+
+                if store_c:
+                    # -------------------------------------------------------- epilogue
+                    # plain store: batch z = split * L + l of C (the workspace when
+                    # splits > 1); reduce-add: batch l (all splits add into one tile).
+                    c_batch = split * num_l + l_idx
+                    if cutlass.const_expr(self.reduce_add):
+                        c_batch = l_idx
+                    gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, c_batch), proj=(1, 1, None))
+                    gC_epi = cute.zipped_divide(gC, self.epi_tile)
+                    bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                        tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+                    )
+                    epi_tile_num = cute.size(gC_epi, mode=[1])
+                    epi_tile_shape = gC_epi.shape[1]
+                    epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
+                    for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                        buf = epi_idx % self.epi_stage
+                        # Wait only for the store that last read this buffer (epi_stage stores
+                        # ago); the stores of a tile's last sub-tiles drain under the next K loop.
+                        if warp_idx == 4:
+                            c_pipe.producer_acquire()
+                        epi_bar.arrive_and_wait()
+                        for v in cutlass.range_constexpr(size_tRS_rD):
+                            tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
+                        tRS_rD_out = cute.make_rmem_tensor_like(tRS_rD_layout, self.c_dtype)
+                        tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
+                        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                        # Ordinary smem stores must be visible to the TMA (async proxy).
+                        cute.arch.fence_view_async_shared()
+                        epi_bar.arrive_and_wait()
+                        gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
+                        if warp_idx == 4:
+                            cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
+                            c_pipe.producer_commit()
             if warp_idx == 4:
                 c_pipe.producer_tail()
+
+    @cute.jit
+    def _item(self, item, dp, rem, splits):
+        """Work item -> (tile id for _decode, piece, pieces): the item itself (one piece)
+        without a split tail; with one, whole tiles below dp, then tail pieces piece-major."""
+        tile_id, piece, pieces = item, 0, 1
+        if cutlass.const_expr(self.split_tail):
+            tail = cutlass.max(item - dp, 0)
+            tile_id = cutlass.min(item, dp) + tail % rem
+            piece = tail // rem
+            pieces = cutlass.Int32(1) + (splits - 1) * cutlass.Int32(item >= dp)
+        return tile_id, piece, pieces
+
+    @cute.jit
+    def _k_range(self, split, per_split, k_tiles, piece, pieces):
+        """(first K tile, K tile count): the split's range, or with a split tail the
+        piece's share of the whole K loop."""
+        k_begin = split * per_split
+        k_cnt = cutlass.max(cutlass.min(per_split, k_tiles - k_begin), 0)
+        if cutlass.const_expr(self.split_tail):
+            per_piece = (k_tiles + pieces - 1) // pieces
+            k_begin = piece * per_piece
+            k_cnt = cutlass.max(cutlass.min(per_piece, k_tiles - k_begin), 0)
+        return k_begin, k_cnt
 
     @cute.jit
     def _decode(self, tile_id, tiles_m, tiles_n, num_l, raster):

@@ -77,7 +77,10 @@ _WAVE_FILL = 0.9
 ROUTER_KERNELS_ENABLED = True
 # fwd/dgrad walk tiles along N first from this N up (measured on the H200).
 _RASTER_N_MIN = 512
-_REDUCTION_CODES = {"none": 0, "ordered": 1, "arrival": 2}
+_REDUCTION_CODES = {"none": 0, "ordered": 1, "arrival": 2, "split_tail": 3}
+# A split tail cuts each tail tile into at most this many K pieces (each piece but the
+# last costs a partial-tile store and load).
+_MAX_TAIL_SPLITS = 4
 # Cluster pairs (2, 1): the CTAs of two adjacent M tiles share their B tile (TMA multicast),
 # halving its L2 -> SM traffic. On the H200 that was 1-3.5 % faster where the GEMM is
 # compute bound (N >= 1024, K >= 512) and no gain or a loss elsewhere (N = 512: -1.5 to
@@ -106,10 +109,14 @@ class Plan:
     tile: tuple[int, int, int] = (0, 0, 0)
     cluster: tuple[int, int] = (1, 1)
     splits: int = 1
-    reduction: str = "none"  # "none", "ordered" (fixed split order), "arrival" (atomics)
+    # "none", "ordered" (fixed split order, second pass), "arrival" (atomics), "split_tail"
+    # (the last partial wave's tiles cut into `splits` K pieces summed in piece order in
+    # the kernel: reproducible)
+    reduction: str = "none"
     raster: str = "m"  # tiles walk along m first, or "n"
     workspace_bytes: int = 0
     reason: str = ""
+    sm_count: int = 0  # the device's SM count the plan was made for (kernel plans)
 
     @property
     def uses_kernel(self) -> bool:
@@ -124,6 +131,9 @@ class Plan:
         if not self.uses_kernel:
             return 0
         tm, tn, _ = self.tile
+        if self.reduction == "split_tail":  # whole tiles, then splits pieces per tail tile
+            tiles = self.batch * math.ceil(self.m / tm) * math.ceil(self.n / tn)
+            return tiles + variants.split_tail_slots(tiles, self.splits, self.sm_count)
         return self.batch * math.ceil(self.m / tm) * math.ceil(self.n / tn) * self.splits
 
     def ffi_attributes(self) -> dict[str, Any]:
@@ -285,6 +295,10 @@ def _wgrad_plan(
     ]
     if wanted is not None and tuple(wanted) in compiled_tiles("wgrad"):
         candidates.insert(0, (tuple(wanted), f"{wanted[0]}x{wanted[1]} tiles as requested"))
+    if program == "det" and forced is None and not memory_bound:
+        tail = _split_tail_plan(base, dev, out_dtype, why)
+        if tail is not None:
+            return tail
     for tile, tile_note in candidates:
         tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
         k_tiles = math.ceil(k / tile[2])
@@ -321,6 +335,68 @@ def _wgrad_plan(
     )
 
 
+def _tail_splits(tiles: int, sm_count: int, k_tiles: int) -> tuple[int, float]:
+    """(splits, tail cost in tile times) for the split tail: the tiles of the last partial
+    wave cut into the splits (2.._MAX_TAIL_SPLITS, pieces of >= _MIN_K_TILES_PER_SPLIT K
+    tiles) that finish the tail soonest; (1, 1.0) where no cut beats the whole tiles, (1,
+    0.0) where there is no tail."""
+    rem = tiles % sm_count
+    if rem == 0:
+        return 1, 0.0
+    best, best_cost = 1, 1.0
+    for splits in range(2, min(_MAX_TAIL_SPLITS, k_tiles // _MIN_K_TILES_PER_SPLIT) + 1):
+        cost = math.ceil(rem * splits / sm_count) / splits
+        if cost < best_cost - 1e-9:
+            best, best_cost = splits, cost
+    return best, best_cost
+
+
+def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why: str) -> Plan | None:
+    """A compute-bound wgrad on the largest split-tail tile, where that tile makes at
+    least one whole wave and its last wave is under _WAVE_FILL full: whole waves as
+    usual, the tail's tiles cut into K pieces. None where a plain pass fills its waves,
+    no cut helps, there is no whole wave, or the library holds no split-tail variant.
+
+    The cut costs ~15-20 us more than its share of the K loop predicts (H200,
+    2026-11-30: 5120 -> 1024 BF16 227 us for a predicted 209), so it wins only against a
+    whole extra wave: 5120 -> 1024 BF16 wgrad 246-253 -> 227 us. With no whole wave,
+    smaller tiles do better (4096 -> 512 BF16: 98 us cut in two, 89 on 128 x 128;
+    5120 -> 512: 132 cut in three, 122 on 128 x 160)."""
+    batch, m, n, k = base["batch"], base["m"], base["n"], base["k"]
+    tail_tiles = sorted(
+        (
+            v.tile
+            for v in variants.VARIANTS
+            if v.program == "wgrad" and v.schedule == "split_tail" and v.out_dtype == out_dtype
+        ),
+        key=lambda t: t[0] * t[1],
+        reverse=True,
+    )
+    if not tail_tiles:
+        return None
+    tile = tail_tiles[0]
+    tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
+    fill = tiles / (math.ceil(tiles / dev.sm_count) * dev.sm_count)
+    splits, cost = _tail_splits(tiles, dev.sm_count, math.ceil(k / tile[2]))
+    if tiles < dev.sm_count or fill >= _WAVE_FILL or splits == 1:
+        return None
+    code = _REDUCTION_CODES["split_tail"]
+    rem = tiles % dev.sm_count
+    return Plan(
+        **base,
+        program="det",
+        tile=tile,
+        splits=splits,
+        reduction="split_tail",
+        workspace_bytes=variants.workspace_bytes(
+            splits, code, batch, m, n, out_dtype, tile=tile, sm_count=dev.sm_count
+        ),
+        reason=f"deterministic program ({why}): {tile[0]}x{tile[1]} tiles, {tiles // dev.sm_count} whole waves, then "
+        f"the last {rem} tiles (a wave {fill:.0%} full) cut into {splits} K pieces each, summed in piece order in "
+        f"the kernel (the tail takes {cost:.2f} of a tile's time)",
+    )
+
+
 def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
     """The fused BF16x3 router kernels: one program each, always reproducible."""
     args = (op, batch, m, n, k, "float32", dev)
@@ -344,7 +420,18 @@ def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
             *args, "no fused BF16x3 router kernel in this build: XLA runs the BF16x3 split with FP32 accumulation"
         )
     tile, tile_note = _pick_tile(op, 1, m, n, dev.sm_count)
-    base = dict(op=op, backend="sm90a", batch=1, m=m, n=n, k=k, out_dtype="float32", device=dev.describe(), tile=tile)
+    base = dict(
+        op=op,
+        backend="sm90a",
+        batch=1,
+        m=m,
+        n=n,
+        k=k,
+        out_dtype="float32",
+        device=dev.describe(),
+        tile=tile,
+        sm_count=dev.sm_count,
+    )
     how = "fused BF16x3 (hi*hi + hi*lo + lo*hi, FP32 accumulation)"
     if op != "router_wgrad":
         return Plan(**base, program="gemm", reason=f"{how}, one pass over K={k}: {tile_note}")
@@ -424,7 +511,17 @@ def plan(
     if dev.sm_count is None:
         return _xla_plan(*args, f"the SM count of {dev.kind} is unknown")
 
-    base = dict(op=op, backend="sm90a", batch=batch, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe())
+    base = dict(
+        op=op,
+        backend="sm90a",
+        batch=batch,
+        m=m,
+        n=n,
+        k=k,
+        out_dtype=out_dtype,
+        device=dev.describe(),
+        sm_count=dev.sm_count,
+    )
     if op == "wgrad":
         return _wgrad_plan(base, dev, bool(deterministic), out_dtype, tokens, d_in, d_out)
     tile, tile_note = _pick_tile(op, batch, m, n, dev.sm_count, "bfloat16")

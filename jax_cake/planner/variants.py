@@ -27,6 +27,7 @@ PROGRAM_MAJORS = {
 REDUCTION_NONE = 0
 REDUCTION_ORDERED = 1  # fp32 partials [splits, L, M, N] + a reduce pass in split order
 REDUCTION_ATOMIC = 2  # arrival order: TMA reduce-add stores (cp.reduce.async.bulk.tensor)
+REDUCTION_SPLIT_TAIL = 3  # the last partial wave's tiles cut into K pieces, summed in piece order in the kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,10 @@ class GemmVariant:
     # "add": TMA reduce-add (fp32) of the tile into batch l of C; every split adds
     # into the same tile in arrival order (reduction=2, not bitwise reproducible).
     store: str = "plain"
+    # "tiles": each CTA walks whole tiles (or splits of them). "split_tail": whole waves of
+    # tiles, then the last partial wave's tiles cut into `splits` K pieces that the kernel
+    # sums in piece order (reduction=3, bitwise reproducible; gemm_sm90's docstring).
+    schedule: str = "tiles"
 
     @property
     def a_major(self) -> str:
@@ -75,7 +80,7 @@ class GemmVariant:
     def name(self) -> str:
         """Unique C identifier, also the exported object's file name."""
         dt = {"bfloat16": "bf16", "float32": "f32"}[self.out_dtype]
-        suffix = "" if self.store == "plain" else f"_{self.store}"
+        suffix = ("" if self.store == "plain" else f"_{self.store}") + ("_st" if self.schedule == "split_tail" else "")
         return (
             f"jax_cake_{self.program}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
             f"_c{self.cluster_m}x{self.cluster_n}_{dt}{suffix}"
@@ -115,6 +120,10 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("wgrad", 128, 160, out_dtype="bfloat16"),
     GemmVariant("wgrad", 128, 128, cluster_m=2, out_dtype="float32"),
     GemmVariant("wgrad", 128, 128, cluster_m=2, out_dtype="bfloat16"),
+    # Split-tail wgrad: where the tiles leave the last wave short (5120 -> 1024 is 160 tiles
+    # of 128 x 256 on 132 SMs: one full wave and 28 tiles), the tail's tiles are cut along K.
+    # bf16 dw only: the fp32 (128 x 128, promoting) one measured no gain (H200, 2026-11-30).
+    GemmVariant("wgrad", 128, 256, out_dtype="bfloat16", schedule="split_tail"),
     # wgrad arrival-order split-K (reduction=2): fp32 reduce-add into dw or workspace
     GemmVariant("wgrad", 64, 128, out_dtype="float32", store="add"),
     GemmVariant("wgrad", 128, 128, out_dtype="float32", store="add"),
@@ -127,11 +136,12 @@ def find_variant(
     cluster: tuple[int, int],
     out_dtype: str,
     store: str = "plain",
+    schedule: str = "tiles",
 ) -> GemmVariant | None:
     """The compiled variant matching these attributes, or None."""
-    key = (program, tuple(tile), tuple(cluster), out_dtype, store)
+    key = (program, tuple(tile), tuple(cluster), out_dtype, store, schedule)
     for v in VARIANTS:
-        if (v.program, v.tile, v.cluster, v.out_dtype, v.store) == key:
+        if (v.program, v.tile, v.cluster, v.out_dtype, v.store, v.schedule) == key:
             return v
     return None
 
@@ -148,11 +158,33 @@ def supports(program: str, tile, cluster, out_dtype: str, splits: int, reduction
         return find_variant(program, tile, cluster, "float32") is not None
     if splits > 1 and reduction == REDUCTION_ATOMIC:
         return find_variant(program, tile, cluster, "float32", "add") is not None
+    if reduction == REDUCTION_SPLIT_TAIL:
+        return find_variant(program, tile, cluster, out_dtype, schedule="split_tail") is not None
     return False
 
 
-def workspace_bytes(splits: int, reduction: int, batch: int, m: int, n: int, out_dtype: str) -> int:
-    """Workspace size of the FFI contract (at least 16 bytes so arity stays fixed)."""
+def split_tail_slots(tiles: int, splits: int, sm_count: int) -> int:
+    """Partial tiles a split tail hands over: (splits - 1) per tail tile. The grid is
+    min(SMs, tiles * splits) and the tail rem = tiles % grid (the kernel and the FFI
+    handler compute the same)."""
+    grid = min(sm_count, tiles * splits)
+    return (tiles % grid) * (splits - 1)
+
+
+def split_tail_workspace_bytes(tiles: int, splits: int, tile, sm_count: int) -> int:
+    """int32 flags, one per slot (padded to 32), then one fp32 partial tile per slot."""
+    slots = split_tail_slots(tiles, splits, sm_count)
+    return ((slots + 31) // 32 * 32 + slots * tile[0] * tile[1]) * 4
+
+
+def workspace_bytes(
+    splits: int, reduction: int, batch: int, m: int, n: int, out_dtype: str, tile=None, sm_count: int = 0
+) -> int:
+    """Workspace size of the FFI contract (at least 16 bytes so arity stays fixed).
+    A split tail (reduction 3) needs the tile and the SM count."""
+    if reduction == REDUCTION_SPLIT_TAIL:
+        tiles = batch * -(-m // tile[0]) * -(-n // tile[1])
+        return max(split_tail_workspace_bytes(tiles, splits, tile, sm_count), 16)
     if reduction == REDUCTION_ORDERED and splits > 1:
         need = splits * batch * m * n * 4
     elif reduction == REDUCTION_ATOMIC and out_dtype == "bfloat16":
