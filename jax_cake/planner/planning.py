@@ -194,21 +194,18 @@ def _log_fallback_once(device: str, reason: str) -> None:
     logging.warning("jax_cake: on %s the XLA path runs instead of the kernels: %s", device, reason)
 
 
+def _plan_fields(op, batch, m, n, k, out_dtype, dev, backend: str = "sm90a") -> dict:
+    """The Plan fields every plan of this GEMM shares (kernel plans carry the SM count)."""
+    fields = dict(op=op, backend=backend, batch=batch, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe())
+    if backend != "xla":
+        fields["sm_count"] = dev.sm_count
+    return fields
+
+
 def _xla_plan(op, batch, m, n, k, out_dtype, dev, reason) -> Plan:
     if dev.platform == "cuda":  # a GPU user expects the kernels: say once why not
         _log_fallback_once(dev.describe(), reason)
-    return Plan(
-        op=op,
-        backend="xla",
-        program="xla",
-        batch=batch,
-        m=m,
-        n=n,
-        k=k,
-        out_dtype=out_dtype,
-        device=dev.describe(),
-        reason=reason,
-    )
+    return Plan(**_plan_fields(op, batch, m, n, k, out_dtype, dev, backend="xla"), program="xla", reason=reason)
 
 
 def _ranked_tiles(
@@ -420,18 +417,7 @@ def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
             *args, "no fused BF16x3 router kernel in this build: XLA runs the BF16x3 split with FP32 accumulation"
         )
     tile, tile_note = _pick_tile(op, 1, m, n, dev.sm_count)
-    base = dict(
-        op=op,
-        backend="sm90a",
-        batch=1,
-        m=m,
-        n=n,
-        k=k,
-        out_dtype="float32",
-        device=dev.describe(),
-        tile=tile,
-        sm_count=dev.sm_count,
-    )
+    base = dict(**_plan_fields(op, 1, m, n, k, "float32", dev), tile=tile)
     how = "fused BF16x3 (hi*hi + hi*lo + lo*hi, FP32 accumulation)"
     if op != "router_wgrad":
         return Plan(**base, program="gemm", reason=f"{how}, one pass over K={k}: {tile_note}")
@@ -511,17 +497,7 @@ def plan(
     if dev.sm_count is None:
         return _xla_plan(*args, f"the SM count of {dev.kind} is unknown")
 
-    base = dict(
-        op=op,
-        backend="sm90a",
-        batch=batch,
-        m=m,
-        n=n,
-        k=k,
-        out_dtype=out_dtype,
-        device=dev.describe(),
-        sm_count=dev.sm_count,
-    )
+    base = _plan_fields(*args)
     if op == "wgrad":
         return _wgrad_plan(base, dev, bool(deterministic), out_dtype, tokens, d_in, d_out)
     tile, tile_note = _pick_tile(op, batch, m, n, dev.sm_count, "bfloat16")
