@@ -428,6 +428,42 @@ def test_split_tail_pieces_and_workspace():
     assert split_tail_slots(264, 2, 132) == 0
 
 
+def _split_tail_items(tiles: int, splits: int, k_tiles: int, sm_count: int):
+    """The split tail's work items as gemm_sm90 walks them (GemmSm90._item and _k_range):
+    (item, tile, piece, first K tile, K tile count), in item order."""
+    grid = min(sm_count, tiles * splits)
+    rem = tiles % grid
+    dp = tiles - rem
+    items = []
+    for item in range(dp + rem * splits):
+        tail = max(item - dp, 0)
+        tile, piece = min(item, dp) + tail % max(rem, 1), tail // max(rem, 1)
+        pieces = splits if item >= dp else 1
+        per = -(-k_tiles // pieces)
+        k0 = piece * per
+        items.append((item, tile, piece, k0, max(min(per, k_tiles - k0), 0)))
+    return grid, rem, items
+
+
+@pytest.mark.parametrize(
+    "tiles, splits, k_tiles", [(160, 4, 256), (64, 2, 256), (80, 3, 253), (320, 2, 13), (133, 4, 9)]
+)
+def test_split_tail_schedule_covers_every_k_tile_once(tiles, splits, k_tiles):
+    """The schedule the kernel docstring describes: every (tile, K tile) once, the last
+    piece of a tile is its highest item (it waits only for earlier items: no deadlock on
+    a persistent grid), and the hand-over slots fit the planner's workspace."""
+    grid, rem, items = _split_tail_items(tiles, splits, k_tiles, 132)
+    covered = sorted((tile, k) for _, tile, _, k0, cnt in items for k in range(k0, k0 + cnt))
+    assert covered == [(t, k) for t in range(tiles) for k in range(k_tiles)]
+    slots = set()
+    for tile in range(tiles - rem, tiles):
+        pieces = sorted((p, i) for i, t, p, _, _ in items if t == tile)
+        assert [p for p, _ in pieces] == list(range(splits))
+        assert pieces[-1][1] == max(i for _, i in pieces)  # the finisher comes last
+        slots |= {p * rem + (tile - (tiles - rem)) for p, _ in pieces[:-1]}
+    assert slots == set(range(split_tail_slots(tiles, splits, 132)))
+
+
 def test_split_tail_needs_a_whole_wave():
     """With no whole wave the cut's overhead lost to smaller tiles (4096 -> 512 BF16: 98 us
     cut in two, 89 on 128 x 128; H200, 2026-11-30)."""
