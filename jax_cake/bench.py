@@ -4,6 +4,7 @@
         --md=out/bench.md --csv=out/bench.csv
     python -m jax_cake.bench --family=router --md=out/router.md --csv=out/router.csv
     python -m jax_cake.bench --family=batched --md=out/batched.md --csv=out/batched.csv
+    python -m jax_cake.bench --merge=out/a.csv,out/b.csv --md=out/all.md  # one table, no runs
 
 Families (`--family`, one per invocation), each with its ops, arms and grid flags:
 - dense: `dense_projection(x bf16 [T, d_in], w [d_out, d_in])`; ops fwd, dgrad, wgrad,
@@ -774,10 +775,11 @@ def geomean_lines(rows: Sequence[dict], family: str = "dense") -> list[str]:
     return lines
 
 
-def markdown(header: dict, rows: Sequence[dict], family: str = "dense") -> str:
+def markdown(header: dict | None, rows: Sequence[dict], family: str = "dense", title: str | None = None) -> str:
+    """The table with its geomeans; `title` replaces the header line (merged tables)."""
     columns = report_columns(rows, family)
     out = [
-        header_line(header),
+        title if title is not None else header_line(header),
         "",
         "Geomeans over rows (range in parentheses):",
         *geomean_lines(rows, family),
@@ -799,6 +801,33 @@ def write_csv(path: str, rows: Sequence[dict], family: str = "dense") -> None:
 
 
 # --- entry point -------------------------------------------------------------------------------
+
+
+def read_csv_rows(paths: Sequence[str]) -> list[dict]:
+    """The rows of CSV files written by --csv, in file order, numbers parsed back."""
+
+    def parse(v: str):
+        if v == "":
+            return None
+        for kind in (int, float):
+            try:
+                return kind(v)
+            except ValueError:
+                pass
+        return v
+
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            rows += [{k: parse(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    return rows
+
+
+def merged_title(paths: Sequence[str]) -> str:
+    return (
+        f"Rows merged from {', '.join(os.path.basename(p) for p in paths)} (each measured as its run's "
+        "header says); ratios = baseline us / new us (above 1: new is faster)"
+    )
 
 
 def selected(argv_name: str, allowed: Sequence[str]) -> list[str]:
@@ -838,6 +867,10 @@ def family_points(family: str) -> list[Point]:
 def main(argv):
     del argv
     family = FAMILIES[FLAGS.family]
+    if FLAGS.merge:  # one table over earlier runs' CSVs: nothing is measured
+        rows = read_csv_rows(FLAGS.merge)
+        emit(markdown(None, rows, FLAGS.family, title=merged_title(FLAGS.merge)), rows, FLAGS.family)
+        return
     stray = [n for n in family.unused if FLAGS[n].present]
     if stray:
         raise app.UsageError(f"--family={FLAGS.family} does not take {', '.join('--' + n for n in stray)}")
@@ -867,13 +900,17 @@ def main(argv):
     names = [n for n in SHARED_FLAGS + FAMILY_FLAGS if n not in family.unused]
     header, samples = run_children("jax_cake.bench", child_argv(names), modes, FLAGS.runs)
     rows = table_rows(header, samples)
-    text = markdown(header, rows, FLAGS.family)
+    emit(markdown(header, rows, FLAGS.family), rows, FLAGS.family)
+
+
+def emit(text: str, rows: Sequence[dict], family: str) -> None:
+    """Print the table; write it to --md and --csv when given."""
     print(text)
     if FLAGS.md:
         with open(FLAGS.md, "w") as f:
             f.write(text)
     if FLAGS.csv:
-        write_csv(FLAGS.csv, rows, FLAGS.family)
+        write_csv(FLAGS.csv, rows, family)
 
 
 if __name__ == "__main__":
@@ -884,4 +921,7 @@ if __name__ == "__main__":
     flags.DEFINE_list("pairs", ["128:512", "512:128"], "batched: d_in:d_out pairs.")
     flags.DEFINE_string("csv", None, "Write the table as CSV here.")
     flags.DEFINE_string("md", None, "Write the markdown table here.")
+    flags.DEFINE_list(
+        "merge", None, "CSV files of earlier runs (--csv): print one table over all their rows instead of measuring."
+    )
     app.run(main)

@@ -280,6 +280,32 @@ class ArmsAndReportTest(absltest.TestCase):
         self.assertIn("| 217.00 | 1.550 |", text)
         self.assertIn("split/s1/t64x128x64/new 1.550", text)
 
+    def test_merge_recomputes_geomeans_over_the_files_rows(self):
+        header = {"gpu": "H200", "sms": 132, "driver": "d", "jax": "0.11.2", "date": "2026-11-30"}
+        header["timer"] = bench.DEVICE_LABEL
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = []
+            for tokens, new_us in ((16172, 20.0), (16384, 80.0)):
+                point = dict(tokens=tokens, d_in=4096, d_out=48, out="float32")
+                samples = [
+                    {**point, "op": "wgrad", "mode": "g", "run": 0, "arm": arm, "groups_us": [us, us]}
+                    for arm, us in (("new", new_us), ("xla", 40.0))
+                ]
+                paths.append(os.path.join(tmp, f"{tokens}.csv"))
+                bench.write_csv(paths[-1], bench.table_rows(header, samples))
+            md = os.path.join(tmp, "all.md")
+            subprocess.run(
+                [sys.executable, "-m", "jax_cake.bench", f"--merge={','.join(paths)}", f"--md={md}"],
+                cwd=REPO,
+                check=True,
+                capture_output=True,
+            )
+            text = open(md).read()
+        self.assertTrue(text.startswith("Rows merged from 16172.csv, 16384.csv"))
+        # XLA/new is 2.0 and 0.5: geomean 1.0 over both files' rows
+        self.assertIn("- wgrad g (2 rows): XLA/new 1.000 (0.500 to 2.000)", text)
+        self.assertIn("| H200 | 132 | 4096 -> 48 | FP32 | 16384 | wgrad | g | n/a | n/a | 40.00 | n/a | 80.00 |", text)
+
 
 if __name__ == "__main__":
     absltest.main()
