@@ -292,7 +292,7 @@ def _wgrad_plan(
     ]
     if wanted is not None and tuple(wanted) in compiled_tiles("wgrad"):
         candidates.insert(0, (tuple(wanted), f"{wanted[0]}x{wanted[1]} tiles as requested"))
-    if program == "det" and forced is None and not memory_bound:
+    if program == "det" and forced_tile is None and forced_splits is None and not memory_bound:
         tail = _split_tail_plan(base, dev, out_dtype, why)
         if tail is not None:
             return tail
