@@ -208,6 +208,11 @@ def _xla_plan(op, batch, m, n, k, out_dtype, dev, reason) -> Plan:
     return Plan(**_plan_fields(op, batch, m, n, k, out_dtype, dev, backend="xla"), program="xla", reason=reason)
 
 
+def _wave_fill(ctas: int, sm_count: int) -> float:
+    """How full the CTAs keep the SMs over their waves (1.0: every wave full)."""
+    return ctas / (math.ceil(ctas / sm_count) * sm_count)
+
+
 def _ranked_tiles(
     program: str, batch: int, m: int, n: int, sm_count: int, out_dtype: str | None = None
 ) -> list[tuple[tuple[int, int, int], str]]:
@@ -217,8 +222,7 @@ def _ranked_tiles(
         tm, tn, _ = tile
         count = batch * math.ceil(m / tm) * math.ceil(n / tn)
         edge = (m * n * batch) / (count * tm * tn)
-        waves = math.ceil(count / sm_count)
-        wave = count / (waves * sm_count)
+        wave = _wave_fill(count, sm_count)
         score = edge * wave * _TILE_PRIOR.get((tm, tn), 0.8)
         ranked.append(
             (score, tile, f"{tm}x{tn} tiles: {count} tiles over {sm_count} SMs, {edge:.0%} of the tile area used")
@@ -249,8 +253,7 @@ def _det_splits(tiles: int, k: int, tile_k: int, sm_count: int, fill_waves: bool
         return 1 if tiles >= sm_count // 2 else min(max(1, sm_count // tiles), most)
     best, best_fill = 1, 0.0
     for splits in range(1, most + 1):
-        ctas = tiles * splits
-        fill = ctas / (math.ceil(ctas / sm_count) * sm_count)
+        fill = _wave_fill(tiles * splits, sm_count)
         if fill >= _WAVE_FILL:
             return splits
         if fill > best_fill + 1e-9:
@@ -360,20 +363,19 @@ def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why
     smaller tiles do better (4096 -> 512 BF16: 98 us cut in two, 89 on 128 x 128;
     5120 -> 512: 132 cut in three, 122 on 128 x 160)."""
     batch, m, n, k = base["batch"], base["m"], base["n"], base["k"]
-    tail_tiles = sorted(
+    tile = max(
         (
             v.tile
             for v in variants.VARIANTS
             if v.program == "wgrad" and v.schedule == "split_tail" and v.out_dtype == out_dtype
         ),
         key=lambda t: t[0] * t[1],
-        reverse=True,
+        default=None,
     )
-    if not tail_tiles:
+    if tile is None:
         return None
-    tile = tail_tiles[0]
     tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
-    fill = tiles / (math.ceil(tiles / dev.sm_count) * dev.sm_count)
+    fill = _wave_fill(tiles, dev.sm_count)
     splits, cost = _tail_splits(tiles, dev.sm_count, math.ceil(k / tile[2]))
     if tiles < dev.sm_count or fill >= _WAVE_FILL or splits == 1:
         return None
