@@ -131,10 +131,10 @@ class Plan:
         if not self.uses_kernel:
             return 0
         tm, tn, _ = self.tile
+        tiles = self.batch * math.ceil(self.m / tm) * math.ceil(self.n / tn)
         if self.reduction == "split_tail":  # whole tiles, then splits pieces per tail tile
-            tiles = self.batch * math.ceil(self.m / tm) * math.ceil(self.n / tn)
             return tiles + variants.split_tail_slots(tiles, self.splits, self.sm_count)
-        return self.batch * math.ceil(self.m / tm) * math.ceil(self.n / tn) * self.splits
+        return tiles * self.splits
 
     def ffi_attributes(self) -> dict[str, Any]:
         """The attributes the native handler reads (docs/FFI_CONTRACT.md)."""
