@@ -26,6 +26,8 @@ namespace ffi = xla::ffi;
 namespace jax_cake {
 
 enum OutDtype : int { kBf16 = 0, kF32 = 1 };
+// How a variant's CTAs walk their work (the `schedule` attribute; variants.py's names).
+enum Schedule : int { kTiles = 0, kSplitTail = 1, kPingpong = 2 };
 
 // One GEMM operand as the exported CuTe wrappers take it: a pointer, three dynamic
 // extents (M|N, K, L) and the two non-unit strides in mode order.
@@ -37,7 +39,7 @@ struct Operand {
 
 struct GemmArgs {
   Operand a, b, c;
-  Operand ws;  // split-tail workspace (flags, partial tiles); a placeholder for the other programs
+  Operand ws;  // split-tail workspace (flags, partial tiles); a placeholder for the other schedules
   int32_t splits;
   int32_t raster;
   int32_t max_ctas;  // persistent grid size: the SM count
@@ -52,7 +54,7 @@ struct Variant {
   int64_t tile_m, tile_n, tile_k, cluster_m, cluster_n;
   int out_dtype;
   bool reduce_add;
-  bool split_tail;
+  int schedule;
   LoadFn load;
   LaunchFn launch;
 };
@@ -82,12 +84,12 @@ ffi::Error EnsureLoaded() {
 }
 
 const Variant* FindVariant(const char* program, int64_t tm, int64_t tn, int64_t tk, int64_t cm, int64_t cn,
-                           int out_dtype, bool reduce_add, bool split_tail = false) {
+                           int out_dtype, bool reduce_add, int schedule) {
   for (int i = 0; i < kNumVariants; ++i) {
     const Variant& v = kVariants[i];
     if (std::strcmp(v.program, program) == 0 && v.tile_m == tm && v.tile_n == tn && v.tile_k == tk &&
         v.cluster_m == cm && v.cluster_n == cn && v.out_dtype == out_dtype && v.reduce_add == reduce_add &&
-        v.split_tail == split_tail) {
+        v.schedule == schedule) {
       return &v;
     }
   }
@@ -95,20 +97,20 @@ const Variant* FindVariant(const char* program, int64_t tm, int64_t tn, int64_t 
 }
 
 ffi::Error NoVariant(const char* program, int64_t tm, int64_t tn, int64_t tk, int64_t cm, int64_t cn, int out_dtype,
-                     bool reduce_add, bool split_tail = false) {
+                     bool reduce_add, int schedule) {
   char buf[256];
   std::snprintf(buf, sizeof(buf),
                 "jax_cake: no compiled %s variant with tile (%lld, %lld, %lld), cluster (%lld, %lld), out %s%s%s; "
                 "rebuild with python -m jax_cake.build or fix the plan",
                 program, (long long)tm, (long long)tn, (long long)tk, (long long)cm, (long long)cn,
                 out_dtype == kF32 ? "float32" : "bfloat16", reduce_add ? ", reduce-add store" : "",
-                split_tail ? ", split tail" : "");
+                schedule == kSplitTail ? ", split tail" : (schedule == kPingpong ? ", ping-pong" : ""));
   return ffi::Error::InvalidArgument(buf);
 }
 
 ffi::Error Launch(const Variant* v, GemmArgs args, cudaStream_t stream) {
   args.max_ctas = g_modules.num_sms;
-  if (!v->split_tail) args.ws = {args.c.data, {1, 1, 1}, {8, 8}};  // never read
+  if (v->schedule != kSplitTail) args.ws = {args.c.data, {1, 1, 1}, {8, 8}};  // never read
   int32_t ret = v->launch(args, stream);
   if (ret != 0) {
     return ffi::Error::Internal(std::string("jax_cake: launch of ") + v->name + " returned " + std::to_string(ret) +
@@ -128,7 +130,10 @@ ffi::Error CheckRank3(const char* name, ffi::AnyBuffer::Dimensions dims) {
   return ffi::Error::Success();
 }
 
-ffi::Error CheckCommonAttrs(const char* program, int64_t splits, int64_t reduction, int64_t raster) {
+ffi::Error CheckCommonAttrs(const char* program, int64_t splits, int64_t reduction, int64_t raster,
+                            int64_t schedule) {
+  if (schedule < kTiles || schedule > kPingpong)
+    return ffi::Error::InvalidArgument(std::string("jax_cake: ") + program + ": schedule must be 0, 1 or 2");
   if (raster != 0 && raster != 1)
     return ffi::Error::InvalidArgument(std::string("jax_cake: ") + program + ": raster must be 0 or 1");
   if (splits < 1 || splits > 65535)
@@ -147,9 +152,11 @@ ffi::Error CheckCommonAttrs(const char* program, int64_t splits, int64_t reducti
 // y[B, T, d_out] = x[B, T, d_in] . w[B, d_out, d_in]^T
 ffi::Error FwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                    ffi::Result<ffi::Buffer<ffi::BF16>> y, int64_t tile_m, int64_t tile_n, int64_t tile_k,
-                   int64_t cluster_m, int64_t cluster_n, int64_t splits, int64_t reduction, int64_t raster) {
+                   int64_t cluster_m, int64_t cluster_n, int64_t splits, int64_t reduction, int64_t raster,
+                   int64_t schedule) {
   JC_RETURN_IF_ERROR(EnsureLoaded());
-  JC_RETURN_IF_ERROR(CheckCommonAttrs("jax_cake_fwd", splits, reduction, raster));
+  JC_RETURN_IF_ERROR(CheckCommonAttrs("jax_cake_fwd", splits, reduction, raster, schedule));
+  if (schedule == kSplitTail) return ffi::Error::InvalidArgument("jax_cake_fwd: schedule must be 0 or 2");
   if (splits != 1 || reduction != 0)
     return ffi::Error::InvalidArgument("jax_cake_fwd: splits must be 1 and reduction 0");
   JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
@@ -159,8 +166,9 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ff
   if (w.dimensions()[0] != B || w.dimensions()[2] != d_in || y->dimensions()[0] != B || y->dimensions()[1] != T ||
       y->dimensions()[2] != d_out)
     return ffi::Error::InvalidArgument("jax_cake_fwd: shapes must be x[B,T,d_in], w[B,d_out,d_in], y[B,T,d_out]");
-  const Variant* v = FindVariant("fwd", tile_m, tile_n, tile_k, cluster_m, cluster_n, kBf16, false);
-  if (!v) return NoVariant("fwd", tile_m, tile_n, tile_k, cluster_m, cluster_n, kBf16, false);
+  const int sched = static_cast<int>(schedule);
+  const Variant* v = FindVariant("fwd", tile_m, tile_n, tile_k, cluster_m, cluster_n, kBf16, false, sched);
+  if (!v) return NoVariant("fwd", tile_m, tile_n, tile_k, cluster_m, cluster_n, kBf16, false, sched);
   GemmArgs g;
   g.a = {x.untyped_data(), {T, d_in, B}, {d_in, T * d_in}};          // K-major
   g.b = {w.untyped_data(), {d_out, d_in, B}, {d_in, d_out * d_in}};  // K-major
@@ -173,9 +181,11 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ff
 // dx[B, T, d_in] = dy[B, T, d_out] . w[B, d_out, d_in]
 ffi::Error DgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w,
                      ffi::Result<ffi::Buffer<ffi::BF16>> dx, int64_t tile_m, int64_t tile_n, int64_t tile_k,
-                     int64_t cluster_m, int64_t cluster_n, int64_t splits, int64_t reduction, int64_t raster) {
+                     int64_t cluster_m, int64_t cluster_n, int64_t splits, int64_t reduction, int64_t raster,
+                     int64_t schedule) {
   JC_RETURN_IF_ERROR(EnsureLoaded());
-  JC_RETURN_IF_ERROR(CheckCommonAttrs("jax_cake_dgrad", splits, reduction, raster));
+  JC_RETURN_IF_ERROR(CheckCommonAttrs("jax_cake_dgrad", splits, reduction, raster, schedule));
+  if (schedule == kSplitTail) return ffi::Error::InvalidArgument("jax_cake_dgrad: schedule must be 0 or 2");
   if (splits != 1 || reduction != 0)
     return ffi::Error::InvalidArgument("jax_cake_dgrad: splits must be 1 and reduction 0");
   JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
@@ -185,8 +195,9 @@ ffi::Error DgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
   if (w.dimensions()[0] != B || w.dimensions()[1] != d_out || dx->dimensions()[0] != B || dx->dimensions()[1] != T ||
       dx->dimensions()[2] != d_in)
     return ffi::Error::InvalidArgument("jax_cake_dgrad: shapes must be dy[B,T,d_out], w[B,d_out,d_in], dx[B,T,d_in]");
-  const Variant* v = FindVariant("dgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kBf16, false);
-  if (!v) return NoVariant("dgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kBf16, false);
+  const int sched = static_cast<int>(schedule);
+  const Variant* v = FindVariant("dgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kBf16, false, sched);
+  if (!v) return NoVariant("dgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kBf16, false, sched);
   GemmArgs g;
   g.a = {dy.untyped_data(), {T, d_out, B}, {d_out, T * d_out}};     // K-major
   g.b = {w.untyped_data(), {d_in, d_out, B}, {d_in, d_out * d_in}};  // N-major: stride(N)=1
@@ -200,9 +211,11 @@ ffi::Error DgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
 ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> x,
                      ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t tile_m,
                      int64_t tile_n, int64_t tile_k, int64_t cluster_m, int64_t cluster_n, int64_t splits,
-                     int64_t reduction, int64_t raster) {
+                     int64_t reduction, int64_t raster, int64_t schedule) {
   JC_RETURN_IF_ERROR(EnsureLoaded());
-  JC_RETURN_IF_ERROR(CheckCommonAttrs("jax_cake_wgrad", splits, reduction, raster));
+  JC_RETURN_IF_ERROR(CheckCommonAttrs("jax_cake_wgrad", splits, reduction, raster, schedule));
+  if ((reduction == 3) != (schedule == kSplitTail))
+    return ffi::Error::InvalidArgument("jax_cake_wgrad: schedule must be 1 exactly when reduction == 3");
   if (reduction != 3 && (splits == 1) != (reduction == 0))
     return ffi::Error::InvalidArgument("jax_cake_wgrad: reduction must be 0 exactly when splits == 1 (or 3)");
   JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
@@ -232,8 +245,8 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
   g.raster = static_cast<int32_t>(raster);
 
   if (reduction == 0) {
-    const Variant* v = FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false);
-    if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false);
+    const Variant* v = FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false, kTiles);
+    if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false, kTiles);
     g.c = {dw->untyped_data(), {d_out, d_in, B}, {d_in, d_out * d_in}};
     return Launch(v, g, stream);
   }
@@ -251,8 +264,9 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     if (ws_bytes < need)
       return ffi::Error::InvalidArgument("jax_cake_wgrad: workspace has " + std::to_string(ws_bytes) +
                                          " bytes, the split tail needs " + std::to_string(need));
-    const Variant* v = FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false, true);
-    if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false, true);
+    const Variant* v =
+        FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false, kSplitTail);
+    if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false, kSplitTail);
     if (flag_words > 0) {
       cudaError_t err = cudaMemsetAsync(ws, 0, static_cast<size_t>(flag_words) * 4, stream);
       if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("cudaMemsetAsync", err));
@@ -269,8 +283,8 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     if (ws_bytes < need)
       return ffi::Error::InvalidArgument("jax_cake_wgrad: workspace has " + std::to_string(ws_bytes) +
                                          " bytes, ordered split-K needs " + std::to_string(need));
-    const Variant* v = FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, false);
-    if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, false);
+    const Variant* v = FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, false, kTiles);
+    if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, false, kTiles);
     // C viewed as [M, N, splits * B]: batch z = split * B + l.
     g.c = {ws, {d_out, d_in, splits * B}, {d_in, d_out * d_in}};
     JC_RETURN_IF_ERROR(Launch(v, g, stream));
@@ -282,8 +296,8 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
 
   // reduction == 2: arrival order. Every split reduce-adds (TMA, fp32) its tile into an
   // fp32 accumulator: dw itself when fp32, else the workspace, then converted to bf16.
-  const Variant* v = FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, true);
-  if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, true);
+  const Variant* v = FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, true, kTiles);
+  if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, true, kTiles);
   void* acc = dw->untyped_data();
   if (out_dtype == kBf16) {
     if (ws_bytes < count * 4)
@@ -314,7 +328,8 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
       .Attr<int64_t>("cluster_n")     \
       .Attr<int64_t>("splits")        \
       .Attr<int64_t>("reduction")     \
-      .Attr<int64_t>("raster")
+      .Attr<int64_t>("raster")        \
+      .Attr<int64_t>("schedule")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCakeFwd, jax_cake::FwdImpl,
                               ffi::Ffi::Bind()

@@ -202,27 +202,33 @@ COLUMNS = FAMILIES["dense"].columns
 
 @dataclasses.dataclass(frozen=True)
 class ArmSpec:
-    """An arm name parsed: one of ALL_ARMS, options only on 'split[/sN][/tMxNxK]'."""
+    """An arm name parsed: one of ALL_ARMS, options only on 'split[/sN][/tMxNxK][/pp]' and
+    'det[/pp]' (pp: fwd and dgrad on the ping-pong variants)."""
 
     name: str
     kind: str
     splits: int | None = None
     tile: tuple[int, int, int] | None = None
+    schedule: str | None = None
 
 
 def parse_arm(name: str) -> ArmSpec:
     kind, *opts = name.split("/")
-    if kind not in ALL_ARMS or (opts and kind != "split"):
-        raise ValueError(f"arm {name!r}: expected one of {ALL_ARMS}, options only on split")
-    splits = tile = None
+    if kind not in ALL_ARMS or (opts and kind not in ("split", "det")):
+        raise ValueError(f"arm {name!r}: expected one of {ALL_ARMS}, options only on split and det")
+    splits = tile = schedule = None
     for opt in opts:
-        if re.fullmatch(r"s\d+", opt):
+        if opt == "pp":
+            schedule = "pingpong"
+        elif kind == "split" and re.fullmatch(r"s\d+", opt):
             splits = int(opt[1:])
-        elif re.fullmatch(r"t\d+x\d+x\d+", opt):
+        elif kind == "split" and re.fullmatch(r"t\d+x\d+x\d+", opt):
             tile = tuple(int(v) for v in opt[1:].split("x"))
         else:
-            raise ValueError(f"arm {name!r}: option {opt!r} is neither sN (splits) nor tMxNxK (tile)")
-    return ArmSpec(name, kind, splits, tile)
+            raise ValueError(
+                f"arm {name!r}: option {opt!r} is none of sN (splits), tMxNxK (tile), both on split only, or pp"
+            )
+    return ArmSpec(name, kind, splits, tile, schedule)
 
 
 def split_arm_name(splits: int | None, tile: Sequence[int] | None) -> str:
@@ -292,13 +298,14 @@ def jax_projection(arm: ArmSpec, family: str = "dense") -> Callable:
 
 @contextlib.contextmanager
 def planning_for(arm: ArmSpec):
-    """The planner state an arm is traced under (split forces the split-K program)."""
-    if arm.kind != "split":
+    """The planner state an arm is traced under (split forces the split-K program; pp the
+    ping-pong fwd/dgrad)."""
+    if arm.kind != "split" and arm.schedule is None:
         yield
         return
     from jax_cake import planner
 
-    with planner.force("split", splits=arm.splits, tile=arm.tile):
+    with planner.force(arm.kind, splits=arm.splits, tile=arm.tile, schedule=arm.schedule):
         yield
 
 

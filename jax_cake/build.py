@@ -195,6 +195,7 @@ def export_kernels(arch: str, obj_dir: pathlib.Path) -> list:
 def write_variant_table(variants: list, obj_dir: pathlib.Path) -> pathlib.Path:
     """Generates the C++ glue: module loaders, launchers and kVariants[]."""
     from jax_cake.kernels import c_table
+    from jax_cake.planner import variants as variants_module
 
     lines = c_table.error_hook_lines("jax_cake/build.py", ["jax_cake", "gen"])
     for v in variants:
@@ -208,10 +209,10 @@ def write_variant_table(variants: list, obj_dir: pathlib.Path) -> pathlib.Path:
     for v in variants:
         dt = "kF32" if v.out_dtype == "float32" else "kBf16"
         add = "true" if v.store == "add" else "false"
-        sk = "true" if v.schedule == "split_tail" else "false"
+        sched = variants_module.SCHEDULE_CODES[v.schedule]
         lines.append(
             f'  {{"{v.name}", "{v.program}", {v.tile_m}, {v.tile_n}, {v.tile_k}, {v.cluster_m}, {v.cluster_n}, '
-            f"{dt}, {add}, {sk}, gen::load_{v.name}, gen::launch_{v.name}}},"
+            f"{dt}, {add}, {sched}, gen::load_{v.name}, gen::launch_{v.name}}},"
         )
     lines.append("};")
     lines.append(f"static constexpr int kNumVariants = {len(variants)};")

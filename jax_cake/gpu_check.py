@@ -73,8 +73,11 @@ def report(name: str, ok: bool, detail: str = "") -> bool:
 
 
 # ------------------------------------------------------------------ calling the targets
-def _attrs(tile, splits=1, reduction=0, raster=0, cluster=(1, 1)):
+def _attrs(tile, splits=1, reduction=0, raster=0, cluster=(1, 1), schedule=None):
+    if schedule is None:  # the split tail is the schedule of reduction 3
+        schedule = variants.SCHEDULE_CODES["split_tail"] if reduction == 3 else 0
     return dict(
+        schedule=np.int64(schedule),
         tile_m=np.int64(tile[0]),
         tile_n=np.int64(tile[1]),
         tile_k=np.int64(tile[2]),
@@ -106,7 +109,7 @@ def _poisoned_fn(target: str, out_dtype: str, ws_bytes: int, attrs_key: tuple):
 _ALIAS_WARNINGS = []
 
 
-def call(target, a, b, *, tile, out_dtype=BF16, splits=1, reduction=0, raster=0, cluster=(1, 1)):
+def call(target, a, b, *, tile, out_dtype=BF16, splits=1, reduction=0, raster=0, cluster=(1, 1), schedule=None):
     """Runs one FFI target on NaN-poisoned output memory; returns the result."""
     B = a.shape[0]
     if target == "jax_cake_fwd":
@@ -120,7 +123,7 @@ def call(target, a, b, *, tile, out_dtype=BF16, splits=1, reduction=0, raster=0,
         ws = variants.workspace_bytes(
             splits, reduction, B, shape[1], shape[2], jnp.dtype(out_dtype).name, tile=tile, sm_count=SMS
         )
-    key = tuple(sorted((k, int(v)) for k, v in _attrs(tile, splits, reduction, raster, cluster).items()))
+    key = tuple(sorted((k, int(v)) for k, v in _attrs(tile, splits, reduction, raster, cluster, schedule).items()))
     fn = _poisoned_fn(target, jnp.dtype(out_dtype).name, ws, key)
     poison = jnp.full(shape, jnp.nan, out_dtype)
     with warnings.catch_warnings(record=True) as caught:
@@ -403,6 +406,44 @@ def split_tail():
                 e < tol and bad == 0 and same == 20,
                 f"rel_err={e:.2e} nonfinite={bad} bitwise {same}/20",
             )
+    return ok
+
+
+@check
+def pingpong():
+    """Ping-pong fwd/dgrad (schedule 2) against float64 and bitwise over 5 runs: ragged
+    edges, one tile per CTA (warpgroup 1 idle), and many tiles per CTA in both parities;
+    then the public API under force(det, schedule=pingpong)."""
+    ok = True
+    pp = variants.SCHEDULE_CODES["pingpong"]
+    for B, T, d_in, d_out in ((1, 777, 1032, 200), (2, 300, 520, 264), (1, 4096, 1024, 512), (1, 16384, 4096, 512)):
+        x, w, dy = rand((B, T, d_in)), rand((B, d_out, d_in)), rand((B, T, d_out))
+        for target, a, b, ref in (
+            ("jax_cake_fwd", x, w, ref_fwd(x, w)),
+            ("jax_cake_dgrad", dy, w, ref_dgrad(dy, w)),
+        ):
+            for raster in (0, 1):
+                run = functools.partial(call, target, a, b, tile=(128, 128, 64), raster=raster, schedule=pp)
+                first = run()
+                e, bad = rel_err(first, ref)
+                same = sum(np.array_equal(np.asarray(first), np.asarray(run())) for _ in range(4)) + 1
+                ok &= report(
+                    f"pingpong_{target[9:]}_raster{raster}[B{B}_T{T}_{d_in}->{d_out}]",
+                    e < BF16_TOL and bad == 0 and same == 5,
+                    f"rel_err={e:.2e} nonfinite={bad} bitwise {same}/5",
+                )
+    x, w, dy = rand((16384, 4096)), rand((512, 4096), F32), rand((16384, 512))
+    with jax_cake.planner.force("det", schedule="pingpong"):
+        step = jax.jit(functools.partial(_api_vjp, jax_cake.dense_projection))
+        text = step.lower(x, w, dy).as_text()
+        y, dx, dw = step(x, w, dy)
+    xr, wr, dyr = (to_torch(a).double() for a in (x, w.astype(BF16), dy))
+    errs = [rel_err(y, xr @ wr.T)[0], rel_err(dx, dyr @ wr)[0], rel_err(dw, dyr.T @ xr)[0]]
+    ok &= report(
+        "pingpong_public_api[T16384_4096->512]",
+        text.count("schedule = 2") == 2 and max(errs[:2]) < BF16_TOL and errs[2] < F32_TOL,
+        f"ping-pong calls={text.count('schedule = 2')} err y={errs[0]:.2e} dx={errs[1]:.2e} dw={errs[2]:.2e}",
+    )
     return ok
 
 

@@ -216,7 +216,8 @@ class ArmsAndReportTest(absltest.TestCase):
         )
         self.assertEqual(bench.split_arm_name(16, (64, 256, 64)), "split/s16/t64x256x64")
         self.assertEqual(bench.parse_arm("det").kind, "det")
-        for bad in ("det/s4", "split/x3", "cutlass"):
+        self.assertEqual(bench.parse_arm("det/pp"), bench.ArmSpec("det/pp", "det", schedule="pingpong"))
+        for bad in ("det/s4", "split/x3", "cutlass", "new/pp", "det/t128x128x64"):
             with self.assertRaises(ValueError):
                 bench.parse_arm(bad)
 

@@ -198,3 +198,21 @@ def test_targets_from_names_another_builds_targets():
     assert "@jax_cake_" not in text
     text = _cuda_text(_train_step(), *args)
     assert len(_calls(text, "jax_cake_fwd")) == 1 and "before__" not in text
+
+
+def test_forced_pingpong_lowers_fwd_and_dgrad_with_schedule_2():
+    with jc.planner.force("det", schedule="pingpong"):
+        text = _cuda_text(_train_step(), _spec((4096, 1024), jnp.bfloat16), _spec((512, 1024), jnp.float32))
+    (fwd,), (dgrad,), (wgrad,) = (_calls(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
+    for call in (fwd, dgrad):
+        assert (_attr(call, "schedule"), _attr(call, "tile_m"), _attr(call, "tile_n")) == (2, 128, 128)
+        assert (_attr(call, "cluster_m"), _attr(call, "splits")) == (1, 1)
+    assert _attr(wgrad, "schedule") == 0
+
+
+def test_split_tail_lowers_with_schedule_1_and_reduction_3():
+    text = _cuda_text(_train_step(), _spec((16384, 5120), jnp.bfloat16), _spec((1024, 5120), jnp.bfloat16))
+    (wgrad,) = _calls(text, "jax_cake_wgrad")
+    assert (_attr(wgrad, "schedule"), _attr(wgrad, "reduction"), _attr(wgrad, "splits")) == (1, 3, 4)
+    (fwd,) = _calls(text, "jax_cake_fwd")
+    assert _attr(fwd, "schedule") == 0

@@ -37,6 +37,13 @@ Workspace: int32 flags [round_up(rem * (splits - 1), 32)], then one partial tile
 flag. (Cutting K evenly over all CTAs, stream-K proper, was 2x slower for wgrad on the
 H200: CTAs at different K offsets lose the L2 reuse of the shared x and dy rows.)
 
+Ping-pong (`schedule="pingpong"`, fwd/dgrad, 128 x 128 tiles): each consumer
+warpgroup owns a whole tile, and the two take the CTA's tiles in turns: warpgroup 0 runs
+the K loop of tile 0 while warpgroup 1 waits, then warpgroup 1 runs tile 1's K loop while
+warpgroup 0 stores tile 0, and so on (two named barriers pass the turn). With a short K
+loop (dgrad at d_out = 512 is 8 K tiles per tile) the epilogue of one tile then hides
+behind the MMAs of the next instead of stalling the tensor cores.
+
 Ragged edges: TMA loads zero-fill out-of-bounds rows/columns of A and B (including the
 K tail), and TMA stores clip out-of-bounds rows/columns of C, so no predication is
 needed in the kernel body. A split with no K tile writes zeros.
@@ -125,8 +132,12 @@ class GemmSm90:
             raise ValueError(f"store must be 'plain' or 'add', got {variant.store!r}")
         if variant.store == "add" and variant.out_dtype != "float32":
             raise ValueError("store='add' needs float32 output")
-        if variant.schedule not in ("tiles", "split_tail"):
-            raise ValueError(f"schedule must be 'tiles' or 'split_tail', got {variant.schedule!r}")
+        if variant.schedule not in ("tiles", "split_tail", "pingpong"):
+            raise ValueError(f"schedule must be 'tiles', 'split_tail' or 'pingpong', got {variant.schedule!r}")
+        if variant.schedule == "pingpong" and (
+            variant.program == "wgrad" or variant.tile[:2] != (128, 128) or variant.cluster != (1, 1)
+        ):
+            raise ValueError("schedule='pingpong' is for fwd/dgrad with 128 x 128 tiles and cluster (1, 1)")
         if variant.schedule == "split_tail" and (variant.cluster != (1, 1) or variant.store != "plain"):
             raise ValueError("schedule='split_tail' needs cluster (1, 1) and store='plain'")
         if variant.promote and variant.tile_n > 160:
@@ -136,6 +147,7 @@ class GemmSm90:
         self.variant = variant
         self.reduce_add = variant.store == "add"
         self.split_tail = variant.schedule == "split_tail"
+        self.pingpong = variant.schedule == "pingpong"
         self.promote = variant.promote
         self.tile_mnk = (variant.tile_m, variant.tile_n, variant.tile_k)
         # Cluster (cm, 1): the cm CTAs of a cluster own vertically adjacent M tiles of
@@ -144,8 +156,11 @@ class GemmSm90:
         self.ab_dtype = cutlass.BFloat16
         self.acc_dtype = cutlass.Float32
         self.c_dtype = _DTYPES[variant.out_dtype]
-        self.num_mma_wg = variant.tile_m // 64
+        # Consumer warpgroups; the threads that share one tile (its accumulator, stage
+        # releases and epilogue): all consumers, or with ping-pong one warpgroup.
+        self.num_mma_wg = 2 if self.pingpong else variant.tile_m // 64
         self.mma_threads = 128 * self.num_mma_wg
+        self.tile_threads = 128 if self.pingpong else self.mma_threads
         self.threads = 128 + self.mma_threads
         # Epilogue buffers (32-column sub-tiles): a sub-tile waits only for the store that
         # last read its buffer. dgrad gets one per sub-tile (the whole tile): at small
@@ -161,7 +176,9 @@ class GemmSm90:
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
         # Epilogue sub-tile: all consumer rows x 32 columns per TMA store.
         self.epi_tile = (variant.tile_m, 32)
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * (self.c_dtype.width // 8) * self.epi_stage
+        # Ping-pong: each warpgroup has its own epi_stage buffers.
+        self.epi_buffers = self.epi_stage * (2 if self.pingpong else 1)
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * (self.c_dtype.width // 8) * self.epi_buffers
         ab_bytes = (variant.tile_m + variant.tile_n) * variant.tile_k * 2
         self.ab_stage = min(8, (self.smem_capacity - epi_bytes - 2048) // ab_bytes)
 
@@ -189,12 +206,12 @@ class GemmSm90:
             a_layout.sm90_mma_major_mode(),
             b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
-            (self.num_mma_wg, 1, 1),
+            (1 if self.pingpong else self.num_mma_wg, 1, 1),
             tiler_mn=(64, self.tile_mnk[1]),
         )
         a_smem_staged = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
         b_smem_staged = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
-        epi_smem_staged = sm90_utils.make_smem_layout_epi(self.c_dtype, c_layout, self.epi_tile, self.epi_stage)
+        epi_smem_staged = sm90_utils.make_smem_layout_epi(self.c_dtype, c_layout, self.epi_tile, self.epi_buffers)
 
         a_smem = cute.slice_(a_smem_staged, (None, None, 0))
         b_smem = cute.slice_(b_smem_staged, (None, None, 0))
@@ -333,7 +350,7 @@ class GemmSm90:
             barrier_storage=storage.pipe_mbar.data_ptr(),
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (self.mma_threads // 32) * cm),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (self.tile_threads // 32) * cm),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, cm, 1, 1)),
             defer_sync=cm > 1,
@@ -411,6 +428,12 @@ class GemmSm90:
             mma_wg = wg_idx - 1
             mma_tidx = tidx - 128
             thr_mma = tiled_mma.get_slice(mma_wg * 128)
+            # The warp that issues this tile's TMA stores, and this tile's epilogue buffers.
+            store_warp, buf_base, epi_barrier_id = 4, 0, 1
+            if cutlass.const_expr(self.pingpong):
+                mma_tidx = tidx - 128 * wg_idx
+                thr_mma = tiled_mma.get_slice(0)
+                store_warp, buf_base, epi_barrier_id = 4 * wg_idx, mma_wg * self.epi_stage, 1 + mma_wg
             tCsA = thr_mma.partition_A(sA)
             tCsB = thr_mma.partition_B(sB)
             tCrA = tiled_mma.make_fragment_A(tCsA)
@@ -434,14 +457,28 @@ class GemmSm90:
                 sC,
                 mma_tidx,
                 self.epi_stage,
-                self.mma_threads,
-                1,
+                self.tile_threads,
+                epi_barrier_id,
             )
             size_tRS_rD = cute.size(tRS_rD)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            for item in cutlass.range(cluster_id, num_items, num_clusters, unroll=1):
+            item_begin, item_step = cluster_id, num_clusters
+            if cutlass.const_expr(self.pingpong):
+                # Warpgroup w takes every other tile of this CTA, starting with its w-th;
+                # the turn to issue MMAs passes between the two through named barriers 3
+                # and 4 (each a 256-thread rendezvous: one arrives, the other waits).
+                item_begin, item_step = cluster_id + mma_wg * num_clusters, 2 * num_clusters
+                my_turn = pipeline.NamedBarrier(barrier_id=3 + mma_wg, num_threads=256)
+                their_turn = pipeline.NamedBarrier(barrier_id=4 - mma_wg, num_threads=256)
+                if mma_wg == 1:
+                    # The first tile is warpgroup 0's: skip its stages, give it the turn.
+                    read_state.advance(k_tiles)
+                    release_state.advance(k_tiles)
+                    if cluster_id < num_items:
+                        their_turn.arrive()
+            for item in cutlass.range(item_begin, num_items, item_step, unroll=1):
                 tile_id, piece, pieces = self._item(item, dp, rem, splits)
                 pid_mc, pid_n, l_idx, split = self._decode(tile_id, tiles_mc, tiles_n, num_l, raster)
                 pid_m = pid_mc * cm + rank
@@ -454,6 +491,8 @@ class GemmSm90:
                     acc_k.fill(0.0)
                     mma_acc = acc_k
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                if cutlass.const_expr(self.pingpong):
+                    my_turn.arrive_and_wait()
                 for kt in cutlass.range(k_cnt, unroll=1):
                     ab_pipe.consumer_wait(read_state)
                     cute.nvgpu.warpgroup.fence()
@@ -475,6 +514,11 @@ class GemmSm90:
                             _fence_tensor(acc_k)
                             acc.store(acc.load() + acc_k.load())
                             acc_k.fill(0.0)
+                if cutlass.const_expr(self.pingpong):
+                    # Every MMA of this tile is issued: the other warpgroup's K loop may
+                    # start while this one drains and stores.
+                    if item + num_clusters < num_items:
+                        their_turn.arrive()
                 cute.nvgpu.warpgroup.wait_group(0)
                 if cutlass.const_expr(self.promote):
                     _fence_tensor(acc_k)
@@ -495,7 +539,7 @@ class GemmSm90:
                     slot = piece * rem + (tile_id - dp)
                     if piece < pieces - 1:
                         mine = cute.make_tensor(
-                            partials + slot * tile_elems, cute.make_layout(cute.size(acc), stride=self.mma_threads)
+                            partials + slot * tile_elems, cute.make_layout(cute.size(acc), stride=self.tile_threads)
                         )
                         for v in cutlass.range_constexpr(cute.size(acc)):
                             mine[v] = acc[v]
@@ -513,7 +557,7 @@ class GemmSm90:
                             theirs = partials + other * tile_elems
                             for v in cutlass.range_constexpr(cute.size(acc)):
                                 acc[v] = acc[v] + cute.arch.load(
-                                    theirs + v * self.mma_threads, cutlass.Float32, cop="cg"
+                                    theirs + v * self.tile_threads, cutlass.Float32, cop="cg"
                                 )
 
                 if store_c:
@@ -532,10 +576,10 @@ class GemmSm90:
                     epi_tile_shape = gC_epi.shape[1]
                     epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
                     for epi_idx in cutlass.range_constexpr(epi_tile_num):
-                        buf = epi_idx % self.epi_stage
+                        buf = buf_base + epi_idx % self.epi_stage
                         # Wait only for the store that last read this buffer (epi_stage stores
                         # ago); the stores of a tile's last sub-tiles drain under the next K loop.
-                        if warp_idx == 4:
+                        if warp_idx == store_warp:
                             c_pipe.producer_acquire()
                         epi_bar.arrive_and_wait()
                         for v in cutlass.range_constexpr(size_tRS_rD):
@@ -547,10 +591,14 @@ class GemmSm90:
                         cute.arch.fence_view_async_shared()
                         epi_bar.arrive_and_wait()
                         gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
-                        if warp_idx == 4:
+                        if warp_idx == store_warp:
                             cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
                             c_pipe.producer_commit()
-            if warp_idx == 4:
+                if cutlass.const_expr(self.pingpong):
+                    # Step over the stages of the other warpgroup's next tile.
+                    read_state.advance(k_tiles)
+                    release_state.advance(k_tiles)
+            if warp_idx == store_warp:
                 c_pipe.producer_tail()
 
     @cute.jit

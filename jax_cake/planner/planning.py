@@ -117,6 +117,7 @@ class Plan:
     workspace_bytes: int = 0
     reason: str = ""
     sm_count: int = 0  # the device's SM count the plan was made for (kernel plans)
+    schedule: str = "tiles"  # "tiles", "split_tail" (wgrad, reduction "split_tail"), "pingpong" (fwd/dgrad)
 
     @property
     def uses_kernel(self) -> bool:
@@ -149,6 +150,7 @@ class Plan:
             "splits": np.int64(self.splits),
             "reduction": np.int64(_REDUCTION_CODES[self.reduction]),
             "raster": np.int64({"m": 0, "n": 1}[self.raster]),
+            "schedule": np.int64(variants.SCHEDULE_CODES[self.schedule]),
         }
 
 
@@ -158,18 +160,27 @@ _forced: dict[str, Any] = {}
 
 
 @contextlib.contextmanager
-def force(program: str, *, splits: int | None = None, tile: tuple[int, int, int] | None = None) -> Iterator[None]:
+def force(
+    program: str,
+    *,
+    splits: int | None = None,
+    tile: tuple[int, int, int] | None = None,
+    schedule: str | None = None,
+) -> Iterator[None]:
     """Plans traced inside the block use `program` for the weight gradient.
 
-    program: "det", "split" or "xla" ("xla" forces the XLA path for every op). Used by
-    the benchmark and the tuner to time each arm. Planning is at trace time: jit a new
+    program: "det", "split" or "xla" ("xla" forces the XLA path for every op). schedule
+    "pingpong" runs fwd and dgrad on the ping-pong 128 x 128 variants. Used by the
+    benchmark and the tuner to time each arm. Planning is at trace time: jit a new
     function inside the block (a function traced earlier keeps its plan).
     """
     if program not in ("det", "split", "xla"):
         raise ValueError(f"force: program must be 'det', 'split' or 'xla', got {program!r}")
+    if schedule not in (None, "pingpong"):
+        raise ValueError(f"force: schedule must be None or 'pingpong', got {schedule!r}")
     saved = dict(_forced)
     _forced.clear()
-    _forced.update(program=program, splits=splits, tile=tile)
+    _forced.update(program=program, splits=splits, tile=tile, schedule=schedule)
     try:
         yield
     finally:
@@ -387,6 +398,7 @@ def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why
         tile=tile,
         splits=splits,
         reduction="split_tail",
+        schedule="split_tail",
         workspace_bytes=variants.workspace_bytes(
             splits, code, batch, m, n, out_dtype, tile=tile, sm_count=dev.sm_count
         ),
@@ -506,13 +518,23 @@ def plan(
     # Walking tiles along N first keeps the activation rows in L2 while the weight
     # tiles stream: 6-11 % faster at N >= 512 on the H200 (docs/BENCHMARKS.md, 2026-11-29).
     raster = "n" if n >= _RASTER_N_MIN else "m"
-    cluster, cluster_note = _pick_cluster(op, tile, m, n, k, "bfloat16", 1, "none")
+    schedule = "tiles"
+    pingpong_tile = (128, 128, 64)
+    if _forced.get("schedule") == "pingpong" and variants.supports(
+        op, pingpong_tile, (1, 1), "bfloat16", 1, 0, schedule="pingpong"
+    ):
+        # Not chosen by any rule yet: not measured on a GPU (bench arm det/pp).
+        tile, schedule, tile_note = pingpong_tile, "pingpong", "128x128 ping-pong tiles (forced)"
+        cluster, cluster_note = (1, 1), ""
+    else:
+        cluster, cluster_note = _pick_cluster(op, tile, m, n, k, "bfloat16", 1, "none")
     return Plan(
         **base,
         program="gemm",
         tile=tile,
         cluster=cluster,
         raster=raster,
+        schedule=schedule,
         reason=f"one pass over K={k} (no reduction across CTAs, reproducible), tiles walk along {raster} first: "
         f"{tile_note}{cluster_note}",
     )

@@ -27,6 +27,9 @@ PROGRAM_MAJORS = {
 REDUCTION_NONE = 0
 REDUCTION_ORDERED = 1  # fp32 partials [splits, L, M, N] + a reduce pass in split order
 REDUCTION_ATOMIC = 2  # arrival order: TMA reduce-add stores (cp.reduce.async.bulk.tensor)
+# The `schedule` attribute: how a variant's CTAs walk their work (GemmVariant.schedule).
+SCHEDULE_CODES = {"tiles": 0, "split_tail": 1, "pingpong": 2}
+
 REDUCTION_SPLIT_TAIL = 3  # the last partial wave's tiles cut into K pieces, summed in piece order in the kernel
 
 
@@ -52,7 +55,8 @@ class GemmVariant:
     store: str = "plain"
     # "tiles": each CTA walks whole tiles (or splits of them). "split_tail": whole waves of
     # tiles, then the last partial wave's tiles cut into `splits` K pieces that the kernel
-    # sums in piece order (reduction=3, bitwise reproducible; gemm_sm90's docstring).
+    # sums in piece order (reduction=3, bitwise reproducible). "pingpong" (fwd/dgrad): the
+    # two consumer warpgroups take whole tiles in turns. See gemm_sm90's docstring.
     schedule: str = "tiles"
 
     @property
@@ -80,7 +84,11 @@ class GemmVariant:
     def name(self) -> str:
         """Unique C identifier, also the exported object's file name."""
         dt = {"bfloat16": "bf16", "float32": "f32"}[self.out_dtype]
-        suffix = ("" if self.store == "plain" else f"_{self.store}") + ("_st" if self.schedule == "split_tail" else "")
+        suffix = ("" if self.store == "plain" else f"_{self.store}") + {
+            "tiles": "",
+            "split_tail": "_st",
+            "pingpong": "_pp",
+        }[self.schedule]
         return (
             f"jax_cake_{self.program}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
             f"_c{self.cluster_m}x{self.cluster_n}_{dt}{suffix}"
@@ -96,6 +104,10 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # dgrad: N = d_in is large; K = d_out may be as small as 32 (TMA zero-fills)
     GemmVariant("dgrad", 128, 256),
     GemmVariant("dgrad", 128, 128),
+    # Ping-pong: the two consumer warpgroups alternate whole 128 x 128 tiles, so a short
+    # K loop's epilogue hides behind the other tile's MMAs (dgrad at d_out = 512).
+    GemmVariant("fwd", 128, 128, schedule="pingpong"),
+    GemmVariant("dgrad", 128, 128, schedule="pingpong"),
     # Cluster (2, 1) with B multicast: halves the L2 -> SM traffic of the B tile for
     # compute-bound shapes (T ~ 16k with d_out or d_in >= 512).
     GemmVariant("fwd", 128, 256, cluster_m=2),
@@ -146,11 +158,14 @@ def find_variant(
     return None
 
 
-def supports(program: str, tile, cluster, out_dtype: str, splits: int, reduction: int) -> bool:
-    """Whether the native library can run this (program, tile, cluster, dtype, split-K)."""
+def supports(program: str, tile, cluster, out_dtype: str, splits: int, reduction: int, schedule: str = "tiles") -> bool:
+    """Whether the native library can run this (program, tile, cluster, dtype, split-K,
+    schedule; a split tail's schedule follows from reduction 3)."""
     if program != "wgrad":
         return (
-            splits == 1 and reduction == REDUCTION_NONE and find_variant(program, tile, cluster, out_dtype) is not None
+            splits == 1
+            and reduction == REDUCTION_NONE
+            and find_variant(program, tile, cluster, out_dtype, schedule=schedule) is not None
         )
     if splits == 1 and reduction == REDUCTION_NONE:
         return find_variant(program, tile, cluster, out_dtype) is not None
