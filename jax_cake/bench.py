@@ -83,7 +83,7 @@ OPS = ("fwd", "dgrad", "wgrad", "bwd", "2fwd+bwd")  # dense; op_fn also builds f
 MODES = ("g", "e")
 ARMS = ("det", "split", "new", "xla", "cublas")  # dense
 ROUTER_ARMS = ("new", "xla_x3", "xla_highest")
-BATCHED_ARMS = ("new", "xla", "cublas")
+BATCHED_ARMS = ("det", "new", "xla", "cublas")
 ALL_ARMS = ARMS + ROUTER_ARMS[1:]
 MODE_XLA_FLAGS = {
     "g": "--xla_enable_command_buffers_during_profiling=true",
@@ -276,7 +276,8 @@ def op_fn(op: str, project: Callable) -> Callable:
 
 
 def jax_projection(arm: ArmSpec, family: str = "dense") -> Callable:
-    """(x, w) -> y: the arm's forward for the family (det and split are dense-only)."""
+    """(x, w) -> y: the arm's forward for the family (split is dense-only; batched det is
+    the deterministic program, new the planner's pick with deterministic=False)."""
     import jax
     import jax.numpy as jnp
 
@@ -290,7 +291,7 @@ def jax_projection(arm: ArmSpec, family: str = "dense") -> Callable:
     if family == "batched":
         if arm.kind == "xla":
             return lambda x, w: jnp.einsum("btk,bnk->btn", x, w)
-        return lambda x, w: jax_cake.batched_projection(x, w, deterministic=False)
+        return lambda x, w: jax_cake.batched_projection(x, w, deterministic=arm.kind == "det")
     if arm.kind == "xla":
         return lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16).T)
     return lambda x, w: jax_cake.dense_projection(x, w, deterministic=arm.kind == "det")

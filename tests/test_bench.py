@@ -66,7 +66,7 @@ class CliTest(parameterized.TestCase):
             ["--family=batched", "--batch=2", "--tokens=64", "--pairs=32:64"],
             ("B", "d_in -> d_out", "T"),
             ("2", "32 -> 64", "64"),
-            ("XLA", "cuBLAS"),
+            ("det", "XLA", "cuBLAS"),
         ),
     )
     def test_other_families(self, argv, shape_columns, shape, baselines):
@@ -139,8 +139,8 @@ class ArmsLowerForTheH200Test(parameterized.TestCase):
             self.assertIn(f"splits = {spec.splits} ", text)
 
     def test_router_and_batched_arms(self):
-        """new runs jax_cake's kernels (the fused BF16x3 router on an H200); XLA's arms
-        keep their precision in the gradients."""
+        """new (and batched det) run jax_cake's kernels (the fused BF16x3 router on an
+        H200); XLA's arms keep their precision in the gradients."""
         steps = 2
         router = bench.Point(16384, 4096, 256, "float32", family="router")
         cases = (  # point, op, new's primitives per step (one GEMM each)
@@ -163,7 +163,7 @@ class ArmsLowerForTheH200Test(parameterized.TestCase):
                 calls = re.findall(r"@jax_cake_(\w+)", text)
                 dots = re.findall(r"dot_general.*", text)
                 with self.subTest(family=point.family, arm=arm):
-                    if arm == "new":
+                    if arm in ("new", "det"):
                         self.assertEqual(sorted(calls), sorted(gemms * steps))
                         self.assertEmpty(dots)
                     else:
