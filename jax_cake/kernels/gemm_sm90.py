@@ -110,6 +110,20 @@ def _fence_f32(x, *, loc=None, ip=None):
     )
 
 
+def _sub_tile_index(v: int, epi_idx: int, rd_layout, r_acc) -> int:
+    """Index into the retiled accumulator ((copy V, column groups), M, 1) of register v of
+    sub-tile epi_idx, whose registers are (copy V, M, column groups of the sub-tile).
+
+    With one warpgroup per 128-row tile (ping-pong) M is 2, and a sub-tile's registers
+    are not one contiguous run of the accumulator (trace-time arithmetic only).
+    """
+    cpy_v, cpy_m, cpy_n = (cute.size(rd_layout, mode=[i]) for i in range(3))
+    groups = cute.size(r_acc, mode=[0]) // cpy_v
+    assert cute.size(r_acc, mode=[1]) == cpy_m and cute.size(r_acc) == cpy_v * groups * cpy_m
+    i, m, n = v % cpy_v, (v // cpy_v) % cpy_m, v // (cpy_v * cpy_m)
+    return i + cpy_v * (epi_idx * cpy_n + n) + cpy_v * groups * m
+
+
 @cute.jit
 def _fence_tensor(t: cute.Tensor):
     for i in cutlass.range_constexpr(cute.size(t)):
@@ -583,7 +597,7 @@ class GemmSm90:
                             c_pipe.producer_acquire()
                         epi_bar.arrive_and_wait()
                         for v in cutlass.range_constexpr(size_tRS_rD):
-                            tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
+                            tRS_rD[v] = tRS_rAcc[_sub_tile_index(v, epi_idx, tRS_rD_layout, tRS_rAcc)]
                         tRS_rD_out = cute.make_rmem_tensor_like(tRS_rD_layout, self.c_dtype)
                         tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
                         cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
