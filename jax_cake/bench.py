@@ -202,8 +202,9 @@ COLUMNS = FAMILIES["dense"].columns
 
 @dataclasses.dataclass(frozen=True)
 class ArmSpec:
-    """An arm name parsed: one of ALL_ARMS, options only on 'split[/sN][/tMxNxK][/pp]' and
-    'det[/pp]' (pp: fwd and dgrad on the ping-pong variants)."""
+    """An arm name parsed: one of ALL_ARMS, options only on 'split[/sN][/tMxNxK][/pp|/tiles]'
+    and 'det[/pp|/tiles]' (fwd and dgrad forced onto the ping-pong variants, or onto the
+    cooperative tiles where the planner would pick ping-pong)."""
 
     name: str
     kind: str
@@ -218,15 +219,15 @@ def parse_arm(name: str) -> ArmSpec:
         raise ValueError(f"arm {name!r}: expected one of {ALL_ARMS}, options only on split and det")
     splits = tile = schedule = None
     for opt in opts:
-        if opt == "pp":
-            schedule = "pingpong"
+        if opt in ("pp", "tiles"):
+            schedule = {"pp": "pingpong", "tiles": "tiles"}[opt]
         elif kind == "split" and re.fullmatch(r"s\d+", opt):
             splits = int(opt[1:])
         elif kind == "split" and re.fullmatch(r"t\d+x\d+x\d+", opt):
             tile = tuple(int(v) for v in opt[1:].split("x"))
         else:
             raise ValueError(
-                f"arm {name!r}: option {opt!r} is none of sN (splits), tMxNxK (tile), both on split only, or pp"
+                f"arm {name!r}: option {opt!r} is none of sN (splits), tMxNxK (tile), both on split only, pp or tiles"
             )
     return ArmSpec(name, kind, splits, tile, schedule)
 

@@ -416,7 +416,8 @@ def pingpong():
     then the public API under force(det, schedule=pingpong)."""
     ok = True
     pp = variants.SCHEDULE_CODES["pingpong"]
-    for B, T, d_in, d_out in ((1, 777, 1032, 200), (2, 300, 520, 264), (1, 4096, 1024, 512), (1, 16384, 4096, 512)):
+    shapes = ((1, 777, 1032, 200), (2, 300, 520, 264), (1, 300, 4096, 48), (1, 4096, 1024, 512), (1, 16384, 4096, 512))
+    for B, T, d_in, d_out in shapes:
         x, w, dy = rand((B, T, d_in)), rand((B, d_out, d_in)), rand((B, T, d_out))
         for target, a, b, ref in (
             ("jax_cake_fwd", x, w, ref_fwd(x, w)),
@@ -443,6 +444,15 @@ def pingpong():
         "pingpong_public_api[T16384_4096->512]",
         text.count("schedule = 2") == 2 and max(errs[:2]) < BF16_TOL and errs[2] < F32_TOL,
         f"ping-pong calls={text.count('schedule = 2')} err y={errs[0]:.2e} dx={errs[1]:.2e} dw={errs[2]:.2e}",
+    )
+    # Unforced, the planner's rule puts only dgrad (K = 512) on ping-pong; bitwise as forced.
+    step = jax.jit(functools.partial(_api_vjp, jax_cake.dense_projection))
+    text = step.lower(x, w, dy).as_text()
+    dx_rule = step(x, w, dy)[1]
+    ok &= report(
+        "pingpong_by_rule[T16384_4096->512]",
+        text.count("schedule = 2") == 1 and np.array_equal(np.asarray(dx_rule), np.asarray(dx)),
+        f"ping-pong calls={text.count('schedule = 2')} dx bitwise as forced: {np.array_equal(np.asarray(dx_rule), np.asarray(dx))}",
     )
     return ok
 

@@ -217,6 +217,7 @@ class ArmsAndReportTest(absltest.TestCase):
         self.assertEqual(bench.split_arm_name(16, (64, 256, 64)), "split/s16/t64x256x64")
         self.assertEqual(bench.parse_arm("det").kind, "det")
         self.assertEqual(bench.parse_arm("det/pp"), bench.ArmSpec("det/pp", "det", schedule="pingpong"))
+        self.assertEqual(bench.parse_arm("det/tiles"), bench.ArmSpec("det/tiles", "det", schedule="tiles"))
         for bad in ("det/s4", "split/x3", "cutlass", "new/pp", "det/t128x128x64"):
             with self.assertRaises(ValueError):
                 bench.parse_arm(bad)

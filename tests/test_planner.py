@@ -488,3 +488,42 @@ def test_split_tail_needs_a_whole_wave():
 def test_memory_bound_wgrad_keeps_64_row_tiles(t, d_in, d_out, batch, tile, splits):
     p = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, batch=batch, out_dtype="float32", device=H200)
     assert (p.tile, p.splits) == (tile, splits), jc.explain(p)
+
+
+@pytest.mark.parametrize(
+    "op, t, d_in, d_out, batch, pingpong",
+    [
+        # dgrad with K = d_out <= 1024 over N = d_in >= 4096: measured faster (H200)
+        ("dgrad", 16172, 4096, 48, 1, True),
+        ("dgrad", 16384, 5120, 512, 1, True),
+        ("dgrad", 16231, 4096, 1024, 1, True),
+        # K = 4096 (ping-pong 10-15 % slower), fwd, wgrad, N below the measured range
+        ("dgrad", 16384, 4096, 4096, 1, False),
+        ("fwd", 16384, 4096, 512, 1, False),
+        ("wgrad", 16384, 4096, 512, 1, False),
+        ("dgrad", 4096, 512, 128, 128, False),
+    ],
+)
+def test_pingpong_dgrad_only_where_it_measured_faster(op, t, d_in, d_out, batch, pingpong):
+    from jax_cake.planner import variants
+
+    p = jc.plan(op, tokens=t, d_in=d_in, d_out=d_out, batch=batch, out_dtype="bfloat16", device=H200)
+    assert (p.schedule == "pingpong") == pingpong, jc.explain(p)
+    assert ("ping-pong" in p.reason) == pingpong
+    if pingpong:
+        assert (p.tile, p.cluster, p.ffi_attributes()["schedule"]) == ((128, 128, 64), (1, 1), 2)
+        assert variants.supports(op, p.tile, p.cluster, "bfloat16", 1, 0, schedule="pingpong")
+
+
+def test_force_schedule_overrides_the_pingpong_rule():
+    args = dict(tokens=16384, d_in=4096, d_out=512, out_dtype="bfloat16", device=H200)
+    with jc.planner.force("det", schedule="tiles"):
+        coop = jc.plan("dgrad", **args)
+    with jc.planner.force("det", schedule="pingpong"):
+        fwd = jc.plan("fwd", **args)
+    assert (coop.schedule, coop.tile) == ("tiles", (128, 256, 64)), jc.explain(coop)
+    assert (fwd.schedule, fwd.tile) == ("pingpong", (128, 128, 64))
+    assert jc.plan("dgrad", **args).schedule == "pingpong"  # the block restored the rule
+    with pytest.raises(ValueError, match="schedule"):
+        with jc.planner.force("det", schedule="stream_k"):
+            pass

@@ -87,6 +87,14 @@ _MAX_TAIL_SPLITS = 4
 # +2 %; batched 128 -> 512, K = 128: -1 %): docs/BENCHMARKS.md, 2026-11-29 and 2026-11-30.
 _CLUSTER_MIN_N = 1024
 _CLUSTER_MIN_K = 512
+# dgrad with a short K loop runs the ping-pong 128 x 128 variant (one warpgroup stores a
+# tile while the other multiplies the next): 0.3-8 % faster than the cooperative tiles in
+# all 18 rows of d_out (K) in {64, 512, 1024}, d_in (N) in {4096, 5120} on the H200, and
+# 10-15 % slower at K = 4096 (docs/BENCHMARKS.md, 2026-11-30). N below the measured
+# d_in keeps the cooperative tiles until measured.
+_PINGPONG_DGRAD_MAX_K = 1024
+_PINGPONG_DGRAD_MIN_N = 4096
+_PINGPONG_TILE = (128, 128, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,14 +178,15 @@ def force(
     """Plans traced inside the block use `program` for the weight gradient.
 
     program: "det", "split" or "xla" ("xla" forces the XLA path for every op). schedule
-    "pingpong" runs fwd and dgrad on the ping-pong 128 x 128 variants. Used by the
+    "pingpong" runs fwd and dgrad on the ping-pong 128 x 128 variants, "tiles" on the
+    cooperative tiles (None: the planner's rule, `_pingpong_rule`). Used by the
     benchmark and the tuner to time each arm. Planning is at trace time: jit a new
     function inside the block (a function traced earlier keeps its plan).
     """
     if program not in ("det", "split", "xla"):
         raise ValueError(f"force: program must be 'det', 'split' or 'xla', got {program!r}")
-    if schedule not in (None, "pingpong"):
-        raise ValueError(f"force: schedule must be None or 'pingpong', got {schedule!r}")
+    if schedule not in (None, "pingpong", "tiles"):
+        raise ValueError(f"force: schedule must be None, 'pingpong' or 'tiles', got {schedule!r}")
     saved = dict(_forced)
     _forced.clear()
     _forced.update(program=program, splits=splits, tile=tile, schedule=schedule)
@@ -519,12 +528,9 @@ def plan(
     # tiles stream: 6-11 % faster at N >= 512 on the H200 (docs/BENCHMARKS.md, 2026-11-29).
     raster = "n" if n >= _RASTER_N_MIN else "m"
     schedule = "tiles"
-    pingpong_tile = (128, 128, 64)
-    if _forced.get("schedule") == "pingpong" and variants.supports(
-        op, pingpong_tile, (1, 1), "bfloat16", 1, 0, schedule="pingpong"
-    ):
-        # Not chosen by any rule yet: not measured on a GPU (bench arm det/pp).
-        tile, schedule, tile_note = pingpong_tile, "pingpong", "128x128 ping-pong tiles (forced)"
+    pingpong_note = _pingpong_rule(op, n, k)
+    if pingpong_note and variants.supports(op, _PINGPONG_TILE, (1, 1), "bfloat16", 1, 0, schedule="pingpong"):
+        tile, schedule, tile_note = _PINGPONG_TILE, "pingpong", pingpong_note
         cluster, cluster_note = (1, 1), ""
     else:
         cluster, cluster_note = _pick_cluster(op, tile, m, n, k, "bfloat16", 1, "none")
@@ -540,6 +546,19 @@ def plan(
     )
 
 
+def _pingpong_rule(op: str, n: int, k: int) -> str:
+    """Why fwd/dgrad run the ping-pong tiles here ("": the cooperative tiles)."""
+    forced = _forced.get("schedule")
+    if forced:
+        return "128x128 ping-pong tiles (forced)" if forced == "pingpong" else ""
+    if op == "dgrad" and k <= _PINGPONG_DGRAD_MAX_K and n >= _PINGPONG_DGRAD_MIN_N:
+        return (
+            f"128x128 ping-pong tiles (K={k} <= {_PINGPONG_DGRAD_MAX_K}: one warpgroup's epilogue "
+            "runs under the other's MMAs)"
+        )
+    return ""
+
+
 def explain(p: Plan) -> str:
     """Plain words: which program runs for this Plan, and why."""
     gemm = f"{p.op}: C[{p.batch}x{p.m}x{p.n}] over K={p.k}, {p.out_dtype} out, on {p.device}"
@@ -549,7 +568,7 @@ def explain(p: Plan) -> str:
     lines = [
         gemm,
         f"  runs the jax_cake {p.backend} '{p.program}' program: {tm}x{tn}x{tk} tiles, cluster {p.cluster[0]}x{p.cluster[1]}, "
-        f"{p.splits} split(s), {p.ctas} CTAs, reduction {p.reduction}, workspace {p.workspace_bytes} bytes",
+        f"{p.splits} split(s), {p.ctas} CTAs, reduction {p.reduction}, {p.schedule} schedule, workspace {p.workspace_bytes} bytes",
         f"  bitwise reproducible: {'yes' if p.deterministic else 'no'}",
         f"  why: {p.reason}",
     ]
