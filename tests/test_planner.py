@@ -493,12 +493,13 @@ def test_memory_bound_wgrad_keeps_64_row_tiles(t, d_in, d_out, batch, tile, spli
 @pytest.mark.parametrize(
     "op, t, d_in, d_out, batch, pingpong",
     [
-        # dgrad with K = d_out <= 1024 over N = d_in >= 4096: measured faster (H200)
-        ("dgrad", 16172, 4096, 48, 1, True),
+        # dgrad with 64 <= K = d_out <= 1024 over N = d_in >= 4096: measured faster (H200)
+        ("dgrad", 16172, 4096, 64, 1, True),
         ("dgrad", 16384, 5120, 512, 1, True),
         ("dgrad", 16231, 4096, 1024, 1, True),
-        # K = 4096 (ping-pong 10-15 % slower), fwd, wgrad, N below the measured range
+        # K = 4096 (ping-pong 10-15 % slower), K < 64, fwd, wgrad, batched (N = 128, 512)
         ("dgrad", 16384, 4096, 4096, 1, False),
+        ("dgrad", 16172, 4096, 48, 1, False),
         ("fwd", 16384, 4096, 512, 1, False),
         ("wgrad", 16384, 4096, 512, 1, False),
         ("dgrad", 4096, 512, 128, 128, False),

@@ -89,9 +89,11 @@ _CLUSTER_MIN_N = 1024
 _CLUSTER_MIN_K = 512
 # dgrad with a short K loop runs the ping-pong 128 x 128 variant (one warpgroup stores a
 # tile while the other multiplies the next): 0.3-8 % faster than the cooperative tiles in
-# all 18 rows of d_out (K) in {64, 512, 1024}, d_in (N) in {4096, 5120} on the H200, and
-# 10-15 % slower at K = 4096 (docs/BENCHMARKS.md, 2026-11-30). N below the measured
-# d_in keeps the cooperative tiles until measured.
+# all 18 rows of d_out (K) in {64, 512, 1024}, d_in (N) in {4096, 5120} on the H200;
+# 10-15 % slower at K = 4096, and 2.5 % slower (geomean of 8 rows) at K = 32 and 48,
+# less than one K tile (docs/BENCHMARKS.md, 2026-11-30). Batched dgrad (N = 128 or 512)
+# measured -2 to +7 %: it keeps the cooperative tiles.
+_PINGPONG_DGRAD_MIN_K = 64
 _PINGPONG_DGRAD_MAX_K = 1024
 _PINGPONG_DGRAD_MIN_N = 4096
 _PINGPONG_TILE = (128, 128, 64)
@@ -551,9 +553,9 @@ def _pingpong_rule(op: str, n: int, k: int) -> str:
     forced = _forced.get("schedule")
     if forced:
         return "128x128 ping-pong tiles (forced)" if forced == "pingpong" else ""
-    if op == "dgrad" and k <= _PINGPONG_DGRAD_MAX_K and n >= _PINGPONG_DGRAD_MIN_N:
+    if op == "dgrad" and _PINGPONG_DGRAD_MIN_K <= k <= _PINGPONG_DGRAD_MAX_K and n >= _PINGPONG_DGRAD_MIN_N:
         return (
-            f"128x128 ping-pong tiles (K={k} <= {_PINGPONG_DGRAD_MAX_K}: one warpgroup's epilogue "
+            f"128x128 ping-pong tiles ({_PINGPONG_DGRAD_MIN_K} <= K={k} <= {_PINGPONG_DGRAD_MAX_K}: one warpgroup's epilogue "
             "runs under the other's MMAs)"
         )
     return ""
