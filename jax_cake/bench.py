@@ -832,10 +832,20 @@ def read_csv_rows(paths: Sequence[str]) -> list[dict]:
     return rows
 
 
+def merge_rows(rows: Sequence[dict], family: str = "dense") -> list[dict]:
+    """One row per (point, op, mode): a later row replaces an earlier one in its place
+    (a re-measured subset merged over a full grid)."""
+    merged: dict[tuple, dict] = {}
+    for row in rows:
+        merged[tuple(row.get(c) for c in FAMILIES[family].shape_columns) + (row.get("op"), row.get("mode"))] = row
+    return list(merged.values())
+
+
 def merged_title(paths: Sequence[str]) -> str:
     return (
         f"Rows merged from {', '.join(os.path.basename(p) for p in paths)} (each measured as its run's "
-        "header says); ratios = baseline us / new us (above 1: new is faster)"
+        "header says; a later file's row replaces an earlier file's row of the same point, op and mode); "
+        "ratios = baseline us / new us (above 1: new is faster)"
     )
 
 
@@ -877,7 +887,7 @@ def main(argv):
     del argv
     family = FAMILIES[FLAGS.family]
     if FLAGS.merge:  # one table over earlier runs' CSVs: nothing is measured
-        rows = read_csv_rows(FLAGS.merge)
+        rows = merge_rows(read_csv_rows(FLAGS.merge), FLAGS.family)
         emit(markdown(None, rows, FLAGS.family, title=merged_title(FLAGS.merge)), rows, FLAGS.family)
         return
     stray = [n for n in family.unused if FLAGS[n].present]

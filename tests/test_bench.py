@@ -287,13 +287,14 @@ class ArmsAndReportTest(absltest.TestCase):
         header["timer"] = bench.DEVICE_LABEL
         with tempfile.TemporaryDirectory() as tmp:
             paths = []
-            for tokens, new_us in ((16172, 20.0), (16384, 80.0)):
+            # the third file re-measures the first file's point: its row replaces that one
+            for tokens, new_us in ((16172, 20.0), (16384, 80.0), (16172, 40.0)):
                 point = dict(tokens=tokens, d_in=4096, d_out=48, out="float32")
                 samples = [
                     {**point, "op": "wgrad", "mode": "g", "run": 0, "arm": arm, "groups_us": [us, us]}
                     for arm, us in (("new", new_us), ("xla", 40.0))
                 ]
-                paths.append(os.path.join(tmp, f"{tokens}.csv"))
+                paths.append(os.path.join(tmp, f"{tokens}_{len(paths)}.csv"))
                 bench.write_csv(paths[-1], bench.table_rows(header, samples))
             md = os.path.join(tmp, "all.md")
             subprocess.run(
@@ -303,9 +304,10 @@ class ArmsAndReportTest(absltest.TestCase):
                 capture_output=True,
             )
             text = open(md).read()
-        self.assertTrue(text.startswith("Rows merged from 16172.csv, 16384.csv"))
-        # XLA/new is 2.0 and 0.5: geomean 1.0 over both files' rows
-        self.assertIn("- wgrad g (2 rows): XLA/new 1.000 (0.500 to 2.000)", text)
+        self.assertTrue(text.startswith("Rows merged from 16172_0.csv, 16384_1.csv, 16172_2.csv"))
+        # XLA/new is 1.0 (the re-measured 16172 row) and 0.5: two rows, the first in its place
+        self.assertIn("- wgrad g (2 rows): XLA/new 0.707 (0.500 to 1.000)", text)
+        self.assertLess(text.index("| 16172 | wgrad | g | n/a | n/a | 40.00 | n/a | 40.00 |"), text.index("| 16384 |"))
         self.assertIn("| H200 | 132 | 4096 -> 48 | FP32 | 16384 | wgrad | g | n/a | n/a | 40.00 | n/a | 80.00 |", text)
 
 
