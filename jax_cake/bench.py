@@ -202,34 +202,38 @@ COLUMNS = FAMILIES["dense"].columns
 
 @dataclasses.dataclass(frozen=True)
 class ArmSpec:
-    """An arm name parsed: one of ALL_ARMS, options only on 'split[/sN][/tMxNxK][/pp|/tiles]'
-    and 'det[/pp|/tiles]' (fwd and dgrad forced onto the ping-pong variants, or onto the
-    cooperative tiles where the planner would pick ping-pong)."""
+    """An arm name parsed: one of ALL_ARMS, options only on 'split[/sN][/tMxNxK][/pp|/tiles][/c1|/c2]'
+    and 'det[/pp|/tiles][/c1|/c2]' (fwd and dgrad forced onto the ping-pong variants, or onto
+    the cooperative tiles where the planner would pick ping-pong; c1 / c2: fwd and dgrad
+    CTA clusters (1, 1) / (2, 1) where the library holds them)."""
 
     name: str
     kind: str
     splits: int | None = None
     tile: tuple[int, int, int] | None = None
     schedule: str | None = None
+    cluster: tuple[int, int] | None = None
 
 
 def parse_arm(name: str) -> ArmSpec:
     kind, *opts = name.split("/")
     if kind not in ALL_ARMS or (opts and kind not in ("split", "det")):
         raise ValueError(f"arm {name!r}: expected one of {ALL_ARMS}, options only on split and det")
-    splits = tile = schedule = None
+    splits = tile = schedule = cluster = None
     for opt in opts:
         if opt in ("pp", "tiles"):
             schedule = {"pp": "pingpong", "tiles": "tiles"}[opt]
+        elif opt in ("c1", "c2"):
+            cluster = (int(opt[1]), 1)
         elif kind == "split" and re.fullmatch(r"s\d+", opt):
             splits = int(opt[1:])
         elif kind == "split" and re.fullmatch(r"t\d+x\d+x\d+", opt):
             tile = tuple(int(v) for v in opt[1:].split("x"))
         else:
             raise ValueError(
-                f"arm {name!r}: option {opt!r} is none of sN (splits), tMxNxK (tile), both on split only, pp or tiles"
+                f"arm {name!r}: option {opt!r} is none of sN (splits), tMxNxK (tile), both on split only, pp, tiles, c1, c2"
             )
-    return ArmSpec(name, kind, splits, tile, schedule)
+    return ArmSpec(name, kind, splits, tile, schedule, cluster)
 
 
 def split_arm_name(splits: int | None, tile: Sequence[int] | None) -> str:
@@ -302,12 +306,12 @@ def jax_projection(arm: ArmSpec, family: str = "dense") -> Callable:
 def planning_for(arm: ArmSpec):
     """The planner state an arm is traced under (split forces the split-K program; pp the
     ping-pong fwd/dgrad)."""
-    if arm.kind != "split" and arm.schedule is None:
+    if arm.kind != "split" and arm.schedule is None and arm.cluster is None:
         yield
         return
     from jax_cake import planner
 
-    with planner.force(arm.kind, splits=arm.splits, tile=arm.tile, schedule=arm.schedule):
+    with planner.force(arm.kind, splits=arm.splits, tile=arm.tile, schedule=arm.schedule, cluster=arm.cluster):
         yield
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import glob
+import itertools
 import math
 import os
 import pathlib
@@ -411,8 +412,9 @@ def split_tail():
 
 @check
 def pingpong():
-    """Ping-pong fwd/dgrad (schedule 2) against float64 and bitwise over 5 runs: ragged
-    edges, one tile per CTA (warpgroup 1 idle), and many tiles per CTA in both parities;
+    """Ping-pong fwd/dgrad (schedule 2; dgrad also in CTA pairs) against float64 and bitwise
+    over 5 runs: ragged edges (odd M tile counts leave a pair's second tile out of range),
+    one tile per CTA (warpgroup 1 idle), and many tiles per CTA in both parities;
     then the public API under force(det, schedule=pingpong)."""
     ok = True
     pp = variants.SCHEDULE_CODES["pingpong"]
@@ -423,13 +425,16 @@ def pingpong():
             ("jax_cake_fwd", x, w, ref_fwd(x, w)),
             ("jax_cake_dgrad", dy, w, ref_dgrad(dy, w)),
         ):
-            for raster in (0, 1):
-                run = functools.partial(call, target, a, b, tile=(128, 128, 64), raster=raster, schedule=pp)
+            clusters = ((1, 1), (2, 1)) if target == "jax_cake_dgrad" else ((1, 1),)
+            for raster, cluster in itertools.product((0, 1), clusters):
+                run = functools.partial(
+                    call, target, a, b, tile=(128, 128, 64), raster=raster, cluster=cluster, schedule=pp
+                )
                 first = run()
                 e, bad = rel_err(first, ref)
                 same = sum(np.array_equal(np.asarray(first), np.asarray(run())) for _ in range(4)) + 1
                 ok &= report(
-                    f"pingpong_{target[9:]}_raster{raster}[B{B}_T{T}_{d_in}->{d_out}]",
+                    f"pingpong_{target[9:]}_raster{raster}_c{cluster[0]}x1[B{B}_T{T}_{d_in}->{d_out}]",
                     e < BF16_TOL and bad == 0 and same == 5,
                     f"rel_err={e:.2e} nonfinite={bad} bitwise {same}/5",
                 )

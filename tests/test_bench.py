@@ -218,6 +218,9 @@ class ArmsAndReportTest(absltest.TestCase):
         self.assertEqual(bench.parse_arm("det").kind, "det")
         self.assertEqual(bench.parse_arm("det/pp"), bench.ArmSpec("det/pp", "det", schedule="pingpong"))
         self.assertEqual(bench.parse_arm("det/tiles"), bench.ArmSpec("det/tiles", "det", schedule="tiles"))
+        self.assertEqual(
+            bench.parse_arm("det/pp/c2"), bench.ArmSpec("det/pp/c2", "det", schedule="pingpong", cluster=(2, 1))
+        )
         for bad in ("det/s4", "split/x3", "cutlass", "new/pp", "det/t128x128x64"):
             with self.assertRaises(ValueError):
                 bench.parse_arm(bad)

@@ -512,7 +512,9 @@ def test_pingpong_dgrad_only_where_it_measured_faster(op, t, d_in, d_out, batch,
     assert (p.schedule == "pingpong") == pingpong, jc.explain(p)
     assert ("ping-pong" in p.reason) == pingpong
     if pingpong:
-        assert (p.tile, p.cluster, p.ffi_attributes()["schedule"]) == ((128, 128, 64), (1, 1), 2)
+        # CTA pairs by the cluster rule (K >= 512), as the cooperative tiles
+        pair = (2, 1) if d_out >= 512 else (1, 1)
+        assert (p.tile, p.cluster, p.ffi_attributes()["schedule"]) == ((128, 128, 64), pair, 2)
         assert variants.supports(op, p.tile, p.cluster, "bfloat16", 1, 0, schedule="pingpong")
 
 
@@ -522,9 +524,18 @@ def test_force_schedule_overrides_the_pingpong_rule():
         coop = jc.plan("dgrad", **args)
     with jc.planner.force("det", schedule="pingpong"):
         fwd = jc.plan("fwd", **args)
+    with jc.planner.force("det", cluster=(1, 1)):
+        single = jc.plan("dgrad", **args)
+    with jc.planner.force("det", cluster=(2, 1)):
+        skinny = jc.plan("dgrad", **{**args, "d_out": 64})
     assert (coop.schedule, coop.tile) == ("tiles", (128, 256, 64)), jc.explain(coop)
-    assert (fwd.schedule, fwd.tile) == ("pingpong", (128, 128, 64))
+    assert (fwd.schedule, fwd.tile, fwd.cluster) == ("pingpong", (128, 128, 64), (1, 1))  # no fwd pp pair
+    assert (single.schedule, single.cluster) == ("pingpong", (1, 1))
+    assert (skinny.schedule, skinny.cluster) == ("pingpong", (2, 1)), jc.explain(skinny)
     assert jc.plan("dgrad", **args).schedule == "pingpong"  # the block restored the rule
     with pytest.raises(ValueError, match="schedule"):
         with jc.planner.force("det", schedule="stream_k"):
+            pass
+    with pytest.raises(ValueError, match="cluster"):
+        with jc.planner.force("det", cluster=(1, 2)):
             pass

@@ -149,9 +149,9 @@ class GemmSm90:
         if variant.schedule not in ("tiles", "split_tail", "pingpong"):
             raise ValueError(f"schedule must be 'tiles', 'split_tail' or 'pingpong', got {variant.schedule!r}")
         if variant.schedule == "pingpong" and (
-            variant.program == "wgrad" or variant.tile[:2] != (128, 128) or variant.cluster != (1, 1)
+            variant.program == "wgrad" or variant.tile[:2] != (128, 128) or variant.cluster_n != 1
         ):
-            raise ValueError("schedule='pingpong' is for fwd/dgrad with 128 x 128 tiles and cluster (1, 1)")
+            raise ValueError("schedule='pingpong' is for fwd/dgrad with 128 x 128 tiles and cluster (cm, 1)")
         if variant.schedule == "split_tail" and (variant.cluster != (1, 1) or variant.store != "plain"):
             raise ValueError("schedule='split_tail' needs cluster (1, 1) and store='plain'")
         if variant.promote and variant.tile_n > 160:

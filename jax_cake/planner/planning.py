@@ -85,6 +85,8 @@ _MAX_TAIL_SPLITS = 4
 # halving its L2 -> SM traffic. On the H200 that was 1-3.5 % faster where the GEMM is
 # compute bound (N >= 1024, K >= 512) and no gain or a loss elsewhere (N = 512: -1.5 to
 # +2 %; batched 128 -> 512, K = 128: -1 %): docs/BENCHMARKS.md, 2026-11-29 and 2026-11-30.
+# The ping-pong dgrad pairs by the same rule: 2-8 % faster at K = 512 / 1024 (8 rows),
+# -2.5 to +1.6 % at K = 64 (2026-11-30).
 _CLUSTER_MIN_N = 1024
 _CLUSTER_MIN_K = 512
 # dgrad with a short K loop runs the ping-pong 128 x 128 variant (one warpgroup stores a
@@ -176,12 +178,15 @@ def force(
     splits: int | None = None,
     tile: tuple[int, int, int] | None = None,
     schedule: str | None = None,
+    cluster: tuple[int, int] | None = None,
 ) -> Iterator[None]:
     """Plans traced inside the block use `program` for the weight gradient.
 
     program: "det", "split" or "xla" ("xla" forces the XLA path for every op). schedule
     "pingpong" runs fwd and dgrad on the ping-pong 128 x 128 variants, "tiles" on the
-    cooperative tiles (None: the planner's rule, `_pingpong_rule`). Used by the
+    cooperative tiles (None: the planner's rule, `_pingpong_rule`). cluster (1, 1) or
+    (2, 1) sets fwd/dgrad's CTA pairing where the library holds that variant (None: the
+    planner's rule). Used by the
     benchmark and the tuner to time each arm. Planning is at trace time: jit a new
     function inside the block (a function traced earlier keeps its plan).
     """
@@ -189,9 +194,11 @@ def force(
         raise ValueError(f"force: program must be 'det', 'split' or 'xla', got {program!r}")
     if schedule not in (None, "pingpong", "tiles"):
         raise ValueError(f"force: schedule must be None, 'pingpong' or 'tiles', got {schedule!r}")
+    if cluster not in (None, (1, 1), (2, 1)):
+        raise ValueError(f"force: cluster must be None, (1, 1) or (2, 1), got {cluster!r}")
     saved = dict(_forced)
     _forced.clear()
-    _forced.update(program=program, splits=splits, tile=tile, schedule=schedule)
+    _forced.update(program=program, splits=splits, tile=tile, schedule=schedule, cluster=cluster)
     try:
         yield
     finally:
@@ -202,11 +209,13 @@ def force(
 # --- the planner ------------------------------------------------------------------------
 
 
-def _pick_cluster(program: str, tile, m: int, n: int, k: int, out_dtype: str, splits: int, reduction: str):
+def _pick_cluster(
+    program: str, tile, m: int, n: int, k: int, out_dtype: str, splits: int, reduction: str, schedule: str = "tiles"
+):
     """(cluster, note): a (2, 1) pair where it measured faster and the library holds it."""
     if n < _CLUSTER_MIN_N or k < _CLUSTER_MIN_K or math.ceil(m / tile[0]) < 2:
         return (1, 1), ""
-    if not variants.supports(program, tile, (2, 1), out_dtype, splits, _REDUCTION_CODES[reduction]):
+    if not variants.supports(program, tile, (2, 1), out_dtype, splits, _REDUCTION_CODES[reduction], schedule=schedule):
         return (1, 1), ""
     return (2, 1), "; CTA pairs (cluster 2x1) share the B tile by TMA multicast"
 
@@ -533,9 +542,10 @@ def plan(
     pingpong_note = _pingpong_rule(op, n, k)
     if pingpong_note and variants.supports(op, _PINGPONG_TILE, (1, 1), "bfloat16", 1, 0, schedule="pingpong"):
         tile, schedule, tile_note = _PINGPONG_TILE, "pingpong", pingpong_note
-        cluster, cluster_note = (1, 1), ""
-    else:
-        cluster, cluster_note = _pick_cluster(op, tile, m, n, k, "bfloat16", 1, "none")
+    cluster, cluster_note = _pick_cluster(op, tile, m, n, k, "bfloat16", 1, "none", schedule)
+    forced_cluster = _forced.get("cluster")
+    if forced_cluster and variants.supports(op, tile, forced_cluster, "bfloat16", 1, 0, schedule=schedule):
+        cluster, cluster_note = forced_cluster, f"; cluster {forced_cluster[0]}x{forced_cluster[1]} (forced)"
     return Plan(
         **base,
         program="gemm",

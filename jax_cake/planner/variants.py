@@ -108,6 +108,7 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # K loop's epilogue hides behind the other tile's MMAs (dgrad at d_out = 512).
     GemmVariant("fwd", 128, 128, schedule="pingpong"),
     GemmVariant("dgrad", 128, 128, schedule="pingpong"),
+    GemmVariant("dgrad", 128, 128, cluster_m=2, schedule="pingpong"),
     # Cluster (2, 1) with B multicast: halves the L2 -> SM traffic of the B tile for
     # compute-bound shapes (T ~ 16k with d_out or d_in >= 512).
     GemmVariant("fwd", 128, 256, cluster_m=2),
