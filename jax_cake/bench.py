@@ -107,7 +107,11 @@ def define_flags(arms_default: Sequence[str] = ARMS, with_ops: bool = True) -> N
     if with_ops:
         flags.DEFINE_list("ops", list(OPS), f"Ops, from {OPS} (dense; bench --family: the family's ops).")
     flags.DEFINE_list("modes", list(MODES), "g = command buffers on, e = off.")
-    flags.DEFINE_list("arms", list(arms_default), "Arms: det, split[/sN][/tMxNxK], new, xla, cublas (dense).")
+    flags.DEFINE_list(
+        "arms",
+        list(arms_default),
+        "Arms: det[/pp|/tiles][/c1|/c2], split[/sN][/tMxNxK][/pp|/tiles][/c1|/c2], new, xla, cublas (dense).",
+    )
     flags.DEFINE_integer("runs", 3, "Runs (one fresh process per run and mode).")
     flags.DEFINE_integer("groups", 10, "Paired groups per run.")
     flags.DEFINE_integer("steps", 10, "Timed steps per arm and group.")
@@ -304,8 +308,8 @@ def jax_projection(arm: ArmSpec, family: str = "dense") -> Callable:
 
 @contextlib.contextmanager
 def planning_for(arm: ArmSpec):
-    """The planner state an arm is traced under (split forces the split-K program; pp the
-    ping-pong fwd/dgrad)."""
+    """The planner state an arm is traced under (split forces the split-K program; pp /
+    tiles the fwd/dgrad schedule, c1 / c2 their CTA pairing)."""
     if arm.kind != "split" and arm.schedule is None and arm.cluster is None:
         yield
         return

@@ -42,7 +42,8 @@ warpgroup owns a whole tile, and the two take the CTA's tiles in turns: warpgrou
 the K loop of tile 0 while warpgroup 1 waits, then warpgroup 1 runs tile 1's K loop while
 warpgroup 0 stores tile 0, and so on (two named barriers pass the turn). With a short K
 loop (dgrad at d_out = 512 is 8 K tiles per tile) the epilogue of one tile then hides
-behind the MMAs of the next instead of stalling the tensor cores.
+behind the MMAs of the next instead of stalling the tensor cores. In a (2, 1) cluster both
+CTAs walk the same items, so their warpgroups consume the multicast B stages in step.
 
 Ragged edges: TMA loads zero-fill out-of-bounds rows/columns of A and B (including the
 K tail), and TMA stores clip out-of-bounds rows/columns of C, so no predication is

@@ -186,9 +186,9 @@ def force(
     "pingpong" runs fwd and dgrad on the ping-pong 128 x 128 variants, "tiles" on the
     cooperative tiles (None: the planner's rule, `_pingpong_rule`). cluster (1, 1) or
     (2, 1) sets fwd/dgrad's CTA pairing where the library holds that variant (None: the
-    planner's rule). Used by the
-    benchmark and the tuner to time each arm. Planning is at trace time: jit a new
-    function inside the block (a function traced earlier keeps its plan).
+    planner's rule). Used by the benchmark and the tuner to time each arm. Planning is at
+    trace time: jit a new function inside the block (a function traced earlier keeps its
+    plan).
     """
     if program not in ("det", "split", "xla"):
         raise ValueError(f"force: program must be 'det', 'split' or 'xla', got {program!r}")
