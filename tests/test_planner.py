@@ -539,3 +539,44 @@ def test_force_schedule_overrides_the_pingpong_rule():
     with pytest.raises(ValueError, match="cluster"):
         with jc.planner.force("det", cluster=(1, 2)):
             pass
+
+
+def _pingpong_walk(num_items: int, cluster_id: int, num_clusters: int, k_tiles: int):
+    """A model of one CTA's ping-pong consumers as gemm_sm90's kernel writes them: the
+    turn barriers' event order and each warpgroup's stage counter per tile. Returns
+    (tiles in MMA order with their first stage, arrivals left unmatched)."""
+    items = {w: list(range(cluster_id + w * num_clusters, num_items, 2 * num_clusters)) for w in (0, 1)}
+    stage = {0: 0, 1: k_tiles}  # warpgroup 1 first steps over warpgroup 0's first tile
+    pending = {3: int(cluster_id < num_items), 4: 0}  # barrier 3 = warpgroup 0's turn
+    order, pos = [], {0: 0, 1: 0}
+    turn = 0
+    while pos[0] < len(items[0]) or pos[1] < len(items[1]):
+        w = turn
+        assert pos[w] < len(items[w]), "a warpgroup waits for a turn nobody gives"
+        mine, theirs = 3 + w, 4 - w
+        assert pending[mine] == 1, f"barrier {mine}: {pending[mine]} arrivals at the wait"
+        pending[mine] -= 1
+        item = items[w][pos[w]]
+        order.append((item, stage[w]))
+        stage[w] += k_tiles  # its K loop
+        if item + num_clusters < num_items:
+            pending[theirs] += 1
+        stage[w] += k_tiles  # step over the other warpgroup's next tile
+        pos[w] += 1
+        turn = 1 - w
+    return order, pending
+
+
+@pytest.mark.parametrize("num_items", [0, 1, 2, 3, 131, 132, 133, 264, 4096, 4097])
+@pytest.mark.parametrize("cluster_id, num_clusters", [(0, 132), (5, 132), (131, 132), (0, 66), (65, 66)])
+def test_pingpong_turns_alternate_and_stages_follow_the_producer(num_items, cluster_id, num_clusters):
+    """Every turn-barrier wait meets exactly one arrival from the other warpgroup (none
+    left over: a stray arrival would let a later wait through early, a missing one hangs
+    the CTA), the tiles run in the producer's order, and each tile's first stage is where
+    the producer put it (item index x K tiles)."""
+    k_tiles = 8
+    order, pending = _pingpong_walk(num_items, cluster_id, num_clusters, k_tiles)
+    producer = list(range(cluster_id, num_items, num_clusters))
+    assert [item for item, _ in order] == producer
+    assert [first for _, first in order] == [j * k_tiles for j in range(len(producer))]
+    assert pending == {3: 0, 4: 0}
