@@ -2,9 +2,10 @@
 shared memory -> TMA store, in sub-tiles of (tile_m, 32) columns through `epi_stage`
 buffers.
 
-Only the construction is shared: each kernel runs its own store loop inside its persistent
-tile loop (a CuTe DSL helper called there would have to carry these trace-time objects
-through the dynamic loop, which the DSL refuses).
+Shared: the construction and which accumulator registers make each sub-tile. Each kernel
+runs its own store loop inside its persistent tile loop (a CuTe DSL helper called there
+would have to carry these trace-time objects through the dynamic loop, which the DSL
+refuses).
 
 Imported only by the kernel modules (AOT); never at run time.
 """
@@ -52,3 +53,17 @@ def make_epilogue(
         ),
         epi_bar=pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=mma_threads),
     )
+
+
+def sub_tile_index(v: int, epi_idx: int, rd_layout, r_acc) -> int:
+    """Index into the retiled accumulator ((copy V, column groups), M, 1) of register v of
+    sub-tile epi_idx, whose registers are (copy V, M, column groups of the sub-tile).
+
+    With one warpgroup per 128-row tile (ping-pong) M is 2, and a sub-tile's registers
+    are not one contiguous run of the accumulator (trace-time arithmetic only).
+    """
+    cpy_v, cpy_m, cpy_n = (cute.size(rd_layout, mode=[i]) for i in range(3))
+    groups = cute.size(r_acc, mode=[0]) // cpy_v
+    assert cute.size(r_acc, mode=[1]) == cpy_m and cute.size(r_acc) == cpy_v * groups * cpy_m
+    i, m, n = v % cpy_v, (v // cpy_v) % cpy_m, v // (cpy_v * cpy_m)
+    return i + cpy_v * (epi_idx * cpy_n + n) + cpy_v * groups * m

@@ -65,7 +65,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils.distributed import spin_lock_ld_lt_relaxed_wait
 
-from jax_cake.kernels.epilogue_sm90 import make_epilogue
+from jax_cake.kernels.epilogue_sm90 import make_epilogue, sub_tile_index
 from jax_cake.planner.variants import GemmVariant
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
@@ -109,20 +109,6 @@ def _fence_f32(x, *, loc=None, ip=None):
             ip=ip,
         )
     )
-
-
-def _sub_tile_index(v: int, epi_idx: int, rd_layout, r_acc) -> int:
-    """Index into the retiled accumulator ((copy V, column groups), M, 1) of register v of
-    sub-tile epi_idx, whose registers are (copy V, M, column groups of the sub-tile).
-
-    With one warpgroup per 128-row tile (ping-pong) M is 2, and a sub-tile's registers
-    are not one contiguous run of the accumulator (trace-time arithmetic only).
-    """
-    cpy_v, cpy_m, cpy_n = (cute.size(rd_layout, mode=[i]) for i in range(3))
-    groups = cute.size(r_acc, mode=[0]) // cpy_v
-    assert cute.size(r_acc, mode=[1]) == cpy_m and cute.size(r_acc) == cpy_v * groups * cpy_m
-    i, m, n = v % cpy_v, (v // cpy_v) % cpy_m, v // (cpy_v * cpy_m)
-    return i + cpy_v * (epi_idx * cpy_n + n) + cpy_v * groups * m
 
 
 @cute.jit
@@ -598,7 +584,7 @@ class GemmSm90:
                             c_pipe.producer_acquire()
                         epi_bar.arrive_and_wait()
                         for v in cutlass.range_constexpr(size_tRS_rD):
-                            tRS_rD[v] = tRS_rAcc[_sub_tile_index(v, epi_idx, tRS_rD_layout, tRS_rAcc)]
+                            tRS_rD[v] = tRS_rAcc[sub_tile_index(v, epi_idx, tRS_rD_layout, tRS_rAcc)]
                         tRS_rD_out = cute.make_rmem_tensor_like(tRS_rD_layout, self.c_dtype)
                         tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
                         cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])

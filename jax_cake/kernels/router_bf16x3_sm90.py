@@ -62,7 +62,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_cake.kernels import c_table
-from jax_cake.kernels.epilogue_sm90 import make_epilogue
+from jax_cake.kernels.epilogue_sm90 import make_epilogue, sub_tile_index
 from jax_cake.kernels.gemm_sm90 import _fence_tensor
 from jax_cake.planner.router_variants import VARIANTS, RouterVariant
 
@@ -474,7 +474,7 @@ class RouterBf16x3Sm90:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
             # Epilogue pieces that do not depend on the tile.
-            (tiled_copy_r2s, tRS_sD, tRS_rAcc, _, tRS_rD, c_pipe, epi_bar) = make_epilogue(
+            (tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD_layout, tRS_rD, c_pipe, epi_bar) = make_epilogue(
                 tiled_mma,
                 self.c_layout,
                 self.io_dtype,
@@ -603,7 +603,7 @@ class RouterBf16x3Sm90:
                         c_pipe.producer_acquire()
                     epi_bar.arrive_and_wait()
                     for v in cutlass.range_constexpr(size_tRS_rD):
-                        tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
+                        tRS_rD[v] = tRS_rAcc[sub_tile_index(v, epi_idx, tRS_rD_layout, tRS_rAcc)]
                     cute.copy(tiled_copy_r2s, tRS_rD, tRS_sD[(None, None, None, buf)])
                     # Ordinary smem stores must be visible to the TMA (async proxy).
                     cute.arch.fence_view_async_shared()
