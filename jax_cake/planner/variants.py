@@ -27,10 +27,9 @@ PROGRAM_MAJORS = {
 REDUCTION_NONE = 0
 REDUCTION_ORDERED = 1  # fp32 partials [splits, L, M, N] + a reduce pass in split order
 REDUCTION_ATOMIC = 2  # arrival order: TMA reduce-add stores (cp.reduce.async.bulk.tensor)
+REDUCTION_SPLIT_TAIL = 3  # the last partial wave's tiles cut into K pieces, summed in piece order in the kernel
 # The `schedule` attribute: how a variant's CTAs walk their work (GemmVariant.schedule).
 SCHEDULE_CODES = {"tiles": 0, "split_tail": 1, "pingpong": 2}
-
-REDUCTION_SPLIT_TAIL = 3  # the last partial wave's tiles cut into K pieces, summed in piece order in the kernel
 
 
 @dataclasses.dataclass(frozen=True)
