@@ -143,6 +143,15 @@ ffi::Error CheckCommonAttrs(const char* program, int64_t splits, int64_t reducti
   return ffi::Error::Success();
 }
 
+// TMA strides must be multiples of 16 bytes: the row widths d_in and d_out (bf16) must be
+// multiples of 8 elements, else the copies read and write the wrong rows.
+ffi::Error CheckWidths(const char* program, int64_t d_in, int64_t d_out) {
+  if (d_in % 8 != 0 || d_out % 8 != 0)
+    return ffi::Error::InvalidArgument(std::string("jax_cake: ") + program + ": d_in and d_out must be multiples of 8, got " +
+                                       std::to_string(d_in) + " and " + std::to_string(d_out));
+  return ffi::Error::Success();
+}
+
 #define JC_RETURN_IF_ERROR(expr)       \
   do {                                 \
     ffi::Error _e = (expr);            \
@@ -166,6 +175,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ff
   if (w.dimensions()[0] != B || w.dimensions()[2] != d_in || y->dimensions()[0] != B || y->dimensions()[1] != T ||
       y->dimensions()[2] != d_out)
     return ffi::Error::InvalidArgument("jax_cake_fwd: shapes must be x[B,T,d_in], w[B,d_out,d_in], y[B,T,d_out]");
+  JC_RETURN_IF_ERROR(CheckWidths("jax_cake_fwd", d_in, d_out));
   const int sched = static_cast<int>(schedule);
   const Variant* v = FindVariant("fwd", tile_m, tile_n, tile_k, cluster_m, cluster_n, kBf16, false, sched);
   if (!v) return NoVariant("fwd", tile_m, tile_n, tile_k, cluster_m, cluster_n, kBf16, false, sched);
@@ -195,6 +205,7 @@ ffi::Error DgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
   if (w.dimensions()[0] != B || w.dimensions()[1] != d_out || dx->dimensions()[0] != B || dx->dimensions()[1] != T ||
       dx->dimensions()[2] != d_in)
     return ffi::Error::InvalidArgument("jax_cake_dgrad: shapes must be dy[B,T,d_out], w[B,d_out,d_in], dx[B,T,d_in]");
+  JC_RETURN_IF_ERROR(CheckWidths("jax_cake_dgrad", d_in, d_out));
   const int sched = static_cast<int>(schedule);
   const Variant* v = FindVariant("dgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kBf16, false, sched);
   if (!v) return NoVariant("dgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kBf16, false, sched);
@@ -234,6 +245,7 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
   if (x.dimensions()[0] != B || x.dimensions()[1] != T || dwd.size() != 3 || dwd[0] != B || dwd[1] != d_out ||
       dwd[2] != d_in)
     return ffi::Error::InvalidArgument("jax_cake_wgrad: shapes must be dy[B,T,d_out], x[B,T,d_in], dw[B,d_out,d_in]");
+  JC_RETURN_IF_ERROR(CheckWidths("jax_cake_wgrad", d_in, d_out));
   const int64_t count = B * d_out * d_in;
   const int64_t ws_bytes = static_cast<int64_t>(workspace->size_bytes());
   void* ws = workspace->untyped_data();

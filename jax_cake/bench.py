@@ -28,7 +28,7 @@ Protocol (DESIGN.md "Benchmark protocol"):
 - Arms (dense; the other families' are above). det = `dense_projection(...,
   deterministic=True)`; split = deterministic=False under
   `jax_cake.planner.force("split")` (`split/s16/t64x256x64` names a split count
-  and tile); new = deterministic=False (the planner's pick); xla = `jnp.dot(x,
+  and tile; `det/t128x128x64` the deterministic program on a wgrad tile); new = deterministic=False (the planner's pick); xla = `jnp.dot(x,
   w.astype(bf16).T)` with jax.vjp for gradients; cublas = torch.mm (GPU with torch).
   Inside a child the arms of a point are interleaved in paired groups: group g runs
   every arm once, the arm order rotated by g, so group g of det pairs with group g of
@@ -110,7 +110,7 @@ def define_flags(arms_default: Sequence[str] = ARMS, with_ops: bool = True) -> N
     flags.DEFINE_list(
         "arms",
         list(arms_default),
-        "Arms: det[/pp|/tiles][/c1|/c2], split[/sN][/tMxNxK][/pp|/tiles][/c1|/c2], new, xla, cublas (dense).",
+        "Arms: det[/tMxNxK][/pp|/tiles][/c1|/c2], split[/sN][/tMxNxK][/pp|/tiles][/c1|/c2], new, xla, cublas (dense).",
     )
     flags.DEFINE_integer("runs", 3, "Runs (one fresh process per run and mode).")
     flags.DEFINE_integer("groups", 10, "Paired groups per run.")
@@ -207,9 +207,10 @@ COLUMNS = FAMILIES["dense"].columns
 @dataclasses.dataclass(frozen=True)
 class ArmSpec:
     """An arm name parsed: one of ALL_ARMS, options only on 'split[/sN][/tMxNxK][/pp|/tiles][/c1|/c2]'
-    and 'det[/pp|/tiles][/c1|/c2]' (fwd and dgrad forced onto the ping-pong variants, or onto
-    the cooperative tiles where the planner would pick ping-pong; c1 / c2: fwd and dgrad
-    CTA clusters (1, 1) / (2, 1) where the library holds them)."""
+    and 'det[/tMxNxK][/pp|/tiles][/c1|/c2]' (tMxNxK: the wgrad tile; pp / tiles: fwd and
+    dgrad forced onto the ping-pong variants, or onto the cooperative tiles where the
+    planner would pick ping-pong; c1 / c2: fwd and dgrad CTA clusters (1, 1) / (2, 1) where
+    the library holds them)."""
 
     name: str
     kind: str
@@ -231,11 +232,11 @@ def parse_arm(name: str) -> ArmSpec:
             cluster = (int(opt[1]), 1)
         elif kind == "split" and re.fullmatch(r"s\d+", opt):
             splits = int(opt[1:])
-        elif kind == "split" and re.fullmatch(r"t\d+x\d+x\d+", opt):
+        elif re.fullmatch(r"t\d+x\d+x\d+", opt):
             tile = tuple(int(v) for v in opt[1:].split("x"))
         else:
             raise ValueError(
-                f"arm {name!r}: option {opt!r} is none of sN (splits), tMxNxK (tile), both on split only, pp, tiles, c1, c2"
+                f"arm {name!r}: option {opt!r} is none of sN (splits, split only), tMxNxK (wgrad tile), pp, tiles, c1, c2"
             )
     return ArmSpec(name, kind, splits, tile, schedule, cluster)
 
@@ -310,7 +311,7 @@ def jax_projection(arm: ArmSpec, family: str = "dense") -> Callable:
 def planning_for(arm: ArmSpec):
     """The planner state an arm is traced under (split forces the split-K program; pp /
     tiles the fwd/dgrad schedule, c1 / c2 their CTA pairing)."""
-    if arm.kind != "split" and arm.schedule is None and arm.cluster is None:
+    if arm.kind != "split" and arm.schedule is None and arm.cluster is None and arm.tile is None:
         yield
         return
     from jax_cake import planner

@@ -319,17 +319,26 @@ def raster_and_tiles():
 
 @check
 def bad_plan_is_an_error():
-    """A tile naming no compiled variant fails loudly (INVALID_ARGUMENT), not silently."""
+    """A tile naming no compiled variant, or a row width the TMA cannot stride (d_out = 130,
+    not a multiple of 8), fails loudly (INVALID_ARGUMENT), not silently."""
+    ok = True
     x, w = rand((1, 64, 128)), rand((1, 64, 128))
-    try:
-        jax.block_until_ready(call("jax_cake_fwd", x, w, tile=(64, 64, 64)))
-    except Exception as e:  # noqa: BLE001
-        return report(
-            "bad_plan_is_an_error",
-            "INVALID_ARGUMENT" in str(e) or "no compiled" in str(e),
-            str(e).splitlines()[0][:160],
-        )
-    return report("bad_plan_is_an_error", False, "no error raised")
+    dy, x264 = rand((2, 100, 130)), rand((2, 100, 264))
+    for name, run, expect in (
+        ("bad_plan_is_an_error", lambda: call("jax_cake_fwd", x, w, tile=(64, 64, 64)), "no compiled"),
+        (
+            "misaligned_width_is_an_error",
+            lambda: call("jax_cake_wgrad", dy, x264, tile=(128, 128, 64), out_dtype=F32),
+            "multiples of 8",
+        ),
+    ):
+        try:
+            jax.block_until_ready(run())
+        except Exception as e:  # noqa: BLE001
+            ok &= report(name, expect in str(e), str(e).splitlines()[0][:160])
+            continue
+        ok &= report(name, False, "no error raised")
+    return ok
 
 
 @check

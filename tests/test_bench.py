@@ -221,7 +221,10 @@ class ArmsAndReportTest(absltest.TestCase):
         self.assertEqual(
             bench.parse_arm("det/pp/c2"), bench.ArmSpec("det/pp/c2", "det", schedule="pingpong", cluster=(2, 1))
         )
-        for bad in ("det/s4", "split/x3", "cutlass", "new/pp", "det/t128x128x64"):
+        self.assertEqual(
+            bench.parse_arm("det/t128x128x64"), bench.ArmSpec("det/t128x128x64", "det", tile=(128, 128, 64))
+        )
+        for bad in ("det/s4", "split/x3", "cutlass", "new/pp", "new/t128x128x64", "det/t128x128"):
             with self.assertRaises(ValueError):
                 bench.parse_arm(bad)
 
