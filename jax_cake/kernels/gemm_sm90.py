@@ -392,9 +392,9 @@ class GemmSm90:
                 # Whether the x operand (fwd: A, wgrad: B) streams through a skinny
                 # variant: each of its tiles feeds one CTA tile only (module docstring).
                 a_streams, b_streams = False, False
-                if cutlass.const_expr(self.variant.program == "fwd" and self.variant.tile_n == 64):
+                if cutlass.const_expr(self.variant.streams_x and self.variant.program == "fwd"):
                     a_streams = tiles_n == 1
-                if cutlass.const_expr(self.variant.program == "wgrad" and self.variant.tile_m == 64):
+                if cutlass.const_expr(self.variant.streams_x and self.variant.program == "wgrad"):
                     b_streams = tiles_m == 1
                 for item in cutlass.range(cluster_id, num_items, num_clusters, unroll=1):
                     tile_id, piece, pieces = self._item(item, dp, rem, splits)

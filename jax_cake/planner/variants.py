@@ -72,6 +72,13 @@ class GemmVariant:
         return self.program == "wgrad" and self.out_dtype == "float32"
 
     @property
+    def streams_x(self) -> bool:
+        """The skinny variants (fwd 128 x 64, 64-row wgrad): when d_out fits one tile, x
+        (fwd: A, wgrad: B) feeds one CTA tile per x tile and its TMA loads carry an L2
+        evict-first hint (gemm_sm90's docstring). Elsewhere the hint measured slower."""
+        return (self.program == "fwd" and self.tile_n == 64) or (self.program == "wgrad" and self.tile_m == 64)
+
+    @property
     def tile(self) -> tuple[int, int, int]:
         return (self.tile_m, self.tile_n, self.tile_k)
 
