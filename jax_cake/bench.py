@@ -28,7 +28,8 @@ Protocol (DESIGN.md "Benchmark protocol"):
 - Arms (dense; the other families' are above). det = `dense_projection(...,
   deterministic=True)`; split = deterministic=False under
   `jax_cake.planner.force("split")` (`split/s16/t64x256x64` names a split count
-  and tile; `det/t128x128x64` the deterministic program on a wgrad tile); new = deterministic=False (the planner's pick); xla = `jnp.dot(x,
+  and tile; `det/t128x128x64` runs the deterministic program on that wgrad tile);
+  new = deterministic=False (the planner's pick); xla = `jnp.dot(x,
   w.astype(bf16).T)` with jax.vjp for gradients; cublas = torch.mm (GPU with torch).
   Inside a child the arms of a point are interleaved in paired groups: group g runs
   every arm once, the arm order rotated by g, so group g of det pairs with group g of
@@ -236,7 +237,8 @@ def parse_arm(name: str) -> ArmSpec:
             tile = tuple(int(v) for v in opt[1:].split("x"))
         else:
             raise ValueError(
-                f"arm {name!r}: option {opt!r} is none of sN (splits, split only), tMxNxK (wgrad tile), pp, tiles, c1, c2"
+                f"arm {name!r}: option {opt!r} is none of sN (splits; split only), tMxNxK (wgrad tile), "
+                "pp, tiles, c1, c2"
             )
     return ArmSpec(name, kind, splits, tile, schedule, cluster)
 
