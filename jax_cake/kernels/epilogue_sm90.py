@@ -2,10 +2,11 @@
 shared memory -> TMA store, in sub-tiles of (tile_m, 32) columns through `epi_stage`
 buffers.
 
-Shared: the construction and which accumulator registers make each sub-tile. Each kernel
-runs its own store loop inside its persistent tile loop (a CuTe DSL helper called there
-would have to carry these trace-time objects through the dynamic loop, which the DSL
-refuses).
+Shared: the construction, each tile's sub-tile partitions, and which accumulator registers
+make each sub-tile. Each kernel runs its own store loop inside its persistent tile loop (a
+CuTe DSL helper called there would have to carry these trace-time objects through the
+dynamic loop, which the DSL refuses; `tile_sub_tiles` is plain trace-time Python, no
+control flow).
 
 Imported only by the kernel modules (AOT); never at run time.
 """
@@ -53,6 +54,19 @@ def make_epilogue(
         ),
         epi_bar=pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=mma_threads),
     )
+
+
+def tile_sub_tiles(tma_atom_c, mC, sC, tile_mnk, epi_tile, coord):
+    """One tile's sub-tiles of C: (the TMA partitions of the staged buffers and of the tile
+    in C, the number of sub-tiles, the layout from a sub-tile index to its coordinate).
+    coord: the tile's (m, n, None, batch) in mC."""
+    gC = cute.local_tile(mC, tile_mnk, coord, proj=(1, 1, None))
+    gC_epi = cute.zipped_divide(gC, epi_tile)
+    bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+        tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+    )
+    shape = gC_epi.shape[1]
+    return bSG_sD, bSG_gD, cute.size(gC_epi, mode=[1]), cute.make_layout(shape, stride=(shape[1], 1))
 
 
 def sub_tile_index(v: int, epi_idx: int, rd_layout, r_acc) -> int:

@@ -62,7 +62,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_cake.kernels import c_table
-from jax_cake.kernels.epilogue_sm90 import make_epilogue, sub_tile_index
+from jax_cake.kernels.epilogue_sm90 import make_epilogue, sub_tile_index, tile_sub_tiles
 from jax_cake.kernels.gemm_sm90 import _fence_tensor
 from jax_cake.planner.router_variants import VARIANTS, RouterVariant
 
@@ -586,14 +586,9 @@ class RouterBf16x3Sm90:
                 # -------------------------------------------------------- epilogue
                 # registers -> swizzled smem (epi_stage buffers) -> TMA store, which clips the edges.
                 # The store of a tile drains while the next tile's K loop runs.
-                gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, split), proj=(1, 1, None))
-                gC_epi = cute.zipped_divide(gC, self.epi_tile)
-                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                    tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+                bSG_sD, bSG_gD, epi_tile_num, epi_tile_layout = tile_sub_tiles(
+                    tma_atom_c, mC, sC, self.tile_mnk, self.epi_tile, (pid_m, pid_n, None, split)
                 )
-                epi_tile_num = cute.size(gC_epi, mode=[1])
-                epi_tile_shape = gC_epi.shape[1]
-                epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
                 for epi_idx in cutlass.range_constexpr(epi_tile_num):
                     buf = epi_idx % self.epi_stage
                     # Wait only for the store that last read this buffer (epi_stage stores
