@@ -55,6 +55,7 @@ struct Variant {
   int out_dtype;
   bool reduce_add;
   int schedule;
+  bool promote_in_output;  // fp32 wgrad adds its 64-K-tile chains into dw itself (TMA reduce-add)
   LoadFn load;
   LaunchFn launch;
 };
@@ -296,7 +297,9 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
       return ffi::Error::InvalidArgument("jax_cake_wgrad: workspace has " + std::to_string(ws_bytes) +
                                          " bytes, ordered split-K needs " + std::to_string(need));
     const Variant* v = FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, false, kTiles);
-    if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, false, kTiles);
+    // Ordered partials need the variant that keeps its total in registers.
+    if (!v || v->promote_in_output)
+      return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, false, kTiles);
     // C viewed as [M, N, splits * B]: batch z = split * B + l.
     g.c = {ws, {d_out, d_in, splits * B}, {d_in, d_out * d_in}};
     JC_RETURN_IF_ERROR(Launch(v, g, stream));

@@ -202,7 +202,11 @@ _BF16_ONLY_WGRAD_TILES = tuple(
             for v in variants.VARIANTS
             if v.program == "wgrad" and v.out_dtype == "bfloat16" and v.cluster == (1, 1)
         }
-        - {v.tile for v in variants.VARIANTS if v.program == "wgrad" and v.out_dtype == "float32"}
+        - {
+            v.tile
+            for v in variants.VARIANTS
+            if v.program == "wgrad" and v.out_dtype == "float32" and v.promote_in == "registers"
+        }
     )
 )
 
@@ -415,6 +419,48 @@ def split_tail():
                 f"split_tail_{v.tile[0]}x{v.tile[1]}_{v.out_dtype}_s{splits}[B{B}_T{T}_{d_in}->{d_out}]",
                 e < tol and bad == 0 and same == 20,
                 f"rel_err={e:.2e} nonfinite={bad} bitwise {same}/20",
+            )
+    return ok
+
+
+@check
+def promote_to_output():
+    """fp32 wgrad adding its chains of P = variants.OUTPUT_PROMOTE_EVERY K tiles into dw by
+    TMA (128 x 256): against float64 where the chains end (1, P / 2 and P K tiles: one
+    chain, stored plainly; P + 1, 2P + 5 rows past, 3P, 254, 256: a chain every P K tiles,
+    then the rest reduce-added), ragged M / N edges, batch 2, more tiles than CTAs, and long
+    K; bitwise over 10 runs (the chains' adds must land in chain order); dw NaN-poisoned (the
+    first chain's plain store must cover the tile). The error at long K is printed next to
+    the 128 x 128 register program's."""
+    ok = True
+    tiles = [v.tile for v in variants.VARIANTS if v.program == "wgrad" and v.promote_in == "output"]
+    P = variants.OUTPUT_PROMOTE_EVERY
+    for B, T, d_in, d_out in (
+        (1, 37, 264, 136),
+        (1, 64 * (P // 2), 520, 200),
+        (1, 64 * P, 1032, 264),
+        (2, 64 * (P + 1) + 5, 264, 136),
+        (1, 64 * 2 * P + 5, 520, 264),
+        (1, 64 * 3 * P, 520, 264),
+        (1, 64 * (P + 1), 4096, 2048),  # 256 tiles on 132 CTAs
+        (1, 16384, 4096, 1024),
+        (1, 16231, 5120, 520),
+    ):
+        x, dy = rand((B, T, d_in)), rand((B, T, d_out))
+        ref = ref_wgrad(dy, x)
+        for tile in tiles:
+            run = functools.partial(call, "jax_cake_wgrad", dy, x, tile=tile, out_dtype=F32)
+            first = run()
+            e, bad = rel_err(first, ref)
+            same = sum(np.array_equal(np.asarray(first), np.asarray(run())) for _ in range(9)) + 1
+            detail = f"rel_err={e:.2e} nonfinite={bad} bitwise {same}/10"
+            if T >= 16000:
+                e_reg, _ = rel_err(call("jax_cake_wgrad", dy, x, tile=(128, 128, 64), out_dtype=F32), ref)
+                detail += f" (128x128 registers: {e_reg:.2e})"
+            ok &= report(
+                f"promote_to_output_{tile[0]}x{tile[1]}[B{B}_T{T}_{d_in}->{d_out}]",
+                e < F32_TOL and bad == 0 and same == 10,
+                detail,
             )
     return ok
 

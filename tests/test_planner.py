@@ -354,7 +354,7 @@ def test_every_wgrad_plan_names_a_program_the_library_holds(out, deterministic):
         ("fwd", 16384, 4096, 4096, 1, "bfloat16", True),
         ("dgrad", 16172, 4096, 4096, 1, "bfloat16", True),
         ("fwd", 16172, 5120, 1024, 1, "bfloat16", True),
-        ("wgrad", 16384, 4096, 4096, 1, "float32", True),
+        ("wgrad", 16384, 4096, 512, 1, "float32", True),
         # N = 512, skinny K, or the batched 128 -> 512 forward (K = 128): no gain measured
         ("fwd", 16384, 4096, 512, 1, "bfloat16", False),
         ("dgrad", 16384, 4096, 48, 1, "bfloat16", False),
@@ -608,3 +608,30 @@ def test_only_the_skinny_plans_stream_x_with_an_evict_first_hint():
         assert not variant(p).streams_x, jc.explain(p)
     p = jc.plan("fwd", tokens=16384, d_in=4096, d_out=4096, device=H200)
     assert not variant(p).streams_x, jc.explain(p)
+
+
+@pytest.mark.parametrize("t, d_in, d_out", [(16172, 4096, 4096), (16384, 4096, 1024), (16231, 5120, 4096)])
+def test_fp32_wgrad_on_128x256_keeps_its_total_in_the_output(t, d_in, d_out):
+    """Where 128 x 256 tiles fill their waves, fp32 dw runs the variant that adds its chains
+    into dw itself (no workspace), and only without splits."""
+    from jax_cake.planner import variants
+
+    for det in (True, False):
+        p = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, out_dtype="float32", deterministic=det, device=H200)
+        assert (p.tile, p.cluster, p.splits, p.reduction) == ((128, 256, 64), (1, 1), 1, "none"), jc.explain(p)
+        assert p.workspace_bytes == 16
+        assert variants.find_variant("wgrad", p.tile, p.cluster, "float32").promote_in == "output"
+    # bf16 dw on the same tile needs no workspace; ordered split-K cannot use the variant
+    p = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, out_dtype="bfloat16", device=H200)
+    assert p.workspace_bytes == 16 or p.reduction == "split_tail", jc.explain(p)
+    assert not variants.supports("wgrad", (128, 256, 64), (1, 1), "bfloat16", 2, variants.REDUCTION_ORDERED)
+    assert not variants.supports("wgrad", (128, 256, 64), (1, 1), "float32", 2, variants.REDUCTION_ATOMIC)
+
+
+def test_forcing_the_128x128_fp32_wgrad_tile_gives_the_register_program():
+    with jc.planner.force("det", tile=(128, 128, 64)):
+        p = jc.plan("wgrad", tokens=16384, d_in=4096, d_out=4096, out_dtype="float32", device=H200)
+    assert (p.tile, p.cluster, p.splits, p.workspace_bytes) == ((128, 128, 64), (2, 1), 1, 16), jc.explain(p)
+    from jax_cake.planner import variants
+
+    assert variants.find_variant("wgrad", p.tile, p.cluster, "float32").promote_in == "registers"

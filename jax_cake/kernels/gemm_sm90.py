@@ -25,6 +25,17 @@ accumulator. The error of one wgmma chain grows linearly with its length (H200,
 128 tiles; 2.1e-6 at 32 tiles; 2.7e-7 at 4 tiles), about 7e-8 per K tile. bf16 output
 (target 1e-2) does not promote.
 
+The running total needs a second accumulator (tile_n / 2 more registers per thread), so a
+128 x 256 fp32 tile cannot keep it in registers. Those variants (`promote_in="output"`)
+keep it in C itself: every OUTPUT_PROMOTE_EVERY (variants.py) K tiles both consumer
+warpgroups run the epilogue on their chain, the first chain as a plain TMA store of the
+tile, every later one (the last included) as a TMA reduce-add into it, and restart the
+chain from zero. The store warp waits for the previous chain's bulk stores to complete
+before the next chain's first store, so each element's adds arrive in chain order: bitwise
+reproducible. A promotion costs ~4.5 us of CTA time (H200, 2026-11-30, Nsight Compute: the
+two-buffer TMA store round trips, the reduce-add, the drain and the 4-way conflicted fp32
+shared-memory stores), hence the long chains.
+
 Split tail (`schedule="split_tail"`, cluster (1, 1)): whole waves of tiles run as
 above; the `rem = tiles % grid` tiles of the last, partial wave are each cut into
 `splits` K pieces, so the tail runs on up to `rem * splits` CTAs instead of `rem`. The
@@ -75,7 +86,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils.distributed import spin_lock_ld_lt_relaxed_wait
 
 from jax_cake.kernels.epilogue_sm90 import make_epilogue, sub_tile_index, tile_sub_tiles
-from jax_cake.planner.variants import GemmVariant
+from jax_cake.planner.variants import OUTPUT_PROMOTE_EVERY, GemmVariant
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
 
@@ -152,15 +163,22 @@ class GemmSm90:
             raise ValueError("schedule='pingpong' is for fwd/dgrad with 128 x 128 tiles and cluster (cm, 1)")
         if variant.schedule == "split_tail" and (variant.cluster != (1, 1) or variant.store != "plain"):
             raise ValueError("schedule='split_tail' needs cluster (1, 1) and store='plain'")
-        if variant.promote and variant.tile_n > 160:
+        if variant.promote_in not in ("registers", "output"):
+            raise ValueError(f"promote_in must be 'registers' or 'output', got {variant.promote_in!r}")
+        if variant.promote_in == "output" and (
+            not variant.promote or variant.store != "plain" or variant.schedule != "tiles"
+        ):
+            raise ValueError("promote_in='output' is for fp32 wgrad with store='plain' and schedule='tiles'")
+        if variant.promote and variant.promote_in == "registers" and variant.tile_n > 160:
             # 64 x tile_n fp32 per consumer warpgroup twice (partial + total) is tile_n
             # registers per thread: 256 at tile_n = 256, over the 232 a consumer gets.
-            raise ValueError("promote (fp32 wgrad) needs tile_n <= 160: the second accumulator does not fit")
+            raise ValueError("promote in registers (fp32 wgrad) needs tile_n <= 160: use promote_in='output'")
         self.variant = variant
         self.reduce_add = variant.store == "add"
         self.split_tail = variant.schedule == "split_tail"
         self.pingpong = variant.schedule == "pingpong"
-        self.promote = variant.promote
+        self.promote = variant.promote and variant.promote_in == "registers"
+        self.promote_out = variant.promote and variant.promote_in == "output"
         self.tile_mnk = (variant.tile_m, variant.tile_n, variant.tile_k)
         # Cluster (cm, 1): the cm CTAs of a cluster own vertically adjacent M tiles of
         # the same N tile and TMA-multicast the shared B tile (each loads 1/cm of it).
@@ -185,6 +203,10 @@ class GemmSm90:
         sub_tiles = variant.tile_n // 32
         whole_tile = variant.program == "dgrad" or sub_tiles % 4 != 0
         self.epi_stage = sub_tiles if whole_tile else min(4, sub_tiles)
+        if self.promote_out:
+            # Two fp32 buffers leave room for a fourth A/B stage at 128 x 256 (four
+            # would leave three).
+            self.epi_stage = 2
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
         # Epilogue sub-tile: all consumer rows x 32 columns per TMA store.
         self.epi_tile = (variant.tile_m, 32)
@@ -248,6 +270,12 @@ class GemmSm90:
         else:
             store_op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
         tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(store_op, mC, epi_smem, self.epi_tile)
+        # promote_in="output": later chains reduce-add into the tile the first one stored.
+        tma_atom_c_add, tma_c_add = tma_atom_c, tma_c
+        if cutlass.const_expr(self.promote_out):
+            tma_atom_c_add, tma_c_add = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(), mC, epi_smem, self.epi_tile
+            )
 
         @cute.struct
         class SharedStorage:
@@ -279,6 +307,8 @@ class GemmSm90:
             tma_b,
             tma_atom_c,
             tma_c,
+            tma_atom_c_add,
+            tma_c_add,
             mWs,
             tiled_mma,
             a_smem_staged,
@@ -303,6 +333,8 @@ class GemmSm90:
         mB: cute.Tensor,
         tma_atom_c: cute.CopyAtom,
         mC: cute.Tensor,
+        tma_atom_c_add: cute.CopyAtom,
+        mC_add: cute.Tensor,
         mWs: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
@@ -550,6 +582,43 @@ class GemmSm90:
                             _fence_tensor(acc_k)
                             acc.store(acc.load() + acc_k.load())
                             acc_k.fill(0.0)
+                    if cutlass.const_expr(self.promote_out):
+                        # Both warpgroups store this chain into C (the first plainly, later
+                        # ones by reduce-add) and restart from zero; the tile's last chain
+                        # goes out in the epilogue below.
+                        if kt % OUTPUT_PROMOTE_EVERY == OUTPUT_PROMOTE_EVERY - 1 and kt < k_cnt - 1:
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            _fence_tensor(acc)
+                            p_coord = (pid_m, pid_n, None, l_idx)
+                            pS_sD, pS_gD, p_num, p_layout = tile_sub_tiles(
+                                tma_atom_c, mC, sC, self.tile_mnk, self.epi_tile, p_coord
+                            )
+                            pA_sD, pA_gD, _, _ = tile_sub_tiles(
+                                tma_atom_c_add, mC_add, sC, self.tile_mnk, self.epi_tile, p_coord
+                            )
+                            if warp_idx == store_warp:
+                                # The previous chain's adds must be complete before these.
+                                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                            for epi_idx in cutlass.range_constexpr(p_num):
+                                buf = epi_idx % self.epi_stage
+                                if warp_idx == store_warp:
+                                    c_pipe.producer_acquire()
+                                epi_bar.arrive_and_wait()
+                                for v in cutlass.range_constexpr(size_tRS_rD):
+                                    tRS_rD[v] = tRS_rAcc[sub_tile_index(v, epi_idx, tRS_rD_layout, tRS_rAcc)]
+                                tRS_rD_out = cute.make_rmem_tensor_like(tRS_rD_layout, self.c_dtype)
+                                tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
+                                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                                cute.arch.fence_view_async_shared()
+                                epi_bar.arrive_and_wait()
+                                coord = p_layout.get_hier_coord(epi_idx)
+                                if warp_idx == store_warp:
+                                    if kt == OUTPUT_PROMOTE_EVERY - 1:
+                                        cute.copy(tma_atom_c, pS_sD[(None, buf)], pS_gD[(None, coord)])
+                                    else:
+                                        cute.copy(tma_atom_c_add, pA_sD[(None, buf)], pA_gD[(None, coord)])
+                                    c_pipe.producer_commit()
+                            acc.fill(0.0)
                 if cutlass.const_expr(self.pingpong):
                     # Every MMA of this tile is issued: the other warpgroup's K loop may
                     # start while this one drains and stores.
@@ -559,6 +628,8 @@ class GemmSm90:
                 if cutlass.const_expr(self.promote):
                     _fence_tensor(acc_k)
                     acc.store(acc.load() + acc_k.load())
+                if cutlass.const_expr(self.promote_out):
+                    _fence_tensor(acc)
                 if k_cnt > 0:
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
@@ -606,6 +677,15 @@ class GemmSm90:
                     bSG_sD, bSG_gD, epi_tile_num, epi_tile_layout = tile_sub_tiles(
                         tma_atom_c, mC, sC, self.tile_mnk, self.epi_tile, (pid_m, pid_n, None, c_batch)
                     )
+                    if cutlass.const_expr(self.promote_out):
+                        # After earlier chains (K loop above) the last one reduce-adds, once
+                        # their stores are complete.
+                        chained = k_cnt > OUTPUT_PROMOTE_EVERY
+                        bSA_sD, bSA_gD, _, _ = tile_sub_tiles(
+                            tma_atom_c_add, mC_add, sC, self.tile_mnk, self.epi_tile, (pid_m, pid_n, None, c_batch)
+                        )
+                        if warp_idx == store_warp:
+                            cute.arch.cp_async_bulk_wait_group(0, read=False)
                     for epi_idx in cutlass.range_constexpr(epi_tile_num):
                         buf = buf_base + epi_idx % self.epi_stage
                         # Wait only for the store that last read this buffer (epi_stage stores
@@ -623,7 +703,13 @@ class GemmSm90:
                         epi_bar.arrive_and_wait()
                         gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
                         if warp_idx == store_warp:
-                            cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
+                            if cutlass.const_expr(self.promote_out):
+                                if chained:
+                                    cute.copy(tma_atom_c_add, bSA_sD[(None, buf)], bSA_gD[(None, gmem_coord)])
+                                else:
+                                    cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
+                            else:
+                                cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
                             c_pipe.producer_commit()
                 if cutlass.const_expr(self.pingpong):
                     # Step over the stages of the other warpgroup's next tile.

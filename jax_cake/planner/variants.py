@@ -32,6 +32,14 @@ REDUCTION_SPLIT_TAIL = 3  # the last partial wave's tiles cut into K pieces, sum
 SCHEDULE_CODES = {"tiles": 0, "split_tail": 1, "pingpong": 2}
 
 
+# fp32 wgrad with its running total in C (`promote_in="output"`) adds a chain into C every
+# this many K tiles. Each promotion is a whole fp32 tile epilogue (~4.5 us of CTA time at
+# 128 x 256), so the chains are as long as the 1e-5 accuracy target allows: one wgmma chain
+# gains ~7e-8 relative error per K tile (64 tiles measured 4.4e-6 at T = 16384, H200,
+# 2026-11-30), so 96 tiles stay near 6.6e-6 at any T.
+OUTPUT_PROMOTE_EVERY = 96
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmVariant:
     """One compiled GEMM kernel: program, CTA tile, cluster and output dtype.
@@ -57,6 +65,11 @@ class GemmVariant:
     # sums in piece order (reduction=3, bitwise reproducible). "pingpong" (fwd/dgrad): the
     # two consumer warpgroups take whole tiles in turns. See gemm_sm90's docstring.
     schedule: str = "tiles"
+    # Where fp32 wgrad keeps its two-level running total (`promote`): "registers" (a second
+    # accumulator, so tile_n <= 160) or "output" (every 64 K tiles the chain goes into C
+    # itself, the first by TMA store, later ones by TMA reduce-add: frees the registers
+    # for a 128 x 256 tile). See gemm_sm90's docstring.
+    promote_in: str = "registers"
 
     @property
     def a_major(self) -> str:
@@ -90,11 +103,15 @@ class GemmVariant:
     def name(self) -> str:
         """Unique C identifier, also the exported object's file name."""
         dt = {"bfloat16": "bf16", "float32": "f32"}[self.out_dtype]
-        suffix = ("" if self.store == "plain" else f"_{self.store}") + {
-            "tiles": "",
-            "split_tail": "_st",
-            "pingpong": "_pp",
-        }[self.schedule]
+        suffix = (
+            ("" if self.store == "plain" else f"_{self.store}")
+            + {
+                "tiles": "",
+                "split_tail": "_st",
+                "pingpong": "_pp",
+            }[self.schedule]
+            + ("_po" if self.promote_in == "output" else "")
+        )
         return (
             f"jax_cake_{self.program}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
             f"_c{self.cluster_m}x{self.cluster_n}_{dt}{suffix}"
@@ -131,6 +148,9 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("wgrad", 128, 128, out_dtype="float32"),
     GemmVariant("wgrad", 128, 128, out_dtype="bfloat16"),
     GemmVariant("wgrad", 128, 256, out_dtype="bfloat16"),
+    # fp32 dw on 128 x 256 tiles: the running total lives in dw itself (chains of 64 K
+    # tiles reduce-added by TMA), not in a second accumulator; splits = 1 only.
+    GemmVariant("wgrad", 128, 256, out_dtype="float32", promote_in="output"),
     # 128 x 160: d_in = 5120 is 32 such N tiles, so 5120 -> 512 / 1024 make 128 / 256
     # CTAs (one / two full waves on 132 SMs) where 128 x 128 (160 / 320) and 128 x 256
     # (80 / 160) leave a wave a third or half empty. The promotion total fits (160
@@ -177,7 +197,9 @@ def supports(program: str, tile, cluster, out_dtype: str, splits: int, reduction
     if splits == 1 and reduction == REDUCTION_NONE:
         return find_variant(program, tile, cluster, out_dtype) is not None
     if splits > 1 and reduction == REDUCTION_ORDERED:
-        return find_variant(program, tile, cluster, "float32") is not None
+        # Ordered partials: the fp32 variant of the tile that keeps its total in registers.
+        v = find_variant(program, tile, cluster, "float32")
+        return v is not None and v.promote_in == "registers"
     if splits > 1 and reduction == REDUCTION_ATOMIC:
         return find_variant(program, tile, cluster, "float32", "add") is not None
     if reduction == REDUCTION_SPLIT_TAIL:
