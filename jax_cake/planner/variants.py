@@ -66,7 +66,7 @@ class GemmVariant:
     # two consumer warpgroups take whole tiles in turns. See gemm_sm90's docstring.
     schedule: str = "tiles"
     # Where fp32 wgrad keeps its two-level running total (`promote`): "registers" (a second
-    # accumulator, so tile_n <= 160) or "output" (every 64 K tiles the chain goes into C
+    # accumulator, so tile_n <= 160) or "output" (every OUTPUT_PROMOTE_EVERY K tiles the chain goes into C
     # itself, the first by TMA store, later ones by TMA reduce-add: frees the registers
     # for a 128 x 256 tile). See gemm_sm90's docstring.
     promote_in: str = "registers"
@@ -138,18 +138,17 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("dgrad", 128, 256, cluster_m=2),
     # wgrad: M = d_out. 64-row tile for skinny d_out, 128-row for the rest. The fp32
     # variants (also the split-K partials of bf16 dw) keep a second accumulator for
-    # two-level accumulation, which does not fit beside a 256-column tile: fp32 dw has
-    # N = 128 only. bf16 dw (no promotion, target 1e-2) also has 128 x 256, with
-    # splits = 1 only (ordered split-K needs the fp32 variant of the same tile, atomic
-    # split-K its fp32 "add" variant): planners must check `supports(...)`, not just
-    # the tile list.
+    # two-level accumulation up to 160 columns; the 256-column fp32 tile keeps its total
+    # in dw instead (promote_in="output"). 128 x 256 runs at splits = 1 only (ordered
+    # split-K needs a register-total fp32 variant of the same tile, atomic split-K its
+    # fp32 "add" variant): planners must check `supports(...)`, not just the tile list.
     GemmVariant("wgrad", 64, 128, out_dtype="float32"),
     GemmVariant("wgrad", 64, 128, out_dtype="bfloat16"),
     GemmVariant("wgrad", 128, 128, out_dtype="float32"),
     GemmVariant("wgrad", 128, 128, out_dtype="bfloat16"),
     GemmVariant("wgrad", 128, 256, out_dtype="bfloat16"),
-    # fp32 dw on 128 x 256 tiles: the running total lives in dw itself (chains of 64 K
-    # tiles reduce-added by TMA), not in a second accumulator; splits = 1 only.
+    # fp32 dw on 128 x 256 tiles: the running total lives in dw itself (chains of
+    # OUTPUT_PROMOTE_EVERY K tiles reduce-added by TMA), not in a second accumulator.
     GemmVariant("wgrad", 128, 256, out_dtype="float32", promote_in="output"),
     # 128 x 160: d_in = 5120 is 32 such N tiles, so 5120 -> 512 / 1024 make 128 / 256
     # CTAs (one / two full waves on 132 SMs) where 128 x 128 (160 / 320) and 128 x 256
