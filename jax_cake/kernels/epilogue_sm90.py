@@ -2,11 +2,13 @@
 shared memory -> TMA store, in sub-tiles of (tile_m, 32) columns through `epi_stage`
 buffers.
 
-Shared: the construction, each tile's sub-tile partitions, and which accumulator registers
-make each sub-tile. Each kernel runs its own store loop inside its persistent tile loop (a
-CuTe DSL helper called there would have to carry these trace-time objects through the
-dynamic loop, which the DSL refuses; `tile_sub_tiles` is plain trace-time Python, no
-control flow).
+Shared: the construction, each tile's sub-tile partitions, which accumulator registers
+make each sub-tile, and the staging of a sub-tile into its buffer. Each kernel runs its own
+store loop inside its persistent tile loop: the store warp's acquire / TMA store / commit
+are branches on the warp index, dynamic control flow that the DSL takes only in its own
+jit functions, and a jit helper there would have to carry these trace-time objects through
+the dynamic loop, which the DSL refuses. The shared pieces are plain trace-time Python with
+no control flow.
 
 Imported only by the kernel modules (AOT); never at run time.
 """
@@ -20,12 +22,20 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 
 
-class EpiloguePieces(NamedTuple):
+class SubTileStaging(NamedTuple):
+    """What `stage_sub_tile` needs (no pipeline object: the DSL would have to carry it
+    through the kernels' dynamic tile loops, where this tuple is passed)."""
+
     tiled_copy_r2s: Any  # registers -> shared memory, C's dtype
     tRS_sD: Any  # this thread's view of the staged C buffers
     tRS_rAcc: Any  # the accumulator retiled for the copy
     tRS_rD_layout: Any  # one sub-tile's registers
     tRS_rD: Any  # one sub-tile's registers, accumulator dtype
+    epi_bar: Any  # named barrier of the consumer threads
+
+
+class EpiloguePieces(NamedTuple):
+    staging: SubTileStaging
     c_pipe: Any  # PipelineTmaStore over the epi_stage buffers
     epi_bar: Any  # named barrier of the consumer threads
 
@@ -42,17 +52,21 @@ def make_epilogue(
     thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
     rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
     tRS_rD_layout = cute.make_layout(rD_shape[:3])
+    epi_bar = pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=mma_threads)
     return EpiloguePieces(
-        tiled_copy_r2s=tiled_copy_r2s,
-        tRS_sD=thr_copy_r2s.partition_D(sC),
-        tRS_rAcc=tiled_copy_r2s.retile(acc),
-        tRS_rD_layout=tRS_rD_layout,
-        tRS_rD=cute.make_rmem_tensor_like(tRS_rD_layout, acc_dtype),
+        staging=SubTileStaging(
+            tiled_copy_r2s=tiled_copy_r2s,
+            tRS_sD=thr_copy_r2s.partition_D(sC),
+            tRS_rAcc=tiled_copy_r2s.retile(acc),
+            tRS_rD_layout=tRS_rD_layout,
+            tRS_rD=cute.make_rmem_tensor_like(tRS_rD_layout, acc_dtype),
+            epi_bar=epi_bar,
+        ),
         c_pipe=pipeline.PipelineTmaStore.create(
             num_stages=epi_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mma_threads),
         ),
-        epi_bar=pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=mma_threads),
+        epi_bar=epi_bar,
     )
 
 
@@ -67,6 +81,25 @@ def tile_sub_tiles(tma_atom_c, mC, sC, tile_mnk, epi_tile, coord):
     )
     shape = gC_epi.shape[1]
     return bSG_sD, bSG_gD, cute.size(gC_epi, mode=[1]), cute.make_layout(shape, stride=(shape[1], 1))
+
+
+def stage_sub_tile(ep: SubTileStaging, epi_idx: int, buf, c_dtype=None) -> None:
+    """Sub-tile epi_idx of the accumulator -> staged buffer buf, between two barriers of
+    the consumer threads (the first: buf is free, the store warp has waited for it; the
+    second: buf is written and fenced for the TMA store). c_dtype: convert to it first
+    (None: store the accumulator dtype). Plain trace-time Python (no control flow), so
+    the kernels call it inside their persistent tile loops."""
+    ep.epi_bar.arrive_and_wait()
+    for v in range(cute.size(ep.tRS_rD)):
+        ep.tRS_rD[v] = ep.tRS_rAcc[sub_tile_index(v, epi_idx, ep.tRS_rD_layout, ep.tRS_rAcc)]
+    src = ep.tRS_rD
+    if c_dtype is not None:
+        src = cute.make_rmem_tensor_like(ep.tRS_rD_layout, c_dtype)
+        src.store(ep.tRS_rD.load().to(c_dtype))
+    cute.copy(ep.tiled_copy_r2s, src, ep.tRS_sD[(None, None, None, buf)])
+    # Ordinary smem stores must be visible to the TMA (async proxy).
+    cute.arch.fence_view_async_shared()
+    ep.epi_bar.arrive_and_wait()
 
 
 def sub_tile_index(v: int, epi_idx: int, rd_layout, r_acc) -> int:

@@ -85,7 +85,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils.distributed import spin_lock_ld_lt_relaxed_wait
 
-from jax_cake.kernels.epilogue_sm90 import make_epilogue, sub_tile_index, tile_sub_tiles
+from jax_cake.kernels.epilogue_sm90 import make_epilogue, stage_sub_tile, tile_sub_tiles
 from jax_cake.planner.variants import OUTPUT_PROMOTE_EVERY, GemmVariant
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
@@ -516,7 +516,7 @@ class GemmSm90:
             promote_phase = mma_wg * (_PROMOTE_EVERY // 2)
 
             # Epilogue plumbing shared by all tiles.
-            (tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD_layout, tRS_rD, c_pipe, epi_bar) = make_epilogue(
+            staging, c_pipe, epi_bar = make_epilogue(
                 tiled_mma,
                 self.c_layout,
                 self.c_dtype,
@@ -528,7 +528,6 @@ class GemmSm90:
                 self.tile_threads,
                 epi_barrier_id,
             )
-            size_tRS_rD = cute.size(tRS_rD)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
@@ -603,14 +602,7 @@ class GemmSm90:
                                 buf = epi_idx % self.epi_stage
                                 if warp_idx == store_warp:
                                     c_pipe.producer_acquire()
-                                epi_bar.arrive_and_wait()
-                                for v in cutlass.range_constexpr(size_tRS_rD):
-                                    tRS_rD[v] = tRS_rAcc[sub_tile_index(v, epi_idx, tRS_rD_layout, tRS_rAcc)]
-                                tRS_rD_out = cute.make_rmem_tensor_like(tRS_rD_layout, self.c_dtype)
-                                tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
-                                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                                cute.arch.fence_view_async_shared()
-                                epi_bar.arrive_and_wait()
+                                stage_sub_tile(staging, epi_idx, buf, self.c_dtype)
                                 coord = p_layout.get_hier_coord(epi_idx)
                                 if warp_idx == store_warp:
                                     if kt == OUTPUT_PROMOTE_EVERY - 1:
@@ -692,15 +684,7 @@ class GemmSm90:
                         # ago); the stores of a tile's last sub-tiles drain under the next K loop.
                         if warp_idx == store_warp:
                             c_pipe.producer_acquire()
-                        epi_bar.arrive_and_wait()
-                        for v in cutlass.range_constexpr(size_tRS_rD):
-                            tRS_rD[v] = tRS_rAcc[sub_tile_index(v, epi_idx, tRS_rD_layout, tRS_rAcc)]
-                        tRS_rD_out = cute.make_rmem_tensor_like(tRS_rD_layout, self.c_dtype)
-                        tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
-                        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                        # Ordinary smem stores must be visible to the TMA (async proxy).
-                        cute.arch.fence_view_async_shared()
-                        epi_bar.arrive_and_wait()
+                        stage_sub_tile(staging, epi_idx, buf, self.c_dtype)
                         gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
                         if warp_idx == store_warp:
                             if cutlass.const_expr(self.promote_out):

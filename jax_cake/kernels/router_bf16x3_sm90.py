@@ -62,7 +62,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_cake.kernels import c_table
-from jax_cake.kernels.epilogue_sm90 import make_epilogue, sub_tile_index, tile_sub_tiles
+from jax_cake.kernels.epilogue_sm90 import make_epilogue, stage_sub_tile, tile_sub_tiles
 from jax_cake.kernels.gemm_sm90 import _fence_tensor
 from jax_cake.planner.router_variants import VARIANTS, RouterVariant
 
@@ -474,7 +474,7 @@ class RouterBf16x3Sm90:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
             # Epilogue pieces that do not depend on the tile.
-            (tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD_layout, tRS_rD, c_pipe, epi_bar) = make_epilogue(
+            staging, c_pipe, epi_bar = make_epilogue(
                 tiled_mma,
                 self.c_layout,
                 self.io_dtype,
@@ -486,7 +486,6 @@ class RouterBf16x3Sm90:
                 self.mma_threads,
                 _EPI_BARRIER_ID,
             )
-            size_tRS_rD = cute.size(tRS_rD)
             first_mma_warp = 4
 
             for tile in cutlass.range(bid, num_tiles, nctas, unroll=1):
@@ -596,13 +595,7 @@ class RouterBf16x3Sm90:
                     # tile's stores: they drain under the next tile's K loop.
                     if warp_idx == first_mma_warp:
                         c_pipe.producer_acquire()
-                    epi_bar.arrive_and_wait()
-                    for v in cutlass.range_constexpr(size_tRS_rD):
-                        tRS_rD[v] = tRS_rAcc[sub_tile_index(v, epi_idx, tRS_rD_layout, tRS_rAcc)]
-                    cute.copy(tiled_copy_r2s, tRS_rD, tRS_sD[(None, None, None, buf)])
-                    # Ordinary smem stores must be visible to the TMA (async proxy).
-                    cute.arch.fence_view_async_shared()
-                    epi_bar.arrive_and_wait()
+                    stage_sub_tile(staging, epi_idx, buf)
                     gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
                     if warp_idx == first_mma_warp:
                         cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
