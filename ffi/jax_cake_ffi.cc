@@ -55,7 +55,7 @@ struct Variant {
   int out_dtype;
   bool reduce_add;
   int schedule;
-  bool promote_in_output;  // fp32 wgrad adds its 64-K-tile chains into dw itself (TMA reduce-add)
+  bool promote_in_output;  // fp32 wgrad adds its K-tile chains into dw itself (TMA store, reduce-add)
   LoadFn load;
   LaunchFn launch;
 };

@@ -66,9 +66,9 @@ class GemmVariant:
     # two consumer warpgroups take whole tiles in turns. See gemm_sm90's docstring.
     schedule: str = "tiles"
     # Where fp32 wgrad keeps its two-level running total (`promote`): "registers" (a second
-    # accumulator, so tile_n <= 160) or "output" (every OUTPUT_PROMOTE_EVERY K tiles the chain goes into C
-    # itself, the first by TMA store, later ones by TMA reduce-add: frees the registers
-    # for a 128 x 256 tile). See gemm_sm90's docstring.
+    # accumulator, so tile_n <= 160) or "output" (every OUTPUT_PROMOTE_EVERY K tiles the
+    # chain goes into C itself, the first by TMA store, later ones by TMA reduce-add: frees
+    # the registers for a 128 x 256 tile). See gemm_sm90's docstring.
     promote_in: str = "registers"
 
     @property
