@@ -55,7 +55,7 @@ struct Variant {
   int out_dtype;
   bool reduce_add;
   int schedule;
-  bool promote_in_output;  // fp32 wgrad adds its K-tile chains into dw itself (TMA store, reduce-add)
+  int promote_every;  // > 0: fp32 wgrad adds chains of this many K tiles into dw itself (TMA store, reduce-add)
   LoadFn load;
   LaunchFn launch;
 };
@@ -280,6 +280,13 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     const Variant* v =
         FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false, kSplitTail);
     if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, false, kSplitTail);
+    // A cut tile's pieces keep their whole share of K in one chain (they cannot write dw
+    // before the sum): no longer than the variant's promotion interval.
+    const int64_t per_piece = ((T + tile_k - 1) / tile_k + splits - 1) / splits;
+    if (v->promote_every > 0 && per_piece > v->promote_every)
+      return ffi::Error::InvalidArgument("jax_cake_wgrad: split-tail pieces of " + std::to_string(per_piece) +
+                                         " K tiles exceed this variant's chain of " +
+                                         std::to_string(v->promote_every) + "; use more splits");
     if (flag_words > 0) {
       cudaError_t err = cudaMemsetAsync(ws, 0, static_cast<size_t>(flag_words) * 4, stream);
       if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("cudaMemsetAsync", err));
@@ -298,7 +305,7 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
                                          " bytes, ordered split-K needs " + std::to_string(need));
     const Variant* v = FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, false, kTiles);
     // Ordered partials need the variant that keeps its total in registers.
-    if (!v || v->promote_in_output)
+    if (!v || v->promote_every > 0)
       return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, false, kTiles);
     // C viewed as [M, N, splits * B]: batch z = split * B + l.
     g.c = {ws, {d_out, d_in, splits * B}, {d_in, d_out * d_in}};

@@ -210,10 +210,10 @@ def write_variant_table(variants: list, obj_dir: pathlib.Path) -> pathlib.Path:
         dt = "kF32" if v.out_dtype == "float32" else "kBf16"
         add = "true" if v.store == "add" else "false"
         sched = variants_module.SCHEDULE_CODES[v.schedule]
-        promote_out = "true" if v.promote_in == "output" else "false"
+        promote_every = variants_module.OUTPUT_PROMOTE_EVERY if v.promote_in == "output" else 0
         lines.append(
             f'  {{"{v.name}", "{v.program}", {v.tile_m}, {v.tile_n}, {v.tile_k}, {v.cluster_m}, {v.cluster_n}, '
-            f"{dt}, {add}, {sched}, {promote_out}, gen::load_{v.name}, gen::launch_{v.name}}},"
+            f"{dt}, {add}, {sched}, {promote_every}, gen::load_{v.name}, gen::launch_{v.name}}},"
         )
     lines.append("};")
     lines.append(f"static constexpr int kNumVariants = {len(variants)};")

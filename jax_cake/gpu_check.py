@@ -390,9 +390,11 @@ def determinism():
 
 @check
 def split_tail():
-    """Split-tail wgrad (reduction 3) against float64 and bitwise over 20 runs: tails of
-    fewer tiles than SMs (every tile cut), a full wave plus a tail, batch 2, pieces of one
-    K tile, and the planner's 5120 -> 1024 / 512 cases."""
+    """Split-tail wgrad (reduction 3, bf16 dw and the fp32 total-in-dw tile) against
+    float64 and bitwise over 20 runs: tails of fewer tiles than SMs (every tile cut), a
+    full wave plus a tail (whole-wave fp32 tiles promoting into dw), batch 2, pieces of one
+    K tile, and the planner's 5120 -> 1024 / 512 cases; fp32 pieces longer than the
+    promotion interval are refused."""
     ok = True
     for B, T, d_in, d_out, splits in (
         (1, 777, 1032, 200, 4),  # 13 K tiles: pieces of 4, 4, 4, 1
@@ -420,6 +422,17 @@ def split_tail():
                 e < tol and bad == 0 and same == 20,
                 f"rel_err={e:.2e} nonfinite={bad} bitwise {same}/20",
             )
+    # fp32 total-in-dw pieces keep one chain each: pieces longer than the interval are refused.
+    P = variants.OUTPUT_PROMOTE_EVERY
+    for v in variants.VARIANTS:
+        if v.schedule == "split_tail" and v.promote_in == "output":
+            x, dy = rand((1, 64 * (2 * P + 2), 4096)), rand((1, 64 * (2 * P + 2), 1024))
+            try:
+                call("jax_cake_wgrad", dy, x, tile=v.tile, out_dtype=F32, splits=2, reduction=3).block_until_ready()
+                refused, detail = False, "ran"
+            except Exception as err:  # noqa: BLE001 - the FFI error surfaces as a JAX runtime error
+                refused, detail = "exceed" in str(err), str(err).splitlines()[0][:160]
+            ok &= report(f"split_tail_{v.tile[0]}x{v.tile[1]}_f32_long_pieces_refused", refused, detail)
     return ok
 
 

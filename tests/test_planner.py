@@ -397,8 +397,9 @@ def test_det_splits_fill_the_last_wave_only_when_compute_bound():
         # 128 x 160 tiles: 32 N tiles of 5120, so 128 / 256 CTAs are full waves
         (5120, 512, "float32", (128, 160, 64), 1, "none"),
         (5120, 512, "bfloat16", (128, 160, 64), 1, "none"),
-        (5120, 1024, "float32", (128, 160, 64), 1, "none"),
         # 160 tiles of 128 x 256: a whole wave, then the 28 tail tiles cut into 4 K pieces
+        # (fp32 dw: the total-in-dw tile, pieces of 64 K tiles)
+        (5120, 1024, "float32", (128, 256, 64), 4, "split_tail"),
         (5120, 1024, "bfloat16", (128, 256, 64), 4, "split_tail"),
         # 96 tiles of 128 x 128: 4 ordered splits make 384 CTAs, 3 waves at 97 %
         (3072, 512, "float32", (128, 128, 64), 4, "ordered"),
@@ -635,3 +636,19 @@ def test_forcing_the_128x128_fp32_wgrad_tile_gives_the_register_program():
     from jax_cake.planner import variants
 
     assert variants.find_variant("wgrad", p.tile, p.cluster, "float32").promote_in == "registers"
+
+
+def test_fp32_split_tail_pieces_stay_within_one_promotion_interval():
+    """fp32 split-tail pieces keep their share of K in one wgmma chain, so the planner cuts
+    the tail only while a piece is at most OUTPUT_PROMOTE_EVERY K tiles; longer K falls
+    back to the 128 x 160 register program."""
+    from jax_cake.planner import variants
+
+    p = jc.plan("wgrad", tokens=16384, d_in=5120, d_out=1024, out_dtype="float32", device=H200)
+    assert p.reduction == "split_tail" and p.tile == (128, 256, 64), jc.explain(p)
+    assert -(-(16384 // 64) // p.splits) <= variants.OUTPUT_PROMOTE_EVERY
+    long_t = 64 * 4 * variants.OUTPUT_PROMOTE_EVERY + 64  # 4 pieces of P + 1 K tiles
+    p = jc.plan("wgrad", tokens=long_t, d_in=5120, d_out=1024, out_dtype="float32", device=H200)
+    assert p.reduction != "split_tail" and p.tile == (128, 160, 64), jc.explain(p)
+    p = jc.plan("wgrad", tokens=long_t, d_in=5120, d_out=1024, out_dtype="bfloat16", device=H200)
+    assert p.reduction == "split_tail", jc.explain(p)

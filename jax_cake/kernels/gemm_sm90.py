@@ -166,9 +166,11 @@ class GemmSm90:
         if variant.promote_in not in ("registers", "output"):
             raise ValueError(f"promote_in must be 'registers' or 'output', got {variant.promote_in!r}")
         if variant.promote_in == "output" and (
-            not variant.promote or variant.store != "plain" or variant.schedule != "tiles"
+            not variant.promote or variant.store != "plain" or variant.schedule not in ("tiles", "split_tail")
         ):
-            raise ValueError("promote_in='output' is for fp32 wgrad with store='plain' and schedule='tiles'")
+            raise ValueError(
+                "promote_in='output' is for fp32 wgrad with store='plain', schedule 'tiles' or 'split_tail'"
+            )
         if variant.promote and variant.promote_in == "registers" and variant.tile_n > 160:
             # 64 x tile_n fp32 per consumer warpgroup twice (partial + total) is tile_n
             # registers per thread: 256 at tile_n = 256, over the 232 a consumer gets.
@@ -551,6 +553,14 @@ class GemmSm90:
                 pid_m = pid_mc * cm + rank
                 k_begin, k_cnt = self._k_range(split, per_split, k_tiles, piece, pieces)
                 acc.fill(0.0)
+                if cutlass.const_expr(self.promote_out):
+                    # Chains go into C after K tiles before this one (the last chain goes
+                    # out in the epilogue); the pieces of a cut tail tile never write C
+                    # before their sum, so they promote nothing.
+                    chains_end = k_cnt - 1
+                    if cutlass.const_expr(self.split_tail):
+                        if pieces > 1:
+                            chains_end = 0
                 # With `promote`, wgmma accumulates into acc_k, which is added into acc
                 # (round-to-nearest fp32) every _PROMOTE_EVERY K tiles and at the end.
                 mma_acc = acc
@@ -585,7 +595,7 @@ class GemmSm90:
                         # Both warpgroups store this chain into C (the first plainly, later
                         # ones by reduce-add) and restart from zero; the tile's last chain
                         # goes out in the epilogue below.
-                        if kt % OUTPUT_PROMOTE_EVERY == OUTPUT_PROMOTE_EVERY - 1 and kt < k_cnt - 1:
+                        if kt % OUTPUT_PROMOTE_EVERY == OUTPUT_PROMOTE_EVERY - 1 and kt < chains_end:
                             cute.nvgpu.warpgroup.wait_group(0)
                             _fence_tensor(acc)
                             p_coord = (pid_m, pid_n, None, l_idx)
@@ -672,7 +682,7 @@ class GemmSm90:
                     if cutlass.const_expr(self.promote_out):
                         # After earlier chains (K loop above) the last one reduce-adds, once
                         # their stores are complete.
-                        chained = k_cnt > OUTPUT_PROMOTE_EVERY
+                        chained = chains_end >= OUTPUT_PROMOTE_EVERY
                         bSA_sD, bSA_gD, _, _ = tile_sub_tiles(
                             tma_atom_c_add, mC_add, sC, self.tile_mnk, self.epi_tile, (pid_m, pid_n, None, c_batch)
                         )

@@ -386,7 +386,9 @@ def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why
     """A compute-bound wgrad on the largest split-tail tile, where that tile makes at
     least one whole wave and its last wave is under _WAVE_FILL full: whole waves as
     usual, the tail's tiles cut into K pieces. None where a plain pass fills its waves,
-    no cut helps, there is no whole wave, or the library holds no split-tail variant.
+    no cut helps, there is no whole wave, the library holds no split-tail variant, or
+    (fp32 dw, whose pieces each keep one wgmma chain) a piece would be longer than
+    variants.OUTPUT_PROMOTE_EVERY K tiles.
 
     The cut costs ~15-20 us more than its share of the K loop predicts (H200,
     2026-11-30: 5120 -> 1024 BF16 227 us for a predicted 209), so it wins only against a
@@ -394,21 +396,26 @@ def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why
     smaller tiles do better (4096 -> 512 BF16: 98 us cut in two, 89 on 128 x 128;
     5120 -> 512: 132 cut in three, 122 on 128 x 160)."""
     batch, m, n, k = base["batch"], base["m"], base["n"], base["k"]
-    tile = max(
+    variant = max(
         (
-            v.tile
+            v
             for v in variants.VARIANTS
             if v.program == "wgrad" and v.schedule == "split_tail" and v.out_dtype == out_dtype
         ),
-        key=lambda t: t[0] * t[1],
+        key=lambda v: v.tile_m * v.tile_n,
         default=None,
     )
-    if tile is None:
+    if variant is None:
         return None
+    tile = variant.tile
     tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
     fill = _wave_fill(tiles, dev.sm_count)
-    splits, cost = _tail_splits(tiles, dev.sm_count, math.ceil(k / tile[2]))
+    k_tiles = math.ceil(k / tile[2])
+    splits, cost = _tail_splits(tiles, dev.sm_count, k_tiles)
     if tiles < dev.sm_count or fill >= _WAVE_FILL or splits == 1:
+        return None
+    if variant.promote_in == "output" and math.ceil(k_tiles / splits) > variants.OUTPUT_PROMOTE_EVERY:
+        # Its pieces accumulate in one wgmma chain each: no longer than the fp32 accuracy allows.
         return None
     code = _REDUCTION_CODES["split_tail"]
     rem = tiles % dev.sm_count

@@ -160,8 +160,12 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("wgrad", 128, 128, cluster_m=2, out_dtype="bfloat16"),
     # Split-tail wgrad: where the tiles leave the last wave short (5120 -> 1024 is 160 tiles
     # of 128 x 256 on 132 SMs: one full wave and 28 tiles), the tail's tiles are cut along K.
-    # bf16 dw only: the fp32 (128 x 128, promoting) one measured no gain (H200, 2026-11-30).
+    # (An fp32 128 x 128 register-total one measured no gain: H200, 2026-11-30.)
     GemmVariant("wgrad", 128, 256, out_dtype="bfloat16", schedule="split_tail"),
+    # fp32 dw: the total-in-dw 128 x 256 tile; whole-wave tiles promote into dw as usual,
+    # the tail's pieces (at most OUTPUT_PROMOTE_EVERY K tiles each) hand their partials
+    # to the tile's last piece, which stores the sum.
+    GemmVariant("wgrad", 128, 256, out_dtype="float32", promote_in="output", schedule="split_tail"),
     # wgrad arrival-order split-K (reduction=2): fp32 reduce-add into dw or workspace
     GemmVariant("wgrad", 64, 128, out_dtype="float32", store="add"),
     GemmVariant("wgrad", 128, 128, out_dtype="float32", store="add"),
