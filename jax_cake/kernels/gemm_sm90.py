@@ -46,7 +46,11 @@ work scheduled after it) waits for the flags and adds the partials in piece orde
 stores C. The cut depends only on the shape, the grid and `splits`: bitwise reproducible.
 Workspace: int32 flags [round_up(rem * (splits - 1), 32)], then one partial tile per
 flag. (Cutting K evenly over all CTAs, stream-K proper, was 2x slower for wgrad on the
-H200: CTAs at different K offsets lose the L2 reuse of the shared x and dy rows.)
+H200: CTAs at different K offsets lose the L2 reuse of the shared x and dy rows.) With
+`promote_in="output"` the whole-wave tiles promote into C as above, while the pieces of a
+cut tile never write C before their sum, so each keeps its share of K in one wgmma chain:
+pieces are at most OUTPUT_PROMOTE_EVERY K tiles (the planner plans no more, the FFI
+refuses more).
 
 Ping-pong (`schedule="pingpong"`, fwd/dgrad, 128 x 128 tiles): each consumer
 warpgroup owns a whole tile, and the two take the CTA's tiles in turns: warpgroup 0 runs
@@ -554,9 +558,9 @@ class GemmSm90:
                 k_begin, k_cnt = self._k_range(split, per_split, k_tiles, piece, pieces)
                 acc.fill(0.0)
                 if cutlass.const_expr(self.promote_out):
-                    # Chains go into C after K tiles before this one (the last chain goes
-                    # out in the epilogue); the pieces of a cut tail tile never write C
-                    # before their sum, so they promote nothing.
+                    # A chain goes into C at each interval's last K tile before
+                    # chains_end (the tile's last chain goes out in the epilogue); the
+                    # pieces of a cut tail tile never write C before their sum.
                     chains_end = k_cnt - 1
                     if cutlass.const_expr(self.split_tail):
                         if pieces > 1:
