@@ -35,9 +35,8 @@ class SubTileStaging(NamedTuple):
 
 
 class EpiloguePieces(NamedTuple):
-    staging: SubTileStaging
+    staging: SubTileStaging  # its epi_bar also serves the kernels' other consumer rendezvous
     c_pipe: Any  # PipelineTmaStore over the epi_stage buffers
-    epi_bar: Any  # named barrier of the consumer threads
 
 
 def make_epilogue(
@@ -52,7 +51,6 @@ def make_epilogue(
     thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
     rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
     tRS_rD_layout = cute.make_layout(rD_shape[:3])
-    epi_bar = pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=mma_threads)
     return EpiloguePieces(
         staging=SubTileStaging(
             tiled_copy_r2s=tiled_copy_r2s,
@@ -60,13 +58,12 @@ def make_epilogue(
             tRS_rAcc=tiled_copy_r2s.retile(acc),
             tRS_rD_layout=tRS_rD_layout,
             tRS_rD=cute.make_rmem_tensor_like(tRS_rD_layout, acc_dtype),
-            epi_bar=epi_bar,
+            epi_bar=pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=mma_threads),
         ),
         c_pipe=pipeline.PipelineTmaStore.create(
             num_stages=epi_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mma_threads),
         ),
-        epi_bar=epi_bar,
     )
 
 

@@ -522,7 +522,7 @@ class GemmSm90:
             promote_phase = mma_wg * (_PROMOTE_EVERY // 2)
 
             # Epilogue plumbing shared by all tiles.
-            staging, c_pipe, epi_bar = make_epilogue(
+            staging, c_pipe = make_epilogue(
                 tiled_mma,
                 self.c_layout,
                 self.c_dtype,
@@ -656,7 +656,7 @@ class GemmSm90:
                         )
                         for v in cutlass.range_constexpr(cute.size(acc)):
                             mine[v] = acc[v]
-                        epi_bar.arrive_and_wait()
+                        staging.epi_bar.arrive_and_wait()
                         if mma_tidx == 0:
                             cute.arch.fence_acq_rel_gpu()
                             cute.arch.store(flags + slot, cutlass.Int32(1), sem="release", scope="gpu")
@@ -666,7 +666,7 @@ class GemmSm90:
                             if mma_tidx == 0:
                                 spin_lock_ld_lt_relaxed_wait(flags + other, expected_val=1, scope="gpu")
                                 cute.arch.fence_acq_rel_gpu()
-                            epi_bar.arrive_and_wait()
+                            staging.epi_bar.arrive_and_wait()
                             theirs = partials + other * tile_elems
                             for v in cutlass.range_constexpr(cute.size(acc)):
                                 acc[v] = acc[v] + cute.arch.load(

@@ -474,7 +474,7 @@ class RouterBf16x3Sm90:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
             # Epilogue pieces that do not depend on the tile.
-            staging, c_pipe, epi_bar = make_epilogue(
+            staging, c_pipe = make_epilogue(
                 tiled_mma,
                 self.c_layout,
                 self.io_dtype,

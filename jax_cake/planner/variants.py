@@ -81,7 +81,9 @@ class GemmVariant:
 
     @property
     def promote(self) -> bool:
-        """Two-level fp32 accumulation (16 K tiles per wgmma chain, gemm_sm90._PROMOTE_EVERY): fp32 wgrad only."""
+        """Two-level fp32 accumulation (fp32 wgrad only): wgmma chains of 16 K tiles added to a
+        register total (gemm_sm90._PROMOTE_EVERY), or with promote_in="output" chains of
+        OUTPUT_PROMOTE_EVERY K tiles added into C."""
         return self.program == "wgrad" and self.out_dtype == "float32"
 
     @property
