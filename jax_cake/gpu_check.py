@@ -323,17 +323,25 @@ def raster_and_tiles():
 
 @check
 def bad_plan_is_an_error():
-    """A tile naming no compiled variant, or a row width the TMA cannot stride (d_out = 130,
-    not a multiple of 8), fails loudly (INVALID_ARGUMENT), not silently."""
+    """A tile naming no compiled variant, a row width the TMA cannot stride (d_out = 130,
+    not a multiple of 8), or fp32 total-in-dw split-tail pieces longer than its promotion
+    interval (they keep one wgmma chain each) fail loudly (INVALID_ARGUMENT), not silently."""
     ok = True
     x, w = rand((1, 64, 128)), rand((1, 64, 128))
     dy, x264 = rand((2, 100, 130)), rand((2, 100, 264))
+    long_t = 64 * (2 * variants.OUTPUT_PROMOTE_EVERY + 2)  # 2 pieces of P + 1 K tiles
+    x_long, dy_long = rand((1, long_t, 4096)), rand((1, long_t, 1024))
     for name, run, expect in (
         ("bad_plan_is_an_error", lambda: call("jax_cake_fwd", x, w, tile=(64, 64, 64)), "no compiled"),
         (
             "misaligned_width_is_an_error",
             lambda: call("jax_cake_wgrad", dy, x264, tile=(128, 128, 64), out_dtype=F32),
             "multiples of 8",
+        ),
+        (
+            "split_tail_128x256_f32_long_pieces_refused",
+            lambda: call("jax_cake_wgrad", dy_long, x_long, tile=(128, 256, 64), out_dtype=F32, splits=2, reduction=3),
+            "exceed",
         ),
     ):
         try:
@@ -393,8 +401,8 @@ def split_tail():
     """Split-tail wgrad (reduction 3, bf16 dw and the fp32 total-in-dw tile) against
     float64 and bitwise over 20 runs: tails of fewer tiles than SMs (every tile cut), a
     full wave plus a tail (whole-wave fp32 tiles promoting into dw), batch 2, pieces of one
-    K tile, and the planner's 5120 -> 1024 / 512 cases; fp32 pieces longer than the
-    promotion interval are refused."""
+    K tile, and the planner's 5120 -> 1024 / 512 cases (fp32 pieces longer than the
+    promotion interval: bad_plan_is_an_error)."""
     ok = True
     for B, T, d_in, d_out, splits in (
         (1, 777, 1032, 200, 4),  # 13 K tiles: pieces of 4, 4, 4, 1
@@ -422,17 +430,6 @@ def split_tail():
                 e < tol and bad == 0 and same == 20,
                 f"rel_err={e:.2e} nonfinite={bad} bitwise {same}/20",
             )
-    # fp32 total-in-dw pieces keep one chain each: pieces longer than the interval are refused.
-    P = variants.OUTPUT_PROMOTE_EVERY
-    for v in variants.VARIANTS:
-        if v.schedule == "split_tail" and v.promote_in == "output":
-            x, dy = rand((1, 64 * (2 * P + 2), 4096)), rand((1, 64 * (2 * P + 2), 1024))
-            try:
-                call("jax_cake_wgrad", dy, x, tile=v.tile, out_dtype=F32, splits=2, reduction=3).block_until_ready()
-                refused, detail = False, "ran"
-            except Exception as err:  # noqa: BLE001 - the FFI error surfaces as a JAX runtime error
-                refused, detail = "exceed" in str(err), str(err).splitlines()[0][:160]
-            ok &= report(f"split_tail_{v.tile[0]}x{v.tile[1]}_f32_long_pieces_refused", refused, detail)
     return ok
 
 
