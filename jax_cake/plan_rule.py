@@ -102,7 +102,8 @@ def sign_test_p(wins: int, n: int) -> float:
     return sum(math.comb(n, i) for i in range(wins, n + 1)) / 2**n
 
 
-def _run_check(mode: str, index: int, run: PairedRun) -> Check:
+def check_op_run(mode: str, index: int, run: PairedRun) -> Check:
+    """Condition (a) for one run of one mode: sign test and median paired ratio."""
     wins = sum(s < d for d, s in zip(run.det, run.split))  # ties are non-wins
     n = len(run.det)
     p = sign_test_p(wins, n)
@@ -118,7 +119,7 @@ def check_op(runs_by_mode: Mapping[str, Sequence[PairedRun]]) -> list[Check]:
         runs = runs_by_mode.get(mode, ())
         if not runs:
             checks.append(Check("a", f"{mode}", False, "no runs"))
-        checks.extend(_run_check(mode, i, run) for i, run in enumerate(runs))
+        checks.extend(check_op_run(mode, i, run) for i, run in enumerate(runs))
     return checks
 
 

@@ -10,7 +10,10 @@ groups, L2 flushed, CUPTI device time):
 - (a) wgrad alone, modes g and e: each run's paired groups, det vs candidate;
 - (b) wgrad next to a busy kernel holding 8, 16 or 32 SMs on another stream;
 - (c) bwd and 2fwd+bwd, modes g and e;
-then jax_cake.plan_rule decides. A point keeps the fastest candidate (wgrad, graph
+then jax_cake.plan_rule decides. With --screen (the default) a first pass times wgrad alone
+in graph mode (one run of paired groups) at every point; a candidate that fails (a) there
+fails the rule (it needs every run of both modes), so only the survivors get the full
+measurement above, point by point. That keeps a whole-grid run to minutes. A point keeps the fastest candidate (wgrad, graph
 mode) that passes; the table rows follow the planner's reading (jax_cake/planner/
 tables.py): a row covers min_tokens..max_tokens minus exclude_tokens.
 
@@ -175,12 +178,12 @@ def candidate_plans(points: Sequence[bench.Point], arms: Sequence[bench.ArmSpec]
     return out
 
 
-def run_tune_child(points, arms, mode: str, run: int, out_path: str) -> None:
+def run_tune_child(points, arms, mode: str, run: int, out_path: str, ops: Sequence[str] = TUNE_OPS) -> None:
     import jax
 
     timer_kind = FLAGS.timer or bench.default_timer()
     common = dict(steps=FLAGS.steps, groups=FLAGS.groups, flush_mb=FLAGS.flush_mb, timer_kind=timer_kind)
-    samples = bench.collect(points, TUNE_OPS, arms, mode, run, **common)
+    samples = bench.collect(points, ops, arms, mode, run, **common)
     if FLAGS.contention != "none" and timer_kind != "device":
         print("condition (b) skipped: it needs the GPU's device timeline", file=sys.stderr)
     elif FLAGS.contention != "none":
@@ -251,6 +254,34 @@ def verdicts(samples: Sequence[dict], candidate: str) -> dict[bench.Point, plan_
     return out
 
 
+def screen_survivors(
+    samples: Sequence[dict], candidates: Sequence[str]
+) -> tuple[dict[bench.Point, list[str]], dict[tuple[bench.Point, str], plan_rule.Check]]:
+    """The screen's verdicts: ({point: candidates that passed (a) in its graph-mode run},
+    {(point, candidate): the failed (a) check}). Only plain wgrad samples count."""
+    times = {}
+    for s in samples:
+        if s["op"] == "wgrad" and s["mode"] == "g" and s.get("busy_sms") is None:
+            times[(bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"]), s["arm"])] = s["groups_us"]
+    survivors, screened = {}, {}
+    for (point, arm), det in sorted(times.items(), key=lambda kv: dataclasses.astuple(kv[0][0])):
+        if arm != "det":
+            continue
+        survivors[point] = []
+        for cand in candidates:
+            paired = _pair(det, times[(point, cand)]) if (point, cand) in times else None
+            check = (
+                plan_rule.check_op_run("g", 0, paired)
+                if paired
+                else plan_rule.Check("a", "g run 0", False, "no paired groups")
+            )
+            if check.passed:
+                survivors[point].append(cand)
+            else:
+                screened[(point, cand)] = check
+    return survivors, screened
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """What a point runs under deterministic=False, with the rule's evidence."""
@@ -261,20 +292,29 @@ class Choice:
     evidence: str
 
 
-def choose(samples: Sequence[dict], plans: Mapping[str, Mapping], candidates: Sequence[str]) -> list[Choice]:
-    """Per point, the candidate with the lowest graph-mode wgrad median among those passing."""
+def choose(
+    samples: Sequence[dict],
+    plans: Mapping[str, Mapping],
+    candidates: Sequence[str],
+    screened: Mapping[tuple[bench.Point, str], plan_rule.Check] | None = None,
+) -> list[Choice]:
+    """Per point, the candidate with the lowest graph-mode wgrad median among those passing.
+    `screened` holds the (a) check of each (point, candidate) the screen rejected."""
+    screened = screened or {}
     medians = bench.run_medians([s for s in samples if s.get("busy_sms") is None])
     by_candidate = {c: verdicts(samples, c) for c in candidates}
+    points = {p for v in by_candidate.values() for p in v} | {p for p, _ in screened}
     choices = []
-    for point in sorted({p for v in by_candidate.values() for p in v}, key=lambda p: dataclasses.astuple(p)):
+    for point in sorted(points, key=lambda p: dataclasses.astuple(p)):
         passing = [c for c in candidates if by_candidate[c].get(point) and by_candidate[c][point].keep_split]
         if not passing:
-            why = "; ".join(
-                f"{c} failed " + ", ".join(f"({f.condition}) {f.cell} {f.detail}" for f in v.failed)
-                for c in candidates
-                if (v := by_candidate[c].get(point))
-            )
-            choices.append(Choice(point, None, None, why))
+            why = []
+            for c in candidates:
+                if v := by_candidate[c].get(point):
+                    why.append(f"{c} failed " + ", ".join(f"({f.condition}) {f.cell} {f.detail}" for f in v.failed))
+                elif check := screened.get((point, c)):
+                    why.append(f"{c} failed the screen ({check.condition}) {check.cell} {check.detail}")
+            choices.append(Choice(point, None, None, "; ".join(why)))
             continue
         best = min(passing, key=lambda c: medians.get((point, "wgrad", "g", c), float("inf")))
         choices.append(Choice(point, best, plans.get(point.label, {}).get(best), by_candidate[best][point].evidence()))
@@ -349,22 +389,52 @@ def main(argv):
         raise app.UsageError("--arms: tune compares split candidates (split[/sN][/tMxNxK]) against det")
     modes = bench.selected("modes", bench.MODES)
     if FLAGS.child_out:
-        run_tune_child(points, arms, modes[0], FLAGS.run_index, FLAGS.child_out)
+        run_tune_child(points, arms, modes[0], FLAGS.run_index, FLAGS.child_out, FLAGS.child_ops)
         return
-    argv_flags = bench.child_argv(
-        ("tokens", "d_in", "d_out", "out_dtype", "groups", "steps", "flush_mb", "timer", "busy_sms", "contention")
-    ) + [f"--arms={','.join(candidates)}"]
-    header, samples = bench.run_children("jax_cake.tune", argv_flags, modes, FLAGS.runs)
-    choices = choose(samples, header["plans"], candidates)
+    timing = bench.child_argv(("groups", "steps", "flush_mb", "timer"))
+    grid = bench.child_argv(("tokens", "d_in", "d_out", "out_dtype"))
+    full = bench.child_argv(("busy_sms", "contention"))
+    if FLAGS.screen:
+        screen_argv = grid + timing + [f"--arms={','.join(candidates)}", "--contention=none", "--child_ops=wgrad"]
+        header, screen_samples = bench.run_children("jax_cake.tune", screen_argv, ["g"], 1)
+        survivors, screened = screen_survivors(screen_samples, candidates)
+        print(
+            f"screen: {sum(map(len, survivors.values()))} of {len(survivors) * len(candidates)} "
+            "(point, candidate) pairs passed (a) in graph mode",
+            file=sys.stderr,
+        )
+        samples = []
+        for point, cands in survivors.items():
+            if cands:
+                one_point = [
+                    f"--tokens={point.tokens}",
+                    f"--d_in={point.d_in}",
+                    f"--d_out={point.d_out}",
+                    f"--out_dtype={point.out}",
+                ]
+                _, got = bench.run_children(
+                    "jax_cake.tune", one_point + timing + full + [f"--arms={','.join(cands)}"], modes, FLAGS.runs
+                )
+                samples += got
+    else:
+        header, samples = bench.run_children(
+            "jax_cake.tune", grid + timing + full + [f"--arms={','.join(candidates)}"], modes, FLAGS.runs
+        )
+        screened = {}
+    choices = choose(samples, header["plans"], candidates, screened)
     for c in choices:
         print(f"{c.point.label}: {c.arm or 'det'}\n  {c.evidence}", file=sys.stderr)
-    if FLAGS.write and not header["sms"]:
-        raise app.UsageError("--write needs a GPU measurement (the children saw no SM count)")
+    if not header["sms"]:
+        if FLAGS.write:
+            raise app.UsageError("--write needs a GPU measurement (the children saw no SM count)")
+        print("no GPU: the verdicts above, but no plan table (its rows are per SM count)", file=sys.stderr)
+        return
     cc = header.get("compute_capability") or "9.0"
     arch = FLAGS.arch or {"9.0": "sm_90a"}.get(cc, f"sm_{cc.replace('.', '')}")
     source = (
         f"jax_cake.tune {header['date']} on NVIDIA {header['gpu']} ({header['sms']} SMs), jax {header['jax']}, "
-        f"{header['timer']}, {FLAGS.runs} runs x {FLAGS.groups} groups x {FLAGS.steps} steps"
+        f"{header['timer']}, {FLAGS.runs} runs x {FLAGS.groups} groups x {FLAGS.steps} steps, {len(points)} points"
+        + (" (screened: wgrad in graph mode first, one run)" if FLAGS.screen else "")
     )
     path = Path(FLAGS.table or TABLE_DIR / f"{arch}.json")
     existing = json.loads(path.read_text()) if path.exists() else None
@@ -385,4 +455,11 @@ if __name__ == "__main__":
     flags.DEFINE_string("arch", None, "Table architecture (default: from the GPU, sm_90a on an H200).")
     flags.DEFINE_string("table", None, "Table path (default jax_cake/planner/tables/<arch>.json).")
     flags.DEFINE_bool("write", False, "Write the table file; otherwise print it.")
+    flags.DEFINE_bool(
+        "screen",
+        True,
+        "First time wgrad alone in graph mode at every point; only candidates passing (a) there get "
+        "the full measurement (a candidate failing it fails the rule).",
+    )
+    flags.DEFINE_list("child_ops", list(TUNE_OPS), "Internal: the ops a child times.")
     app.run(main)

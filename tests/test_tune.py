@@ -1,5 +1,8 @@
 """jax_cake.tune on CPU: candidates, step filters, verdicts -> plan-table rows the planner reads."""
 
+import subprocess
+import sys
+
 from absl.testing import absltest, parameterized
 
 from jax_cake import bench, plan_rule, tune
@@ -148,6 +151,41 @@ class TableTest(parameterized.TestCase):
         )
         self.assertEqual(self.planner_says(table, 16231), "det")  # no claim between differing programs
 
+    def test_screen_keeps_only_candidates_that_beat_det_in_graph_mode(self):
+        a, b = "split/t64x256x64", "split/t128x256x64"
+        screen = [
+            s
+            for s in dedupe_det(
+                samples_for(point(16172), a, op=0.95, runs=1)
+                + samples_for(point(16172), b, op=0.995, runs=1)
+                + samples_for(point(16384), a, op=1.05, runs=1)
+                + samples_for(point(16384), b, op=1.10, runs=1)
+            )
+            if s["op"] == "wgrad" and s["mode"] == "g" and "busy_sms" not in s
+        ]
+        survivors, screened = tune.screen_survivors(screen, [a, b])
+        self.assertEqual(survivors, {point(16172): [a], point(16384): []})
+        self.assertEqual(sorted(t for t, _ in ((p.tokens, c) for p, c in screened)), [16172, 16384, 16384])
+        self.assertIn("r=0.995", screened[(point(16172), b)].detail)
+        self.assertFalse(screened[(point(16384), a)].passed)
+
+    def test_screened_points_stay_deterministic_and_say_why(self):
+        a, b = "split/t64x256x64", "split/t128x256x64"
+        screened = {
+            (point(16384), a): plan_rule.Check("a", "g run 0", False, "p=1.0000 (0/8 wins) r=1.050"),
+            (point(16384), b): plan_rule.Check("a", "g run 0", False, "p=1.0000 (0/8 wins) r=1.100"),
+            (point(16172), b): plan_rule.Check("a", "g run 0", False, "p=0.3633 (4/8 wins) r=0.995"),
+        }
+        # The screen's survivor (a at 16172) was measured in full; b there and both at 16384 were not.
+        samples = samples_for(point(16172), a)
+        plans = {point(16172).label: {a: SPLIT_A}}
+        choices = tune.choose(samples, plans, [a, b], screened)
+        self.assertEqual([(c.point.tokens, c.arm) for c in choices], [(16172, a), (16384, None)])
+        self.assertIn(f"{a} failed the screen (a) g run 0 p=1.0000 (0/8 wins) r=1.050", choices[1].evidence)
+        self.assertIn(f"{b} failed the screen", choices[1].evidence)
+        rows = tune.table_rows(choices)
+        self.assertEqual([(r["min_tokens"], r["max_tokens"], r["tile"]) for r in rows], [(16172, 16172, [64, 256, 64])])
+
     def test_build_table_replaces_only_the_measured_sm_count(self):
         existing = {
             "arch": "sm_90a",
@@ -162,6 +200,21 @@ class TableTest(parameterized.TestCase):
         self.assertEqual(
             [(r["min_sms"], r["rows"]) for r in table["sm_ranges"]], [(114, ["keep"]), (132, [{"row": 1}])]
         )
+
+
+class CommandLineTest(absltest.TestCase):
+    def test_screened_run_on_cpu_prints_verdicts_and_writes_nothing(self):
+        proc = subprocess.run(
+            [sys.executable, "-m", "jax_cake.tune", "--tokens=256", "--d_in=256", "--d_out=48"]
+            + ["--out_dtype=float32", "--groups=3", "--steps=1", "--runs=1", "--timer=wall"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+        self.assertIn("(point, candidate) pairs passed (a) in graph mode", proc.stderr)
+        self.assertIn("T=256 256->48 float32:", proc.stderr)
+        self.assertIn("no GPU: the verdicts above, but no plan table", proc.stderr)
 
 
 if __name__ == "__main__":
