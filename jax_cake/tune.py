@@ -36,18 +36,15 @@ import contextlib
 import ctypes
 import dataclasses
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from absl import app, flags
 
 from jax_cake import bench
+from jax_cake import cuda_driver
 from jax_cake import plan_rule
 
 TUNE_OPS = ("wgrad",) + plan_rule.STEP_OPS
@@ -84,52 +81,15 @@ class BusySms:
     """Launches jax_cake_busy_sms on a side stream of the primary context (device 0)."""
 
     def __init__(self, compute_capability: str):
-        nvcc = shutil.which("nvcc")
-        if nvcc is None:
-            raise RuntimeError("condition (b) needs nvcc on the PATH to build the busy kernel")
-        with tempfile.TemporaryDirectory() as tmp:
-            src, cubin = os.path.join(tmp, "busy.cu"), os.path.join(tmp, "busy.cubin")
-            Path(src).write_text(_BUSY_SOURCE)
-            arch = "sm_" + compute_capability.replace(".", "")
-            subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-o", cubin, src], check=True)
-            image = Path(cubin).read_bytes()
-        cu = self._cu = ctypes.CDLL("libcuda.so.1")
-        cu.cuLaunchKernel.argtypes = (
-            [ctypes.c_void_p]
-            + [ctypes.c_uint] * 7
-            + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-        )
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        self._check(cu.cuInit(0), "cuInit")
-        self._check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-        self._check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-        self._check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        self._module, self._fn, self._stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        self._check(cu.cuModuleLoadData(ctypes.byref(self._module), image), "cuModuleLoadData")
-        self._check(
-            cu.cuModuleGetFunction(ctypes.byref(self._fn), self._module, b"jax_cake_busy_sms"), "cuModuleGetFunction"
-        )
-        smem = ctypes.c_int()
-        self._check(cu.cuDeviceGetAttribute(ctypes.byref(smem), 97, dev), "cuDeviceGetAttribute(smem opt-in)")
-        self.smem = smem.value
-        self._check(cu.cuFuncSetAttribute(self._fn, 8, self.smem), "cuFuncSetAttribute(max dynamic smem)")
-        self._check(cu.cuStreamCreate(ctypes.byref(self._stream), 1), "cuStreamCreate")  # non-blocking
-
-    @staticmethod
-    def _check(code: int, what: str) -> None:
-        if code != 0:
-            raise RuntimeError(f"busy kernel: {what} returned CUDA error {code}")
+        arch = "sm_" + compute_capability.replace(".", "")
+        self._driver = cuda_driver.Driver(cuda_driver.compile_cubin(_BUSY_SOURCE, arch), ["jax_cake_busy_sms"])
+        self.smem = self._driver.use_all_shared_memory("jax_cake_busy_sms")
 
     def launch(self, sms: int, ns: int) -> None:
-        arg = ctypes.c_ulonglong(ns)
-        params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(arg), ctypes.c_void_p))
-        self._check(
-            self._cu.cuLaunchKernel(self._fn, sms, 1, 1, 32, 1, 1, self.smem, self._stream, params, None),
-            "cuLaunchKernel",
-        )
+        self._driver.launch("jax_cake_busy_sms", sms, 32, [ctypes.c_ulonglong(ns)], smem=self.smem)
 
     def wait(self) -> None:
-        self._check(self._cu.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+        self._driver.synchronize()
 
     @contextlib.contextmanager
     def around(self, sms: int, order: str, ns: int):
