@@ -9,8 +9,9 @@ A case rows:a:b is the traffic of reading a bf16 [rows, a] array once and writin
   dgrad dy[T, d_out] -> dx[T, d_in]: T:d_out:d_in;
   batched fwd: (B*T):d_in:d_out.
 For each case it times plain copy kernels (16-byte loads and stores, grid-stride, three
-launch shapes; for b > a also a bulk-copy (TMA) kernel that stages chunks in shared memory
-and writes them with bulk stores, as a GEMM epilogue does; the fastest is reported) with the protocol's flush before every launch (XOR
+launch shapes; for b > a also kernels that stage chunks in shared memory, as a GEMM epilogue
+does, and write them with bulk (TMA) stores or with the threads' 16-byte stores; the fastest
+is reported, each on stderr) with the protocol's flush before every launch (XOR
 over 128 MiB, as jax_cake.bench), CUDA events, median over launches. b > a: each row's
 a values repeated along b; b <= a: the row read in full and b values written. A GEMM that
 moves these bytes cannot run faster than this, so the table says how far each memory-
@@ -47,7 +48,8 @@ DEFAULT_CASES = (
     "65536:512:128",
 )
 LAUNCH_SHAPES = ((8, 256), (4, 512), (2, 1024))  # (CTAs per SM, threads): full occupancy each
-BULK_ROWS, BULK_STAGES = 32, 4  # widen_bulk's chunk rows and chunks in flight (ROWS, STAGES in _SOURCE)
+# widen_bulk_RxS (rows per chunk, chunks in flight) and CTAs per SM: 160 KB or 2 x 80 KB of chunks at 128 -> 512.
+BULK_LAUNCHES = ((32, 4, 1), (16, 8, 1), (64, 2, 1), (32, 2, 2), (16, 4, 2))
 FLUSH_MIB = 128
 POISON = 0xFFFFFFFF
 
@@ -82,9 +84,7 @@ extern "C" __global__ void narrow(const uint4* __restrict__ x, uint4* __restrict
 }
 // b > a through the bulk-copy (TMA) engine, as a GEMM epilogue writes: per chunk of ROWS rows,
 // one bulk load of x into shared memory, the rows widened there by the threads, one bulk store
-// of the chunk's y rows (contiguous in y). STAGES chunks in flight; persistent CTAs.
-#define ROWS 32    // BULK_ROWS
-#define STAGES 4  // BULK_STAGES
+// of the chunk's y rows (contiguous in y). STAGES chunks in flight per CTA; persistent CTAs.
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
@@ -98,7 +98,10 @@ __device__ __forceinline__ void wait_parity(unsigned long long* bar, unsigned pa
                  : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
   }
 }
-extern "C" __global__ void __launch_bounds__(256) widen_bulk(const uint4* __restrict__ x, uint4* __restrict__ y, long long rows, int a, int b) {
+// STG: the staged chunk leaves shared memory through the threads' 16-byte global stores
+// instead of one bulk store (same loads, same staging: isolates the store path).
+template <int ROWS, int STAGES, bool STG>
+__device__ void widen_bulk(const uint4* __restrict__ x, uint4* __restrict__ y, long long rows, int a, int b) {
   extern __shared__ __align__(128) uint4 smem[];
   __shared__ __align__(8) unsigned long long bar[STAGES];
   uint4* xs = smem;
@@ -125,15 +128,20 @@ extern "C" __global__ void __launch_bounds__(256) widen_bulk(const uint4* __rest
     int s = (int)(it % STAGES);
     long long n = rows - c * ROWS < ROWS ? rows - c * ROWS : ROWS;
     wait_parity(&bar[s], (unsigned)((it / STAGES) & 1));
-    if (tid == 0) asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(STAGES - 1) : "memory");  // ys[s] free again
+    if (!STG && tid == 0) asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(STAGES - 1) : "memory");  // ys[s] free
     __syncthreads();
     for (int i = tid; i < n * b; i += blockDim.x) ys[s * ROWS * b + i] = xs[s * ROWS * a + (i / b) * a + (i % b) % a];
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the threads' writes, seen by the bulk engine
+    if (!STG) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the threads' writes, seen by the bulk engine
     __syncthreads();
+    if (STG) {
+      for (int i = tid; i < n * b; i += blockDim.x) y[c * ROWS * b + i] = ys[s * ROWS * b + i];
+    }
     if (tid == 0) {
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                   :: "l"(y + c * ROWS * b), "r"(smem_addr(ys + s * ROWS * b)), "r"((unsigned)(n * b * 16)) : "memory");
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      if (!STG) {
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                     :: "l"(y + c * ROWS * b), "r"(smem_addr(ys + s * ROWS * b)), "r"((unsigned)(n * b * 16)) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      }
       long long c2 = c + (long long)STAGES * gridDim.x;
       if (c2 < chunks) {
         long long n2 = rows - c2 * ROWS < ROWS ? rows - c2 * ROWS : ROWS;
@@ -141,8 +149,18 @@ extern "C" __global__ void __launch_bounds__(256) widen_bulk(const uint4* __rest
       }
     }
   }
-  if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  if (!STG && tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
+#define BULK(R, S) \
+  extern "C" __global__ void __launch_bounds__(256) widen_bulk_##R##x##S( \
+      const uint4* __restrict__ x, uint4* __restrict__ y, long long rows, int a, int b) { widen_bulk<R, S, false>(x, y, rows, a, b); } \
+  extern "C" __global__ void __launch_bounds__(256) widen_staged_stg_##R##x##S( \
+      const uint4* __restrict__ x, uint4* __restrict__ y, long long rows, int a, int b) { widen_bulk<R, S, true>(x, y, rows, a, b); }
+BULK(32, 4)
+BULK(16, 8)
+BULK(64, 2)
+BULK(32, 2)
+BULK(16, 4)
 // The protocol's L2 flush: XOR over the whole buffer (read + write).
 extern "C" __global__ void flush_l2(uint4* __restrict__ buf, long long n) {
   long long stride = (long long)gridDim.x * blockDim.x;
@@ -211,9 +229,12 @@ class FloorTimer:
 
         major, minor = cuda_driver.compute_capability()
         arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")  # sm_90a: what the library is built for
-        kernels = ["widen", "narrow", "widen_bulk", "flush_l2"]
-        self.driver = cuda_driver.Driver(cuda_driver.compile_cubin(_SOURCE, arch), kernels)
-        self.bulk_smem_max = self.driver.use_all_shared_memory("widen_bulk", static_bytes=1024)  # its mbarriers
+        bulk = [f"{k}_{r}x{s}" for r, s, _ in BULK_LAUNCHES for k in ("widen_bulk", "widen_staged_stg")]
+        self.driver = cuda_driver.Driver(
+            cuda_driver.compile_cubin(_SOURCE, arch), ["widen", "narrow", "flush_l2", *bulk]
+        )
+        for name in bulk:
+            self.bulk_smem_max = self.driver.use_all_shared_memory(name, static_bytes=1024)  # its mbarriers
         self.sms = self.driver.sm_count
         self.launches = launches
         self.flush_vectors = FLUSH_MIB * 2**20 // 16
@@ -226,11 +247,14 @@ class FloorTimer:
 
     def launches_for(self, case: Case) -> list[tuple[str, int, int, int]]:
         """(kernel, CTAs, threads, shared bytes) to try: the plain kernel at three occupancies,
-        and for b > a the bulk-copy kernel (one CTA per SM) where its chunks fit."""
+        and for b > a the bulk-copy kernels where their chunks fit in shared memory."""
         out = [(case.kernel, self.sms * per_sm, threads, 0) for per_sm, threads in LAUNCH_SHAPES]
-        smem = BULK_STAGES * BULK_ROWS * (case.a + case.b) * 2
-        if case.kernel == "widen" and smem <= self.bulk_smem_max:
-            out.append(("widen_bulk", self.sms, 256, smem))
+        if case.kernel == "widen":
+            for rows, stages, per_sm in BULK_LAUNCHES:
+                smem = stages * rows * (case.a + case.b) * 2
+                if smem * per_sm <= self.bulk_smem_max:
+                    for kernel in ("widen_bulk", "widen_staged_stg"):
+                        out.append((f"{kernel}_{rows}x{stages}", self.sms * per_sm, 256, smem))
         return out
 
     def time(self, case: Case) -> tuple[float, str]:
@@ -253,6 +277,7 @@ class FloorTimer:
                         times.append(d.elapsed_us(self.start, self.end))
                 self._check_written(case, kernel, x, y)
                 us = statistics.median(times)
+                print(f"  {case.rows}:{case.a}:{case.b} {kernel}, {ctas} x {threads}: {us:.2f} us", file=sys.stderr)
                 if best is None or us < best[0]:
                     best = (us, f"{kernel}, {ctas} x {threads}")
             return best
