@@ -13,9 +13,10 @@ launch shapes; for b > a also kernels that stage chunks in shared memory, as a G
 does, and write them with bulk (TMA) stores or with the threads' 16-byte stores; the fastest
 is reported, each on stderr) with the protocol's flush before every launch (XOR
 over 128 MiB, as jax_cake.bench), CUDA events, median over launches. b > a: each row's
-a values repeated along b; b <= a: the row read in full and b values written. A GEMM that
-moves these bytes cannot run faster than this, so the table says how far each memory-
-bound target is from the hardware under the same protocol (docs/BENCHMARKS.md).
+a values repeated along b; b <= a: the row read in full and b values written. These are
+plain kernels, so a practical floor rather than a proof (a GEMM's TMA path can beat the
+narrowest cases); the table says how far each memory-bound target and kernel is from what
+the memory delivers under the same protocol (docs/BENCHMARKS.md).
 
 Needs a GPU and nvcc (the kernels are compiled at run time for the device's arch).
 """
@@ -24,10 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import datetime
 import statistics
 import sys
 from typing import Sequence
 
+import numpy as np
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -233,8 +236,8 @@ class FloorTimer:
         self.driver = cuda_driver.Driver(
             cuda_driver.compile_cubin(_SOURCE, arch), ["widen", "narrow", "flush_l2", *bulk]
         )
-        for name in bulk:
-            self.bulk_smem_max = self.driver.use_all_shared_memory(name, static_bytes=1024)  # its mbarriers
+        for name in bulk:  # each staged kernel may take all shared memory but its mbarriers' 1 KB
+            self.bulk_smem_max = self.driver.use_all_shared_memory(name, static_bytes=1024)
         self.sms = self.driver.sm_count
         self.launches = launches
         self.flush_vectors = FLUSH_MIB * 2**20 // 16
@@ -275,7 +278,7 @@ class FloorTimer:
                     d.record(self.end)
                     if i >= 3:
                         times.append(d.elapsed_us(self.start, self.end))
-                self._check_written(case, kernel, x, y)
+                self._check_written(case, kernel, y)
                 us = statistics.median(times)
                 print(f"  {case.rows}:{case.a}:{case.b} {kernel}, {ctas} x {threads}: {us:.2f} us", file=sys.stderr)
                 if best is None or us < best[0]:
@@ -289,10 +292,8 @@ class FloorTimer:
     def _fill(self, ptr, nbytes: int, word: int) -> None:
         self.driver.memset32(ptr, word, nbytes // 4)
 
-    def _check_written(self, case: Case, kernel: str, x, y) -> None:
-        """Every y element written (no poison left); widen: y's rows are x's rows repeated."""
-        import numpy as np
-
+    def _check_written(self, case: Case, kernel: str, y) -> None:
+        """Every 16-byte vector of y written (no poison left); widen: every word is x's."""
         host = np.empty(case.rows * case.b // 2, np.uint32)
         self.driver.copy_to_host(host.ctypes.data_as(ctypes.c_void_p), y, host.nbytes)
         if (host.reshape(-1, 4) == POISON).all(axis=1).any():  # a 16-byte vector still all poison
@@ -303,7 +304,10 @@ class FloorTimer:
 
 def main(argv):
     del argv
-    cases = [Case.parse(c) for c in FLAGS.cases]
+    try:
+        cases = [Case.parse(c) for c in FLAGS.cases]
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     try:
         timer = FloorTimer(FLAGS.launches)
     except OSError as e:  # no libcuda.so.1: not a GPU machine
@@ -313,11 +317,10 @@ def main(argv):
         us, shape = timer.time(case)
         results.append((case, us, shape))
         print(f"[{i}/{len(cases)}] {case.rows}:{case.a}:{case.b} {us:.2f} us", file=sys.stderr, flush=True)
-    import datetime
-
     header = (
-        f"GPU {timer.driver.name}, {timer.sms} SMs, memory floor under the protocol's flush (XOR over {FLUSH_MIB} MiB), CUDA events, "
-        f"median of {FLAGS.launches} launches, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+        f"GPU {timer.driver.name}, {timer.sms} SMs, memory floor under the protocol's flush "
+        f"(XOR over {FLUSH_MIB} MiB), CUDA events, median of {FLAGS.launches} launches, "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     )
     print(markdown(header, results))
 

@@ -10,12 +10,13 @@ groups, L2 flushed, CUPTI device time):
 - (a) wgrad alone, modes g and e: each run's paired groups, det vs candidate;
 - (b) wgrad next to a busy kernel holding 8, 16 or 32 SMs on another stream;
 - (c) bwd and 2fwd+bwd, modes g and e;
-then jax_cake.plan_rule decides. With --screen (the default) a first pass times wgrad alone
-in graph mode (one run of paired groups) at every point; a candidate that fails (a) there
-fails the rule (it needs every run of both modes), so only the survivors get the full
-measurement above, point by point. That keeps a whole-grid run to minutes. A point keeps the fastest candidate (wgrad, graph
-mode) that passes; the table rows follow the planner's reading (jax_cake/planner/
-tables.py): a row covers min_tokens..max_tokens minus exclude_tokens.
+then jax_cake.plan_rule decides. With --screen (the default) a first pass times wgrad
+alone in graph mode (one run of paired groups) at every point; a candidate that fails (a)
+there fails the rule (it needs every run of both modes), so only the survivors get the
+full measurement above, point by point; that keeps a whole-grid run to minutes. A point
+keeps the fastest candidate (wgrad, graph mode) that passes; the table rows follow the
+planner's reading (jax_cake/planner/tables.py): a row covers min_tokens..max_tokens minus
+exclude_tokens.
 
 Condition (b) and what is measured. JAX gives no handle on XLA's stream, so the busy
 kernel (a CUDA kernel compiled here with nvcc, one CTA per SM through the opt-in
