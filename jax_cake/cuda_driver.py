@@ -24,17 +24,6 @@ _FUNC_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _STREAM_NON_BLOCKING = 1
 
 
-def compute_capability() -> tuple[int, int]:
-    """(major, minor) of device 0."""
-    cu = ctypes.CDLL("libcuda.so.1")
-    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    Driver.check(cu.cuInit(0), "cuInit")
-    Driver.check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-    Driver.check(cu.cuDeviceGetAttribute(ctypes.byref(major), _ATTR_CC_MAJOR, dev), "cuDeviceGetAttribute(major)")
-    Driver.check(cu.cuDeviceGetAttribute(ctypes.byref(minor), _ATTR_CC_MINOR, dev), "cuDeviceGetAttribute(minor)")
-    return major.value, minor.value
-
-
 def compile_cubin(source: str, arch: str) -> bytes:
     """nvcc -cubin for `arch` (e.g. "sm_90a"); raises if nvcc is missing or fails."""
     nvcc = shutil.which("nvcc")
@@ -48,9 +37,10 @@ def compile_cubin(source: str, arch: str) -> bytes:
 
 
 class Driver:
-    """Device 0's primary context, one module of kernels and one non-blocking stream."""
+    """Device 0's primary context, one module of kernels compiled for it (`source`, CUDA C)
+    and one non-blocking stream."""
 
-    def __init__(self, cubin: bytes, kernels: Sequence[str]):
+    def __init__(self, source: str, kernels: Sequence[str]):
         cu = self._cu = ctypes.CDLL("libcuda.so.1")
         cu.cuLaunchKernel.argtypes = (
             [ctypes.c_void_p]
@@ -67,7 +57,10 @@ class Driver:
         self.check(cu.cuDeviceGet(ctypes.byref(self.device), 0), "cuDeviceGet")
         self.check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), self.device), "cuDevicePrimaryCtxRetain")
         self.check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        major, minor = self.attribute(_ATTR_CC_MAJOR), self.attribute(_ATTR_CC_MINOR)
+        self.arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")  # sm_90a on an H200
         self._module, self.stream = ctypes.c_void_p(), ctypes.c_void_p()
+        cubin = compile_cubin(source, self.arch)
         self.check(cu.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
         self.functions = {}
         for name in kernels:

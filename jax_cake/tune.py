@@ -81,9 +81,8 @@ extern "C" __global__ void jax_cake_busy_sms(unsigned long long ns) {
 class BusySms:
     """Launches jax_cake_busy_sms on a side stream of the primary context (device 0)."""
 
-    def __init__(self, compute_capability: str):
-        arch = "sm_" + compute_capability.replace(".", "")
-        self._driver = cuda_driver.Driver(cuda_driver.compile_cubin(_BUSY_SOURCE, arch), ["jax_cake_busy_sms"])
+    def __init__(self):
+        self._driver = cuda_driver.Driver(_BUSY_SOURCE, ["jax_cake_busy_sms"])
         self.smem = self._driver.use_all_shared_memory("jax_cake_busy_sms")
 
     def launch(self, sms: int, ns: int) -> None:
@@ -140,15 +139,13 @@ def candidate_plans(points: Sequence[bench.Point], arms: Sequence[bench.ArmSpec]
 
 
 def run_tune_child(points, arms, mode: str, run: int, out_path: str, ops: Sequence[str] = TUNE_OPS) -> None:
-    import jax
-
     timer_kind = FLAGS.timer or bench.default_timer()
     common = dict(steps=FLAGS.steps, groups=FLAGS.groups, flush_mb=FLAGS.flush_mb, timer_kind=timer_kind)
     samples = bench.collect(points, ops, arms, mode, run, **common)
     if FLAGS.contention != "none" and timer_kind != "device":
         print("condition (b) skipped: it needs the GPU's device timeline", file=sys.stderr)
     elif FLAGS.contention != "none":
-        busy = BusySms(jax.devices()[0].compute_capability)
+        busy = BusySms()
         for point in points:
             slowest = max(
                 statistics.median(g for g in s["groups_us"] if g is not None)
