@@ -1,4 +1,4 @@
-"""jax_cake.bench on CPU: the CLI's table and CSV, the timed programs, the timeline split."""
+"""jax_cake.tools.bench on CPU: the CLI's table and CSV, the timed programs, the timeline split."""
 
 import csv
 import os
@@ -11,17 +11,17 @@ import jax
 from absl.testing import absltest, parameterized
 
 from helpers import faked_device
-from jax_cake import bench
+from jax_cake.tools import bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_cli(*argv: str) -> tuple[str, list[dict]]:
-    """`python -m jax_cake.bench *argv` at 1 run, 2 steps, 1 MiB flush: (markdown, CSV rows)."""
+    """`python -m jax_cake.tools.bench *argv` at 1 run, 2 steps, 1 MiB flush: (markdown, CSV rows)."""
     with tempfile.TemporaryDirectory() as tmp:
         md, csv_path = os.path.join(tmp, "b.md"), os.path.join(tmp, "b.csv")
         subprocess.run(
-            [sys.executable, "-m", "jax_cake.bench", *argv, "--runs=1", "--steps=2", "--flush_mb=1"]
+            [sys.executable, "-m", "jax_cake.tools.bench", *argv, "--runs=1", "--steps=2", "--flush_mb=1"]
             + [f"--md={md}", f"--csv={csv_path}"],
             cwd=REPO,
             check=True,
@@ -304,7 +304,7 @@ class ArmsAndReportTest(absltest.TestCase):
                 bench.write_csv(paths[-1], bench.table_rows(header, samples))
             md = os.path.join(tmp, "all.md")
             subprocess.run(
-                [sys.executable, "-m", "jax_cake.bench", f"--merge={','.join(paths)}", f"--md={md}"],
+                [sys.executable, "-m", "jax_cake.tools.bench", f"--merge={','.join(paths)}", f"--md={md}"],
                 cwd=REPO,
                 check=True,
                 capture_output=True,

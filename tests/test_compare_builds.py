@@ -1,8 +1,8 @@
-"""python -m jax_cake.compare_builds: argument parsing (the timing itself needs a GPU)."""
+"""python -m jax_cake.tools.compare_builds: argument parsing (the timing itself needs a GPU)."""
 
 import pytest
 
-from jax_cake import compare_builds
+from jax_cake.tools import compare_builds
 
 
 def test_builds_are_name_path_pairs_with_unique_identifier_names():

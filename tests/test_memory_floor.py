@@ -1,4 +1,4 @@
-"""jax_cake.memory_floor on CPU: the cases it parses, the bytes it claims, its table, and a clear
+"""jax_cake.tools.memory_floor on CPU: the cases it parses, the bytes it claims, its table, and a clear
 exit where there is no GPU (the timing itself runs on the GPU machine)."""
 
 import ctypes
@@ -7,7 +7,7 @@ import sys
 
 from absl.testing import absltest
 
-from jax_cake import memory_floor
+from jax_cake.tools import memory_floor
 
 
 class CaseTest(absltest.TestCase):
@@ -43,7 +43,7 @@ class NoGpuTest(absltest.TestCase):
         except OSError:
             pass
         proc = subprocess.run(
-            [sys.executable, "-m", "jax_cake.memory_floor", "--cases=256:128:512"],
+            [sys.executable, "-m", "jax_cake.tools.memory_floor", "--cases=256:128:512"],
             capture_output=True,
             text=True,
             timeout=120,

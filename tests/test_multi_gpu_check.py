@@ -11,7 +11,7 @@ def test_multi_gpu_check_on_fake_cpu_devices():
         [
             sys.executable,
             "-m",
-            "jax_cake.multi_gpu_check",
+            "jax_cake.tools.multi_gpu_check",
             "--tokens_per_device=32",
             "--d_model=64",
             "--d_ff=128",

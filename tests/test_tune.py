@@ -1,11 +1,11 @@
-"""jax_cake.tune on CPU: candidates, step filters, verdicts -> plan-table rows the planner reads."""
+"""jax_cake.tools.tune on CPU: candidates, step filters, verdicts -> plan-table rows the planner reads."""
 
 import subprocess
 import sys
 
 from absl.testing import absltest, parameterized
 
-from jax_cake import bench, plan_rule, tune
+from jax_cake.tools import bench, plan_rule, tune
 from jax_cake.planner import variants
 from jax_cake.planner import tables
 
@@ -205,7 +205,7 @@ class TableTest(parameterized.TestCase):
 class CommandLineTest(absltest.TestCase):
     def test_screened_run_on_cpu_prints_verdicts_and_writes_nothing(self):
         proc = subprocess.run(
-            [sys.executable, "-m", "jax_cake.tune", "--tokens=256", "--d_in=256", "--d_out=48"]
+            [sys.executable, "-m", "jax_cake.tools.tune", "--tokens=256", "--d_in=256", "--d_out=48"]
             + ["--out_dtype=float32", "--groups=3", "--steps=1", "--runs=1", "--timer=wall"],
             capture_output=True,
             text=True,

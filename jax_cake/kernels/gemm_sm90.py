@@ -64,7 +64,7 @@ Streamed activations: in the skinny variants (fwd 128 x 64, wgrad 64-row tiles),
 fits one tile, every tile of x feeds exactly one CTA tile and x is nearly all the traffic;
 its TMA loads then carry an L2 evict-first hint, so the stream of x replaces itself in L2
 instead of other lines (other tensors' dirty lines) there. H200, 2026-11-30, protocol of
-jax_cake.bench: skinny fwd 6-14 % and wgrad 7-11 % faster. Elsewhere the hint lost: 14 % on
+jax_cake.tools.bench: skinny fwd 6-14 % and wgrad 7-11 % faster. Elsewhere the hint lost: 14 % on
 the batched 128 -> 512 fwd (x re-read by two N tiles), 10 % on the batched 512 -> 128 fwd
 (x read once, but a quarter of the traffic is the output's writes), so only the skinny
 variants carry it.

@@ -1,10 +1,10 @@
 """Paired, L2-cold GPU timings of jax_cake against XLA and cuBLAS.
 
-    python -m jax_cake.bench --tokens=16384 --d_in=4096 --d_out=48 --ops=wgrad,bwd \
+    python -m jax_cake.tools.bench --tokens=16384 --d_in=4096 --d_out=48 --ops=wgrad,bwd \
         --md=out/bench.md --csv=out/bench.csv
-    python -m jax_cake.bench --family=router --md=out/router.md --csv=out/router.csv
-    python -m jax_cake.bench --family=batched --md=out/batched.md --csv=out/batched.csv
-    python -m jax_cake.bench --merge=out/a.csv,out/b.csv --md=out/all.md  # one table, no runs
+    python -m jax_cake.tools.bench --family=router --md=out/router.md --csv=out/router.csv
+    python -m jax_cake.tools.bench --family=batched --md=out/batched.md --csv=out/batched.csv
+    python -m jax_cake.tools.bench --merge=out/a.csv,out/b.csv --md=out/all.md  # one table, no runs
 
 Families (`--family`, one per invocation), each with its ops, arms and grid flags:
 - dense: `dense_projection(x bf16 [T, d_in], w [d_out, d_in])`; ops fwd, dgrad, wgrad,
@@ -96,7 +96,7 @@ _ARM_LABEL = {"det": "det", "split": "split", "new": "new", "xla": "XLA", "cubla
 _ARM_LABEL.update(xla_x3="XLA x3", xla_highest="XLA highest")
 
 FLAGS = flags.FLAGS
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # children import this jax_cake
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # children import this jax_cake
 
 
 def define_flags(arms_default: Sequence[str] = ARMS, with_ops: bool = True) -> None:
@@ -928,7 +928,7 @@ def main(argv):
         write_child_output(FLAGS.child_out, device_header(timer_kind), samples)
         return
     names = [n for n in SHARED_FLAGS + FAMILY_FLAGS if n not in family.unused]
-    header, samples = run_children("jax_cake.bench", child_argv(names), modes, FLAGS.runs)
+    header, samples = run_children("jax_cake.tools.bench", child_argv(names), modes, FLAGS.runs)
     rows = table_rows(header, samples)
     emit(markdown(header, rows, FLAGS.family), rows, FLAGS.family)
 

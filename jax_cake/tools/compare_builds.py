@@ -1,6 +1,6 @@
 """Times jax_cake ops under several builds of the native library, side by side in one process.
 
-    python -m jax_cake.compare_builds --build=before=/tmp/a/libjax_cake_ffi.so \\
+    python -m jax_cake.tools.compare_builds --build=before=/tmp/a/libjax_cake_ffi.so \\
         --build=after=build/lib/libjax_cake_ffi.so --family=router --points=16384:4096:256 \\
         --ops=fwd,fwd+bwd
 
@@ -9,14 +9,14 @@ For kernel work: build the candidate next to the current library (`python -m jax
 (`native.register_build`) with its FFI targets under its own name prefix, and its arm is
 traced under `primitives.targets_from(prefix)`, so all builds run through the same planner
 and Python code; only the native library differs (the planner must name variants every
-build holds). Method as `jax_cake.bench` (its steps program and device timer): CUPTI device
+build holds). Method as `jax_cake.tools.bench` (its steps program and device timer): CUPTI device
 time, L2 flushed before every step, arms interleaved in paired groups, median of the group
 medians. Each row also compares every build's outputs with the first build's: bitwise
 equal, or the largest difference relative to the largest output.
 
 Points are T:d_in:d_out (batched: B:T:d_in:d_out; router: T:d:E). Not the benchmark
 protocol of DESIGN.md (one run, one mode): a screen for changes, whose results then go
-through `python -m jax_cake.bench`.
+through `python -m jax_cake.tools.bench`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def parse_builds(specs: Sequence[str]) -> list[tuple[str, str]]:
 def parse_point(spec: str, family: str, out_dtype: str = "float32"):
     """A point spec -> bench.Point: T:d_in:d_out (batched B:T:d_in:d_out, router T:d:E);
     out_dtype is the dense family's w dtype (the wgrad output)."""
-    from jax_cake import bench
+    from jax_cake.tools import bench
 
     parts = spec.split(":")
     want = 4 if family == "batched" else 3
@@ -93,7 +93,8 @@ def _compare_outputs(outs: dict) -> dict[str, str]:
 def compare_row(point, op: str, builds: Sequence[tuple[str, str]], groups: int, steps: int, flush_mb: int) -> str:
     """One markdown row: each build's median step time, the first build's time over it, and
     whether its outputs equal the first build's."""
-    from jax_cake import bench, primitives
+    from jax_cake import primitives
+    from jax_cake.tools import bench
 
     buf, x, w, dy = bench.make_inputs(point, flush_mb)
     arm = bench.ArmSpec("new", "new")
@@ -123,7 +124,8 @@ def main(argv):
     del argv
     import jax
 
-    from jax_cake import bench, native
+    from jax_cake import native
+    from jax_cake.tools import bench
 
     try:
         builds = parse_builds(FLAGS.build)
@@ -153,7 +155,7 @@ def define_flags() -> None:
     )
     flags.DEFINE_enum("family", "dense", ["dense", "router", "batched"], "Which op family the points are.")
     flags.DEFINE_list("points", None, "T:d_in:d_out (batched: B:T:d_in:d_out; router: T:d:E).")
-    flags.DEFINE_list("ops", ["fwd"], "Ops of the family (as jax_cake.bench).")
+    flags.DEFINE_list("ops", ["fwd"], "Ops of the family (as jax_cake.tools.bench).")
     flags.DEFINE_enum("out_dtype", "float32", ["float32", "bfloat16"], "dense: w's dtype (the wgrad output).")
     flags.DEFINE_integer("groups", 5, "Paired groups.")
     flags.DEFINE_integer("steps", 5, "Timed steps per arm and group.")

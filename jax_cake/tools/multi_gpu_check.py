@@ -1,4 +1,4 @@
-"""Multi-device check: `python -m jax_cake.multi_gpu_check`.
+"""Multi-device check: `python -m jax_cake.tools.multi_gpu_check`.
 
 A two-layer projection block (x -> dense(w1) -> gelu -> dense(w2)) trained under
 `jax.shard_map` on every device of the host, two ways:

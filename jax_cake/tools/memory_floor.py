@@ -1,7 +1,7 @@
 """The data-movement floor of a projection's memory traffic, under the benchmark's L2 flush.
 
-    python -m jax_cake.memory_floor                      # the cases below
-    python -m jax_cake.memory_floor --cases=16172:4096:48,524288:128:512
+    python -m jax_cake.tools.memory_floor                      # the cases below
+    python -m jax_cake.tools.memory_floor --cases=16172:4096:48,524288:128:512
 
 A case rows:a:b is the traffic of reading a bf16 [rows, a] array once and writing a bf16
 [rows, b] array once, which is what the memory-bound projections move:
@@ -12,7 +12,7 @@ For each case it times plain copy kernels (16-byte loads and stores, grid-stride
 launch shapes; for b > a also kernels that stage chunks in shared memory, as a GEMM epilogue
 does, and write them with bulk (TMA) stores or with the threads' 16-byte stores; the fastest
 is reported, each on stderr) with the protocol's flush before every launch (XOR
-over 128 MiB, as jax_cake.bench), CUDA events, median over launches. b > a: each row's
+over 128 MiB, as jax_cake.tools.bench), CUDA events, median over launches. b > a: each row's
 a values repeated along b; b <= a: the row read in full and b values written. These are
 plain kernels, so a practical floor rather than a proof (a GEMM's TMA path can beat the
 narrowest cases); the table says how far each memory-bound target and kernel is from what
@@ -229,7 +229,7 @@ class FloorTimer:
     """Device buffers, the compiled kernels and the timing loop."""
 
     def __init__(self, launches: int):
-        from jax_cake import cuda_driver
+        from jax_cake.tools import cuda_driver
 
         bulk = [f"{k}_{r}x{s}" for r, s, _ in BULK_LAUNCHES for k in ("widen_bulk", "widen_staged_stg")]
         self.driver = cuda_driver.Driver(_SOURCE, ["widen", "narrow", "flush_l2", *bulk])

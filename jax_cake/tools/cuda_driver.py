@@ -1,6 +1,6 @@
 """The few CUDA driver-API calls the measurement tools need, through ctypes.
 
-`jax_cake.tune` (the busy kernel of condition (b)) and `jax_cake.memory_floor` (data-
+`jax_cake.tools.tune` (the busy kernel of condition (b)) and `jax_cake.tools.memory_floor` (data-
 movement kernels) compile a small CUDA source with nvcc at run time and launch it on
 their own stream of the device's primary context, the context JAX uses too. No torch,
 no CUDA Python bindings: libcuda.so.1 is all a GPU machine is sure to have. Every call's

@@ -1,16 +1,16 @@
 """Measures split-K candidates against the deterministic program and writes the plan table.
 
-    python -m jax_cake.tune --tokens=16172,16231,16384 --d_in=4096 --d_out=48 --out_dtype=float32
-    python -m jax_cake.tune ... --write   # into jax_cake/planner/tables/<arch>.json
+    python -m jax_cake.tools.tune --tokens=16172,16231,16384 --d_in=4096 --d_out=48 --out_dtype=float32
+    python -m jax_cake.tools.tune ... --write   # into jax_cake/planner/tables/<arch>.json
 
 Per point (T, d_in, d_out, out dtype) and candidate split program (`split/tMxNxK` per
 arrival-order wgrad tile of jax_cake.planner.variants, optionally `--splits` counts),
-with the timing machinery of jax_cake.bench (child process per run and mode, paired
+with the timing machinery of jax_cake.tools.bench (child process per run and mode, paired
 groups, L2 flushed, CUPTI device time):
 - (a) wgrad alone, modes g and e: each run's paired groups, det vs candidate;
 - (b) wgrad next to a busy kernel holding 8, 16 or 32 SMs on another stream;
 - (c) bwd and 2fwd+bwd, modes g and e;
-then jax_cake.plan_rule decides. With --screen (the default) a first pass times wgrad
+then jax_cake.tools.plan_rule decides. With --screen (the default) a first pass times wgrad
 alone in graph mode (one run of paired groups) at every point; a candidate that fails (a)
 there fails the rule (it needs every run of both modes), so only the survivors get the
 full measurement above, point by point; that keeps a whole-grid run to minutes. A point
@@ -44,12 +44,12 @@ from typing import Mapping, Sequence
 
 from absl import app, flags
 
-from jax_cake import bench
-from jax_cake import cuda_driver
-from jax_cake import plan_rule
+from jax_cake.tools import bench
+from jax_cake.tools import cuda_driver
+from jax_cake.tools import plan_rule
 
 TUNE_OPS = ("wgrad",) + plan_rule.STEP_OPS
-TABLE_DIR = Path(__file__).parent / "planner" / "tables"
+TABLE_DIR = Path(__file__).resolve().parent.parent / "planner" / "tables"
 FLAGS = flags.FLAGS
 
 
@@ -311,7 +311,7 @@ def table_rows(choices: Sequence[Choice]) -> list[dict]:
                     "tile": plan.get("tile"),
                     "splits": plan.get("splits"),
                     "reduction": plan.get("reduction"),
-                    "source": "jax_cake.tune",
+                    "source": "jax_cake.tools.tune",
                     "evidence": " | ".join(
                         f"T={c.point.tokens} {'split' if c in span else 'det'}: {c.evidence}"
                         for c in mine
@@ -354,7 +354,7 @@ def main(argv):
     full = bench.child_argv(("busy_sms", "contention"))
     if FLAGS.screen:
         screen_argv = grid + timing + [f"--arms={','.join(candidates)}", "--contention=none", "--child_ops=wgrad"]
-        header, screen_samples = bench.run_children("jax_cake.tune", screen_argv, ["g"], 1)
+        header, screen_samples = bench.run_children("jax_cake.tools.tune", screen_argv, ["g"], 1)
         survivors, screened = screen_survivors(screen_samples, candidates)
         print(
             f"screen: {sum(map(len, survivors.values()))} of {len(survivors) * len(candidates)} "
@@ -371,12 +371,12 @@ def main(argv):
                     f"--out_dtype={point.out}",
                 ]
                 _, got = bench.run_children(
-                    "jax_cake.tune", one_point + timing + full + [f"--arms={','.join(cands)}"], modes, FLAGS.runs
+                    "jax_cake.tools.tune", one_point + timing + full + [f"--arms={','.join(cands)}"], modes, FLAGS.runs
                 )
                 samples += got
     else:
         header, samples = bench.run_children(
-            "jax_cake.tune", grid + timing + full + [f"--arms={','.join(candidates)}"], modes, FLAGS.runs
+            "jax_cake.tools.tune", grid + timing + full + [f"--arms={','.join(candidates)}"], modes, FLAGS.runs
         )
         screened = {}
     choices = choose(samples, header["plans"], candidates, screened)
@@ -390,7 +390,7 @@ def main(argv):
     cc = header.get("compute_capability") or "9.0"
     arch = FLAGS.arch or {"9.0": "sm_90a"}.get(cc, f"sm_{cc.replace('.', '')}")
     source = (
-        f"jax_cake.tune {header['date']} on NVIDIA {header['gpu']} ({header['sms']} SMs), jax {header['jax']}, "
+        f"jax_cake.tools.tune {header['date']} on NVIDIA {header['gpu']} ({header['sms']} SMs), jax {header['jax']}, "
         f"{header['timer']}, {FLAGS.runs} runs x {FLAGS.groups} groups x {FLAGS.steps} steps, {len(points)} points"
         + (" (screened: wgrad in graph mode first, one run)" if FLAGS.screen else "")
     )
