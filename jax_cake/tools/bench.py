@@ -63,10 +63,12 @@ import contextlib
 import csv
 import dataclasses
 import datetime
+import glob
 import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -436,19 +438,40 @@ def step_spans(
 _markers_cache: dict[tuple[int, int], tuple[set[str], int]] = {}  # (names, kernels per flush)
 
 
+class _ProfileSession:
+    """A CUPTI trace through the public `jax.profiler` API: start_trace into a private
+    directory, stop_trace, then the serialized XSpace it wrote (for `device_events`)."""
+
+    def __init__(self):
+        import jax
+
+        self._dir = tempfile.mkdtemp(prefix="jax_cake_profile_")
+        jax.profiler.start_trace(self._dir)
+
+    def stop(self) -> bytes:
+        import jax
+
+        jax.profiler.stop_trace()
+        try:
+            (path,) = glob.glob(os.path.join(self._dir, "**", "*.xplane.pb"), recursive=True)
+            with open(path, "rb") as f:
+                return f.read()
+        finally:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
 class DeviceTimer:
     """Times jax calls from the CUPTI timeline: profile a batch of calls, then split it."""
 
     def __init__(self, buf, steps: int):
         import jax
-        from jax._src.lib import _profiler
 
-        self._profiler, self.buf, self.steps = _profiler, buf, steps
+        self.buf, self.steps = buf, steps
         key = (buf.size, steps)
         if key not in _markers_cache:  # learn the flush kernels from a flush-only call
             flush_only = jax.jit(steps_program(None, steps), donate_argnums=0).lower(buf, None, None, None).compile()
             self.buf = flush_only(self.buf, None, None, None)[0].block_until_ready()
-            session = _profiler.ProfilerSession(_profiler.ProfileOptions())
+            session = _ProfileSession()
             self.buf = flush_only(self.buf, None, None, None)[0].block_until_ready()
             events = device_events(session.stop())[0]
             if not events or len(events) % steps:
@@ -464,7 +487,7 @@ class DeviceTimer:
 
         keep(step_span, busy_spans) -> bool drops the steps it rejects (tune's contention).
         """
-        session = self._profiler.ProfilerSession(self._profiler.ProfileOptions())
+        session = _ProfileSession()
         for call in calls:
             self.buf = call(self.buf)
             self.buf.block_until_ready()

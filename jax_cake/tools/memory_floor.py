@@ -33,6 +33,8 @@ from typing import Sequence
 import numpy as np
 from absl import app, flags
 
+from jax_cake.tools import cuda_driver
+
 FLAGS = flags.FLAGS
 
 # The grid's skinny x reads (T x d_in, d_out = 48), a skinny dgrad, and the batched family.
@@ -229,7 +231,6 @@ class FloorTimer:
     """Device buffers, the compiled kernels and the timing loop."""
 
     def __init__(self, launches: int):
-        from jax_cake.tools import cuda_driver
 
         bulk = [f"{k}_{r}x{s}" for r, s, _ in BULK_LAUNCHES for k in ("widen_bulk", "widen_staged_stg")]
         self.driver = cuda_driver.Driver(_SOURCE, ["widen", "narrow", "flush_l2", *bulk])
@@ -289,7 +290,7 @@ class FloorTimer:
     def _check_written(self, case: Case, kernel: str, y) -> None:
         """Every 16-byte vector of y written (no poison left); widen: every word is x's."""
         host = np.empty(case.rows * case.b // 2, np.uint32)
-        self.driver.copy_to_host(host.ctypes.data_as(ctypes.c_void_p), y, host.nbytes)
+        self.driver.copy_to_host(host.ctypes.data, y, host.nbytes)
         if (host.reshape(-1, 4) == POISON).all(axis=1).any():  # a 16-byte vector still all poison
             raise RuntimeError(f"{case}: the {kernel} kernel left elements of y unwritten")
         if case.kernel == "widen" and not (host == X_WORD).all():
@@ -304,7 +305,7 @@ def main(argv):
         raise app.UsageError(str(e)) from None
     try:
         timer = FloorTimer(FLAGS.launches)
-    except OSError as e:  # no libcuda.so.1: not a GPU machine
+    except cuda_driver.NoDriverError as e:
         sys.exit(f"memory_floor needs an NVIDIA GPU and its driver: {e}")
     results = []
     for i, case in enumerate(cases, 1):
