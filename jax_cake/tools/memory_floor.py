@@ -231,7 +231,6 @@ class FloorTimer:
     """Device buffers, the compiled kernels and the timing loop."""
 
     def __init__(self, launches: int):
-
         bulk = [f"{k}_{r}x{s}" for r, s, _ in BULK_LAUNCHES for k in ("widen_bulk", "widen_staged_stg")]
         self.driver = cuda_driver.Driver(_SOURCE, ["widen", "narrow", "flush_l2", *bulk])
         for name in bulk:  # each staged kernel may take all shared memory but its mbarriers' 1 KB
