@@ -28,18 +28,11 @@ import time
 
 from absl import app, flags
 
+from jax_cake import contract
+from jax_cake.contract import HANDLER_SYMBOLS, LIBRARY_NAME
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 FFI_DIR = REPO_ROOT / "ffi"
-LIBRARY_NAME = "libjax_cake_ffi.so"
-# Handler symbols the library must export (checked after linking, and by tests).
-HANDLER_SYMBOLS = (
-    "JaxCakeFwd",
-    "JaxCakeDgrad",
-    "JaxCakeWgrad",
-    "JaxCakeRouterFwd",
-    "JaxCakeRouterDgrad",
-    "JaxCakeRouterWgrad",
-)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("arch", ["sm_90a"], "GPU architectures to build for (only sm_90a kernels exist so far).")
@@ -209,7 +202,7 @@ def write_variant_table(variants: list, obj_dir: pathlib.Path) -> pathlib.Path:
     for v in variants:
         dt = "kF32" if v.out_dtype == "float32" else "kBf16"
         add = "true" if v.store == "add" else "false"
-        sched = variants_module.SCHEDULE_CODES[v.schedule]
+        sched = contract.SCHEDULES[v.schedule]
         promote_every = variants_module.OUTPUT_PROMOTE_EVERY if v.promote_in == "output" else 0
         lines.append(
             f'  {{"{v.name}", "{v.program}", {v.tile_m}, {v.tile_n}, {v.tile_k}, {v.cluster_m}, {v.cluster_n}, '
@@ -315,6 +308,7 @@ def main(argv):
     arch = archs[0]
     out_dir = pathlib.Path(FLAGS.out_dir).resolve()
     obj_dir = pathlib.Path(FLAGS.obj_dir).resolve() if FLAGS.obj_dir else out_dir.parent / "obj"
+    contract.write_header(obj_dir)  # jax_cake_codes.h: the codes and names ffi/*.cc use
     variants = export_kernels(arch, obj_dir)
     write_variant_table(variants, obj_dir)
     from jax_cake.kernels.router_bf16x3_sm90 import export_router_kernels  # after CUTE_DSL_ARCH is set

@@ -52,7 +52,7 @@ _REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 import jax_cake  # noqa: E402
-from jax_cake import native, primitives  # noqa: E402
+from jax_cake import contract, native, primitives  # noqa: E402
 from jax_cake.planner import router_variants, variants  # noqa: E402
 
 BF16 = jnp.bfloat16
@@ -76,7 +76,8 @@ def report(name: str, ok: bool, detail: str = "") -> bool:
 # ------------------------------------------------------------------ calling the targets
 def _attrs(tile, splits=1, reduction=0, raster=0, cluster=(1, 1), schedule=None):
     if schedule is None:  # the split tail is the schedule of reduction 3
-        schedule = variants.SCHEDULE_CODES["split_tail"] if reduction == 3 else 0
+        split_tail = reduction == contract.REDUCTION_SPLIT_TAIL
+        schedule = contract.SCHEDULE_SPLIT_TAIL if split_tail else contract.SCHEDULE_TILES
     return dict(
         schedule=np.int64(schedule),
         tile_m=np.int64(tile[0]),
@@ -482,7 +483,7 @@ def pingpong():
     one tile per CTA (warpgroup 1 idle), and many tiles per CTA in both parities;
     then the public API under force(det, schedule=pingpong)."""
     ok = True
-    pp = variants.SCHEDULE_CODES["pingpong"]
+    pp = contract.SCHEDULE_PINGPONG
     shapes = ((1, 777, 1032, 200), (2, 300, 520, 264), (1, 300, 4096, 48), (1, 4096, 1024, 512), (1, 16384, 4096, 512))
     for B, T, d_in, d_out in shapes:
         x, w, dy = rand((B, T, d_in)), rand((B, d_out, d_in)), rand((B, T, d_out))

@@ -16,30 +16,14 @@ import os
 import pathlib
 import threading
 
-LIBRARY_NAME = "libjax_cake_ffi.so"
+from jax_cake.contract import LIBRARY_NAME, MODULE_LOADERS, TARGETS, handler_symbol
+
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 _REPO_ROOT = _PACKAGE_DIR.parent
-
-# FFI target name -> exported handler symbol ("jax_cake_fwd" -> "JaxCakeFwd").
-TARGETS = (
-    "jax_cake_fwd",
-    "jax_cake_dgrad",
-    "jax_cake_wgrad",
-    "jax_cake_router_fwd",
-    "jax_cake_router_dgrad",
-    "jax_cake_router_wgrad",
-)
-# Exported functions that load each kernel family's CUDA modules.
-_MODULE_LOADERS = ("jax_cake_load_modules", "jax_cake_router_load_modules")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _registered = False
-
-
-def handler_symbol(target: str) -> str:
-    """The C symbol of a target: snake_case rewritten in CamelCase."""
-    return "".join(part.capitalize() for part in target.split("_"))
 
 
 def library_path() -> pathlib.Path | None:
@@ -82,7 +66,7 @@ def _load() -> ctypes.CDLL:
 def _open(path) -> ctypes.CDLL:
     """dlopen one build of the library (its own copy of every symbol) and declare its C API."""
     lib = ctypes.CDLL(str(path))
-    for loader in _MODULE_LOADERS:
+    for loader in MODULE_LOADERS:
         getattr(lib, loader).argtypes = [ctypes.c_char_p, ctypes.c_int]
         getattr(lib, loader).restype = ctypes.c_int
     lib.jax_cake_num_variants.argtypes = []
@@ -95,7 +79,7 @@ def _open(path) -> ctypes.CDLL:
 def _load_modules(lib: ctypes.CDLL) -> None:
     """Loads the library's kernel modules (needs the CUDA driver up)."""
     err = ctypes.create_string_buffer(1024)
-    for loader in _MODULE_LOADERS:
+    for loader in MODULE_LOADERS:
         if getattr(lib, loader)(err, len(err)) != 0:
             raise RuntimeError(f"jax_cake: {loader} failed: {err.value.decode(errors='replace')}")
 

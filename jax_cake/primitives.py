@@ -20,12 +20,14 @@ from jax_cake import reference
 from jax_cake.planner import router_variants  # plain data, no cutlass
 from jax_cake.planner import Plan
 
-FWD_TARGET = "jax_cake_fwd"
-DGRAD_TARGET = "jax_cake_dgrad"
-WGRAD_TARGET = "jax_cake_wgrad"
-ROUTER_FWD_TARGET = "jax_cake_router_fwd"
-ROUTER_DGRAD_TARGET = "jax_cake_router_dgrad"
-ROUTER_WGRAD_TARGET = "jax_cake_router_wgrad"
+from jax_cake.contract import (  # the FFI target names, defined once
+    DGRAD_TARGET,
+    FWD_TARGET,
+    ROUTER_DGRAD_TARGET,
+    ROUTER_FWD_TARGET,
+    ROUTER_WGRAD_TARGET,
+    WGRAD_TARGET,
+)
 
 # The router handlers take no cluster or raster attributes (docs/FFI_CONTRACT.md).
 _ROUTER_ATTRIBUTES = ("tile_m", "tile_n", "tile_k", "splits", "reduction")

@@ -142,11 +142,11 @@ def test_router_step_lowers_to_the_three_router_custom_calls(monkeypatch):
 
 def test_every_lowered_target_is_registered_and_built():
     """The custom calls the primitives emit are the ones native.py registers and the build exports."""
-    from jax_cake import build, native, primitives
+    from jax_cake import build, contract, native, primitives
 
     used = {v for k, v in vars(primitives).items() if k.endswith("_TARGET")}
-    assert used == set(native.TARGETS)
-    assert {native.handler_symbol(t) for t in native.TARGETS} == set(build.HANDLER_SYMBOLS)
+    assert used == set(native.TARGETS) == set(contract.TARGETS)
+    assert {contract.handler_symbol(t) for t in contract.TARGETS} == set(build.HANDLER_SYMBOLS)
 
 
 @pytest.mark.parametrize(

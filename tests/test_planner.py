@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import AbstractDevice
 
 import jax_cake as jc
+from jax_cake import contract
 from jax_cake.planner import DeviceInfo, tables
 from jax_cake.planner.device import from_jax_device
 from jax_cake.planner.planning import compiled_tiles
@@ -625,8 +626,8 @@ def test_fp32_wgrad_on_128x256_keeps_its_total_in_the_output(t, d_in, d_out):
     # bf16 dw on the same tile needs no workspace; ordered split-K cannot use the variant
     p = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, out_dtype="bfloat16", device=H200)
     assert p.workspace_bytes == 16 or p.reduction == "split_tail", jc.explain(p)
-    assert not variants.supports("wgrad", (128, 256, 64), (1, 1), "bfloat16", 2, variants.REDUCTION_ORDERED)
-    assert not variants.supports("wgrad", (128, 256, 64), (1, 1), "float32", 2, variants.REDUCTION_ATOMIC)
+    assert not variants.supports("wgrad", (128, 256, 64), (1, 1), "bfloat16", 2, contract.REDUCTION_ORDERED)
+    assert not variants.supports("wgrad", (128, 256, 64), (1, 1), "float32", 2, contract.REDUCTION_ARRIVAL)
 
 
 def test_forcing_the_128x128_fp32_wgrad_tile_gives_the_register_program():

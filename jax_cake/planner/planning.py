@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from absl import logging
 
+from jax_cake import contract
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import router_variants, tables, variants
 
@@ -56,7 +57,7 @@ def compiled_tiles(program: str, out_dtype: str | None = None) -> tuple[tuple[in
 def _wgrad_supported(tile, out_dtype: str, splits: int, reduction: str) -> bool:
     """Whether the library can run this wgrad program (ordered split-K runs the fp32
     variant of the tile into the workspace, arrival order its fp32 "add" variant)."""
-    return variants.supports("wgrad", tile, (1, 1), out_dtype, splits, _REDUCTION_CODES[reduction])
+    return variants.supports("wgrad", tile, (1, 1), out_dtype, splits, contract.REDUCTIONS[reduction])
 
 
 # TMA needs 16-byte strides: bf16 rows must hold a multiple of 8 elements (the router's
@@ -77,7 +78,6 @@ _WAVE_FILL = 0.9
 ROUTER_KERNELS_ENABLED = True
 # fwd/dgrad walk tiles along N first from this N up (measured on the H200).
 _RASTER_N_MIN = 512
-_REDUCTION_CODES = {"none": 0, "ordered": 1, "arrival": 2, "split_tail": 3}
 # A split tail cuts each tail tile into at most this many K pieces (each piece but the
 # last costs a partial-tile store and load).
 _MAX_TAIL_SPLITS = 4
@@ -160,9 +160,9 @@ class Plan:
             "cluster_m": np.int64(self.cluster[0]),
             "cluster_n": np.int64(self.cluster[1]),
             "splits": np.int64(self.splits),
-            "reduction": np.int64(_REDUCTION_CODES[self.reduction]),
-            "raster": np.int64({"m": 0, "n": 1}[self.raster]),
-            "schedule": np.int64(variants.SCHEDULE_CODES[self.schedule]),
+            "reduction": np.int64(contract.REDUCTIONS[self.reduction]),
+            "raster": np.int64(contract.RASTERS[self.raster]),
+            "schedule": np.int64(contract.SCHEDULES[self.schedule]),
         }
 
 
@@ -215,7 +215,7 @@ def _pick_cluster(
     """(cluster, note): a (2, 1) pair where it measured faster and the library holds it."""
     if n < _CLUSTER_MIN_N or k < _CLUSTER_MIN_K or math.ceil(m / tile[0]) < 2:
         return (1, 1), ""
-    if not variants.supports(program, tile, (2, 1), out_dtype, splits, _REDUCTION_CODES[reduction], schedule=schedule):
+    if not variants.supports(program, tile, (2, 1), out_dtype, splits, contract.REDUCTIONS[reduction], schedule=schedule):
         return (1, 1), ""
     return (2, 1), "; CTA pairs (cluster 2x1) share the B tile by TMA multicast"
 
@@ -358,7 +358,7 @@ def _wgrad_plan(
             cluster=cluster,
             splits=splits,
             reduction=reduction,
-            workspace_bytes=variants.workspace_bytes(splits, _REDUCTION_CODES[reduction], batch, m, n, out_dtype),
+            workspace_bytes=variants.workspace_bytes(splits, contract.REDUCTIONS[reduction], batch, m, n, out_dtype),
             reason=reason + cluster_note,
         )
     return _xla_plan(
@@ -417,7 +417,7 @@ def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why
     if variant.promote_in == "output" and math.ceil(k_tiles / splits) > variants.OUTPUT_PROMOTE_EVERY:
         # Its pieces accumulate in one wgmma chain each: no longer than the fp32 accuracy allows.
         return None
-    code = _REDUCTION_CODES["split_tail"]
+    code = contract.REDUCTIONS["split_tail"]
     rem = tiles % dev.sm_count
     return Plan(
         **base,
@@ -465,7 +465,7 @@ def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
     tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1])
     splits = _det_splits(tiles, k, tile[2], dev.sm_count)
     reduction = "ordered" if splits > 1 else "none"
-    workspace = router_variants.workspace_bytes(splits, _REDUCTION_CODES[reduction], m, n)
+    workspace = router_variants.workspace_bytes(splits, contract.REDUCTIONS[reduction], m, n)
     split_note = f"{splits} K splits summed in fixed split order" if splits > 1 else "one pass over K"
     return Plan(
         **base,
@@ -547,11 +547,11 @@ def plan(
     raster = "n" if n >= _RASTER_N_MIN else "m"
     schedule = "tiles"
     pingpong_note = _pingpong_rule(op, n, k)
-    if pingpong_note and variants.supports(op, _PINGPONG_TILE, (1, 1), "bfloat16", 1, 0, schedule="pingpong"):
+    if pingpong_note and variants.supports(op, _PINGPONG_TILE, (1, 1), "bfloat16", 1, contract.REDUCTION_NONE, schedule="pingpong"):
         tile, schedule, tile_note = _PINGPONG_TILE, "pingpong", pingpong_note
     cluster, cluster_note = _pick_cluster(op, tile, m, n, k, "bfloat16", 1, "none", schedule)
     forced_cluster = _forced.get("cluster")
-    if forced_cluster and variants.supports(op, tile, forced_cluster, "bfloat16", 1, 0, schedule=schedule):
+    if forced_cluster and variants.supports(op, tile, forced_cluster, "bfloat16", 1, contract.REDUCTION_NONE, schedule=schedule):
         cluster, cluster_note = forced_cluster, f"; cluster {forced_cluster[0]}x{forced_cluster[1]} (forced)"
     return Plan(
         **base,

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax_cake.contract import REDUCTION_NONE, REDUCTION_ORDERED  # the `reduction` codes
+
 # Operand majorness per program: (A major, B major). "k" = K contiguous.
 PROGRAM_MAJORS = {
     "fwd": ("k", "k"),
@@ -51,9 +53,9 @@ PRESPLIT = {
 # Row-stride alignment (elements) of every router operand: 16 bytes of bf16.
 ALIGN_ELEMENTS = 8
 
-REDUCTION_NONE = 0
-REDUCTION_ORDERED = 1  # fp32 partials [splits, E, d] + the reduce pass in split order
-# Arrival-order split-K (reduction = 2) is not built for the router: it is always deterministic.
+# The router's reductions: none, or ordered (fp32 partials [splits, E, d] + the reduce pass
+# in split order). Arrival-order split-K is not built for the router: it is always
+# deterministic.
 
 
 @dataclasses.dataclass(frozen=True)

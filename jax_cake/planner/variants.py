@@ -16,20 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax_cake.contract import (  # the `reduction` codes (docs/FFI_CONTRACT.md)
+    REDUCTION_ARRIVAL,
+    REDUCTION_NONE,
+    REDUCTION_ORDERED,
+    REDUCTION_SPLIT_TAIL,
+)
+
 # Operand majorness per program: (A major, B major). "k" = K contiguous.
 PROGRAM_MAJORS = {
     "fwd": ("k", "k"),
     "dgrad": ("k", "n"),
     "wgrad": ("m", "n"),
 }
-
-# Split-K reductions (the `reduction` attribute of the FFI contract).
-REDUCTION_NONE = 0
-REDUCTION_ORDERED = 1  # fp32 partials [splits, L, M, N] + a reduce pass in split order
-REDUCTION_ATOMIC = 2  # arrival order: TMA reduce-add stores (cp.reduce.async.bulk.tensor)
-REDUCTION_SPLIT_TAIL = 3  # the last partial wave's tiles cut into K pieces, summed in piece order in the kernel
-# The `schedule` attribute: how a variant's CTAs walk their work (GemmVariant.schedule).
-SCHEDULE_CODES = {"tiles": 0, "split_tail": 1, "pingpong": 2}
 
 
 # fp32 wgrad with its running total in C (`promote_in="output"`) adds a chain into C every
@@ -205,7 +204,7 @@ def supports(program: str, tile, cluster, out_dtype: str, splits: int, reduction
         # Ordered partials: the fp32 variant of the tile that keeps its total in registers.
         v = find_variant(program, tile, cluster, "float32")
         return v is not None and v.promote_in == "registers"
-    if splits > 1 and reduction == REDUCTION_ATOMIC:
+    if splits > 1 and reduction == REDUCTION_ARRIVAL:
         return find_variant(program, tile, cluster, "float32", "add") is not None
     if reduction == REDUCTION_SPLIT_TAIL:
         return find_variant(program, tile, cluster, out_dtype, schedule="split_tail") is not None
@@ -236,7 +235,7 @@ def workspace_bytes(
         return max(split_tail_workspace_bytes(tiles, splits, tile, sm_count), 16)
     if reduction == REDUCTION_ORDERED and splits > 1:
         need = splits * batch * m * n * 4
-    elif reduction == REDUCTION_ATOMIC and out_dtype == "bfloat16":
+    elif reduction == REDUCTION_ARRIVAL and out_dtype == "bfloat16":
         need = batch * m * n * 4
     else:
         need = 0
