@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 from typing import Any, Iterator
 
 from absl import logging
@@ -515,6 +516,8 @@ def plan(
 
     if _forced.get("program") == "xla":
         return _xla_plan(*args, "forced by jax_cake.planner.force")
+    if os.environ.get("JAX_CAKE_DISABLE", "") not in ("", "0"):  # read at trace time: debugging, bisecting
+        return _xla_plan(*args, "JAX_CAKE_DISABLE is set: XLA dot_general with the same semantics")
     if dev.platform != "cuda":
         return _xla_plan(*args, f"no CUDA GPU ({dev.describe()}): XLA dot_general with the same semantics")
     if dev.arch not in KERNEL_ARCHS:

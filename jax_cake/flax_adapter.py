@@ -1,0 +1,289 @@
+"""Drop-in hooks for Flax (and any code that takes a `dot_general`): jax_cake GEMMs
+behind `lax.dot_general`'s signature, and a promote function that keeps FP32 master
+kernels uncast.
+
+    import flax.linen as nn
+    import jax_cake as jc
+
+    layer = nn.Dense(1024, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                     dot_general=jc.dot_general, promote_dtype=jc.promote_dtype)
+
+`dot_general` routes projection-shaped contractions to jax_cake's kernels and sends
+everything else to `lax.dot_general` unchanged:
+
+- routed: a bfloat16 lhs whose contracting axes are its trailing axes, against a
+  bfloat16 or float32 rhs whose contracting axes are either its leading axes (Flax's
+  kernel layout [d_in, d_out], possibly [d_in..., features...] as in DenseGeneral) or
+  its trailing axes ([d_out, d_in], jax_cake's own layout), in the same order as the
+  lhs's; no batch dimensions; preferred_element_type None or bfloat16; default
+  precision; no out_sharding. The result is bfloat16 from an FP32 accumulator, as
+  `lax.dot_general` of the same bf16 operands.
+- everything else (float32 or other activation dtypes, batch dimensions on both sides
+  as in attention, axes that would need a transpose, preferred_element_type float32, a
+  non-default precision, bad dimension numbers, ...) is exactly `lax.dot_general`.
+
+The one difference from `lax.dot_general`: a bfloat16 lhs against a float32 rhs (with
+preferred_element_type None or bfloat16) is the master-weight case. The rhs is rounded to
+bfloat16 for the product and the result is bfloat16 (lax would compute a float32
+result), which is what Flax computes with its default promote_dtype (it casts the
+kernel to the layer's dtype first); the rhs's gradient is float32, written from the
+kernel's FP32 accumulator rather than rounded to bfloat16. `promote_dtype` below is what
+lets the float32 kernel reach `dot_general` uncast.
+
+The Flax layout [d_in, d_out] runs without a transpose of the weight: with
+w_kn = [K, N] (N contiguous), y = x w_kn is the dgrad GEMM (dgrad(dy=x, w=w_kn)), the
+input gradient dy w_kn^T is the fwd GEMM (fwd(x=dy, w=w_kn)), and the weight gradient
+x^T dy, in w_kn's layout, is the wgrad GEMM with its operands swapped
+(wgrad(dy=x, x=dy)); see docs/FFI_CONTRACT.md for the three GEMMs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_cake import primitives, remat
+from jax_cake.api import dense_projection
+from jax_cake.planner import plan as make_plan
+
+_BF16 = jnp.dtype(jnp.bfloat16)
+_F32 = jnp.dtype(jnp.float32)
+
+__all__ = ["dot_general", "promote_dtype"]
+
+
+# --- planning and shard_map support ----------------------------------------------------
+
+
+def _device(*arrays):
+    """The device the planner plans for, looked up as jax_cake's own ops do."""
+    try:
+        from jax_cake.planner import device as device_lib
+
+        return device_lib.current(*arrays)
+    except (ImportError, AttributeError):  # planner reorganized: let plan() look it up
+        return None
+
+
+def _varying_axes(a) -> frozenset:
+    mat = getattr(jax.typeof(a), "mat", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def _to_common_varying(*arrays):
+    """Inside shard_map: every operand varying over the union of the manual axes.
+
+    A replicated weight next to sharded activations would otherwise get a cotangent
+    whose manual axes do not match it; pcast's transpose sums the weight gradient over
+    the added axes (the data-parallel reduction), as in jax_cake.api.
+    """
+    union = frozenset().union(*(_varying_axes(a) for a in arrays))
+    if not union:
+        return arrays
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(union - _varying_axes(a)))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return tuple(out)
+
+
+# --- the Flax layout: x[T, K] . w_kn[K, N] on the existing GEMMs ------------------------
+
+
+def _kn_plans(x3, w3, deterministic: bool, w_dtype: str):
+    """Plans for the swapped roles: the projection whose weight is w_kn viewed as
+    [d_out' = K, d_in' = N]. Forward = its dgrad, dx = its fwd, dw_kn = its wgrad."""
+    _, t, k = x3.shape
+    n = w3.shape[2]
+    sizes = dict(tokens=t, d_in=n, d_out=k, batch=1, device=_device(x3, w3))
+    return (
+        make_plan("dgrad", **sizes),  # y = x . w_kn
+        make_plan("fwd", **sizes),  # dx = dy . w_kn^T
+        make_plan("wgrad", **sizes, out_dtype=w_dtype, deterministic=deterministic),  # dw_kn = x^T dy
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _kn_projection(x3, w3, deterministic: bool, w_dtype: str):
+    y_plan, _, _ = _kn_plans(x3, w3, deterministic, w_dtype)
+    return primitives.dgrad(x3, w3.astype(jnp.bfloat16), y_plan)
+
+
+def _kn_projection_fwd(x3, w3, deterministic, w_dtype):
+    w_bf16 = w3.astype(jnp.bfloat16)
+    y_plan, _, _ = _kn_plans(x3, w3, deterministic, w_dtype)
+    return primitives.dgrad(x3, w_bf16, y_plan), (x3, w_bf16)
+
+
+def _kn_projection_bwd(deterministic, w_dtype, residuals, dy):
+    x3, w_bf16 = residuals
+    _, dx_plan, dw_plan = _kn_plans(x3, w_bf16, deterministic, w_dtype)
+    dy = dy.astype(jnp.bfloat16)
+    dx = primitives.fwd(dy, w_bf16, dx_plan)  # [1, T, K]
+    dw = primitives.wgrad(x3, dy, dw_plan)  # [1, K, N] in w's dtype
+    return dx, dw
+
+
+_kn_projection.defvjp(_kn_projection_fwd, _kn_projection_bwd)
+
+
+def _kn_dense(x2, w_kn, deterministic: bool):
+    """x2 [T, K] bf16 . w_kn [K, N] (bf16 or float32 master) -> [T, N] bf16."""
+    x3 = x2[None]
+    x3, w_kn = _to_common_varying(x3, w_kn)
+    y3 = _kn_projection(x3, w_kn[None], deterministic, jnp.dtype(w_kn.dtype).name)
+    return remat.name_output(y3[0])
+
+
+# --- routing -----------------------------------------------------------------------------
+
+
+def _is_default_precision(precision) -> bool:
+    if precision is None:
+        return True
+    if isinstance(precision, (tuple, list)):
+        return len(precision) == 2 and all(_is_default_precision(p) for p in precision)
+    try:
+        return lax.Precision(precision) == lax.Precision.DEFAULT
+    except (ValueError, TypeError):
+        return False  # a DotAlgorithm / preset or something lax will judge
+
+
+def _axes(seq) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(a) for a in seq)
+    except (TypeError, ValueError):
+        return None
+
+
+def _layout(lhs, rhs, dimension_numbers):
+    """"kn" (rhs contracting axes leading), "nk" (trailing) or None (not a projection)."""
+    try:
+        (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
+    except (TypeError, ValueError):
+        return None
+    lhs_c, rhs_c, lhs_b, rhs_b = (_axes(a) for a in (lhs_c, rhs_c, lhs_b, rhs_b))
+    if None in (lhs_c, rhs_c, lhs_b, rhs_b) or lhs_b or rhs_b:
+        return None
+    c = len(lhs_c)
+    if c == 0 or len(rhs_c) != c or rhs.ndim <= c or lhs.ndim < c:
+        return None
+    if lhs_c != tuple(range(lhs.ndim - c, lhs.ndim)):
+        return None  # contraction not on the activations' trailing axes, in order
+    if tuple(lhs.shape[a] for a in lhs_c) != tuple(rhs.shape[a] for a in rhs_c):
+        return None
+    if rhs_c == tuple(range(c)):
+        return "kn"
+    if rhs_c == tuple(range(rhs.ndim - c, rhs.ndim)):
+        return "nk"
+    return None
+
+
+def dot_general(
+    lhs,
+    rhs,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    out_sharding=None,
+    *,
+    deterministic: bool = True,
+):
+    """`lax.dot_general` with projection-shaped bfloat16 contractions on jax_cake's GEMMs.
+
+    Same signature and semantics as `jax.lax.dot_general`; pass it as `dot_general=` to
+    flax.linen.Dense / DenseGeneral or flax.nnx.Linear / LinearGeneral, or as
+    `_dot_general=` to `jnp.einsum`. See the module docstring for what is routed; the
+    rest is `lax.dot_general` unchanged.
+
+    A bfloat16 lhs against a float32 rhs is a master weight: the product uses the rhs
+    rounded to bfloat16 and returns bfloat16 (as Flax's default promotion computes),
+    and the rhs's gradient is float32 from the FP32 accumulator.
+
+    deterministic: keyword-only, as in `jax_cake.dense_projection` (True: bitwise
+    reproducible weight gradients; False lets the planner pick a split-K program whose
+    sum order can vary, where measured faster). Use `functools.partial` to set it.
+    """
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"dot_general: deterministic must be a Python bool, got {type(deterministic).__name__}")
+    arrays = hasattr(lhs, "dtype") and hasattr(rhs, "dtype") and hasattr(lhs, "shape") and hasattr(rhs, "shape")
+    bf16_result = preferred_element_type is None or jnp.dtype(preferred_element_type) == _BF16
+    if not (arrays and jnp.dtype(lhs.dtype) == _BF16 and jnp.dtype(rhs.dtype) in (_BF16, _F32) and bf16_result):
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    layout = _layout(lhs, rhs, dimension_numbers)
+    routed = (
+        layout is not None
+        and out_sharding is None
+        and _is_default_precision(precision)
+        and 0 not in lhs.shape
+        and 0 not in rhs.shape
+    )
+    if not routed:
+        # lax unchanged; a float32 master rhs gets the bfloat16 rounding the kernels give it.
+        return lax.dot_general(
+            lhs, rhs.astype(_BF16), dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding
+        )
+    c = len(dimension_numbers[0][0])
+    lead = lhs.shape[: lhs.ndim - c]
+    k = math.prod(lhs.shape[lhs.ndim - c :])
+    x2 = jnp.reshape(lhs, (math.prod(lead), k))
+    if layout == "kn":
+        features = rhs.shape[c:]
+        y2 = _kn_dense(x2, jnp.reshape(rhs, (k, math.prod(features))), deterministic)
+    else:
+        features = rhs.shape[: rhs.ndim - c]
+        y2 = dense_projection(x2, jnp.reshape(rhs, (math.prod(features), k)), deterministic=deterministic)
+    return jnp.reshape(y2, lead + features)
+
+
+# --- the promote function ------------------------------------------------------------------
+
+
+def _target_dtype(args, dtype, inexact: bool):
+    """Flax's canonicalize_dtype: the given dtype, else the arguments' result type."""
+    if dtype is None:
+        dtype = jnp.result_type(*[jnp.asarray(a) for a in args if a is not None])
+        if inexact and not jnp.issubdtype(dtype, jnp.inexact):
+            dtype = jnp.promote_types(jnp.float32, dtype)
+    if inexact and not jnp.issubdtype(dtype, jnp.inexact):
+        raise ValueError(f"Dtype must be inexact: {dtype}")
+    return jnp.dtype(dtype)
+
+
+def _promote(args: tuple, dtype, inexact: bool) -> tuple:
+    target = _target_dtype(args, dtype, inexact)
+    out = [jnp.asarray(a, target) if a is not None else None for a in args]
+    if len(args) == 3 and args[1] is not None and target == _BF16 and jnp.asarray(args[1]).dtype == _F32:
+        out[1] = jnp.asarray(args[1])  # the float32 master kernel: jax_cake.dot_general rounds it
+    return tuple(out)
+
+
+def promote_dtype(*args, dtype=None, inexact: bool = True):
+    """Flax's promote_dtype, except that a float32 kernel stays float32 under dtype=bfloat16.
+
+    For the linear layers' (inputs, kernel, bias) triple: inputs and bias are cast to
+    the computation dtype as Flax does; when that dtype is bfloat16 a float32 kernel is
+    passed through uncast, so `jax_cake.dot_general` gets the master weight and returns
+    its gradient in float32 from the FP32 accumulator. (With Flax's own promote_dtype the
+    kernel's gradient is float32 in dtype but bfloat16-rounded in value.) In every other
+    case, and for any number of arguments other than three, it is Flax's promote_dtype.
+
+    Both calling conventions work: flax.linen's variadic `promote_dtype(inputs, kernel,
+    bias, dtype=...)` (returns a list) and flax.nnx's `promote_dtype((inputs, kernel,
+    bias), dtype=...)` (one tuple; returns a tuple).
+
+    Use it only together with `dot_general=jax_cake.dot_general`, on layers whose
+    (inputs, kernel, bias) reach that dot_general: nn.Dense, nn.DenseGeneral, nnx.Linear,
+    nnx.LinearGeneral (and MultiHeadAttention's qkv/out promote functions). Not for
+    attention functions (their triple is query, key, value), convolutions or einsum
+    layers, where the uncast kernel would reach a plain XLA op.
+    """
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        return _promote(tuple(args[0]), dtype, inexact)
+    return list(_promote(args, dtype, inexact))
