@@ -1,4 +1,5 @@
-// XLA FFI handlers of jax_cake: jax_cake_fwd, jax_cake_dgrad, jax_cake_wgrad.
+// XLA FFI handlers of jax_cake: jax_cake_fwd, jax_cake_dgrad, jax_cake_wgrad,
+// jax_cake_wgrad_accumulate.
 //
 // The contract (operands, attributes, workspace) is docs/FFI_CONTRACT.md. Each handler
 // maps its buffers onto one GEMM C[M, N] = sum_k A[m, k] B[n, k] (batch L), picks the
@@ -339,6 +340,50 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// Gradient accumulation: dw[B, d_out, d_in] = acc + dy^T . x, in place. dw is acc's buffer
+// (input_output_aliases {2: 0}); the fp32 reduce-add variant of the tile runs at splits = 1
+// with no memset, so every element of the running sum gets exactly one fp32 add of its
+// finished tile total: bitwise reproducible. If XLA ever hands two buffers, acc is copied
+// into dw first (same result, one extra pass).
+ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> x,
+                               ffi::Buffer<ffi::F32> acc, ffi::Result<ffi::Buffer<ffi::F32>> dw,
+                               ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t tile_m, int64_t tile_n,
+                               int64_t tile_k, int64_t cluster_m, int64_t cluster_n, int64_t splits, int64_t reduction,
+                               int64_t raster, int64_t schedule) {
+  const char* kName = "jax_cake_wgrad_accumulate";
+  (void)workspace;  // fixed arity only: the in-place sum needs none
+  JC_RETURN_IF_ERROR(EnsureLoaded());
+  JC_RETURN_IF_ERROR(CheckCommonAttrs(kName, splits, reduction, raster, schedule));
+  if (splits != 1 || reduction != 0 || schedule != kTiles)
+    return ffi::Error::InvalidArgument(std::string(kName) + ": splits must be 1, reduction 0 and schedule 0");
+  JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3("acc", acc.dimensions()));
+  const int64_t B = dy.dimensions()[0], T = dy.dimensions()[1], d_out = dy.dimensions()[2];
+  const int64_t d_in = x.dimensions()[2];
+  auto ad = acc.dimensions();
+  auto dwd = dw->dimensions();
+  if (x.dimensions()[0] != B || x.dimensions()[1] != T || ad[0] != B || ad[1] != d_out || ad[2] != d_in ||
+      dwd.size() != 3 || dwd[0] != B || dwd[1] != d_out || dwd[2] != d_in)
+    return ffi::Error::InvalidArgument(std::string(kName) +
+                                       ": shapes must be dy[B,T,d_out], x[B,T,d_in], acc and dw[B,d_out,d_in]");
+  JC_RETURN_IF_ERROR(CheckWidths(kName, d_in, d_out));
+  const Variant* v = FindVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, true, kTiles);
+  if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k, cluster_m, cluster_n, kF32, true, kTiles);
+  if (dw->untyped_data() != acc.untyped_data()) {
+    cudaError_t err = cudaMemcpyAsync(dw->untyped_data(), acc.untyped_data(), acc.size_bytes(),
+                                      cudaMemcpyDeviceToDevice, stream);
+    if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("cudaMemcpyAsync", err));
+  }
+  GemmArgs g;
+  g.a = {dy.untyped_data(), {d_out, T, B}, {d_out, T * d_out}};  // M-major: stride(M)=1
+  g.b = {x.untyped_data(), {d_in, T, B}, {d_in, T * d_in}};      // N-major: stride(N)=1
+  g.c = {dw->untyped_data(), {d_out, d_in, B}, {d_in, d_out * d_in}};
+  g.splits = 1;
+  g.raster = static_cast<int32_t>(raster);
+  return Launch(v, g, stream);
+}
+
 }  // namespace
 }  // namespace jax_cake
 
@@ -375,6 +420,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCakeWgrad, jax_cake::WgradImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::U8>>() JC_GEMM_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCakeWgradAccumulate, jax_cake::WgradAccumulateImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::U8>>() JC_GEMM_ATTRS,
                               {ffi::Traits::kCmdBufferCompatible});
 
