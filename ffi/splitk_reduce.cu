@@ -7,6 +7,10 @@
 //
 // The same pass with splits = 1 converts the fp32 accumulation buffer of the
 // arrival-order program (reduction = 2) to bf16.
+//
+// jax_cake_splitk_reduce_accumulate (gradient accumulation, jax_cake_wgrad_accumulate):
+// acc[i] = acc[i] + (((ws[0][i] + ws[1][i]) + ...) in split order): the finished sum of
+// the partials, then one fp32 add into the running sum. Bitwise reproducible.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -39,7 +43,45 @@ __global__ void __launch_bounds__(256) SplitKReduce(const float4* __restrict__ w
   }
 }
 
+__global__ void __launch_bounds__(256) SplitKReduceAccumulate(const float4* __restrict__ ws, float4* __restrict__ acc,
+                                                              int64_t splits, int64_t count4) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count4; i += stride) {
+    float4 sum = ws[i];
+    for (int64_t s = 1; s < splits; ++s) {
+      const float4 v = ws[s * count4 + i];
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    float4 a = acc[i];
+    a.x += sum.x;
+    a.y += sum.y;
+    a.z += sum.z;
+    a.w += sum.w;
+    acc[i] = a;
+  }
+}
+
+int64_t ReduceBlocks(int64_t count4, int num_sms) {
+  const int64_t blocks = (count4 + 255) / 256;
+  const int64_t max_blocks = static_cast<int64_t>(num_sms > 0 ? num_sms : 132) * 8;
+  return blocks > max_blocks ? max_blocks : blocks;
+}
+
 }  // namespace
+
+// acc (fp32 [count]) += the ordered sum of the partials; returns the launch error (no sync).
+extern "C" cudaError_t jax_cake_splitk_reduce_accumulate(const float* ws, float* acc, int64_t splits, int64_t count,
+                                                         int num_sms, cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  if (count % 4 != 0 || splits < 1) return cudaErrorInvalidValue;
+  const int64_t count4 = count / 4;
+  SplitKReduceAccumulate<<<static_cast<unsigned>(ReduceBlocks(count4, num_sms)), 256, 0, stream>>>(
+      reinterpret_cast<const float4*>(ws), reinterpret_cast<float4*>(acc), splits, count4);
+  return cudaGetLastError();
+}
 
 // Launches the reduce on `stream`; returns the launch error (no sync).
 extern "C" cudaError_t jax_cake_splitk_reduce(const float* ws, void* out, int out_is_bf16, int64_t splits,
