@@ -189,9 +189,26 @@ def find_variant(
     return None
 
 
-def supports(program: str, tile, cluster, out_dtype: str, splits: int, reduction: int, schedule: str = "tiles") -> bool:
+def supports(
+    program: str,
+    tile,
+    cluster,
+    out_dtype: str,
+    splits: int,
+    reduction: int,
+    schedule: str = "tiles",
+    accumulate: bool = False,
+) -> bool:
     """Whether the native library can run this (program, tile, cluster, dtype, split-K,
-    schedule; a split tail's schedule follows from reduction 3)."""
+    schedule; a split tail's schedule follows from reduction 3). accumulate: as
+    jax_cake_wgrad_accumulate (fp32 dw += the gradient in place): one pass on the fp32
+    reduce-add variant, or ordered split-K partials summed into dw."""
+    if accumulate:
+        if program != "wgrad" or out_dtype != "float32" or schedule != "tiles":
+            return False
+        if splits == 1 and reduction == REDUCTION_NONE:
+            return find_variant(program, tile, cluster, "float32", "add") is not None
+        return splits > 1 and reduction == REDUCTION_ORDERED and supports(program, tile, cluster, out_dtype, splits, reduction)
     if program != "wgrad":
         return (
             splits == 1
