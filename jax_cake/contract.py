@@ -47,11 +47,21 @@ _OUT_DTYPE_ENUMERATORS = {"bfloat16": "kBf16", "float32": "kF32"}  # their C++ n
 FWD_TARGET = "jax_cake_fwd"
 DGRAD_TARGET = "jax_cake_dgrad"
 WGRAD_TARGET = "jax_cake_wgrad"
+# dw = acc + dy^T x in place (acc aliased to dw): gradient accumulation across micro-batches.
+WGRAD_ACCUMULATE_TARGET = "jax_cake_wgrad_accumulate"
 ROUTER_FWD_TARGET = "jax_cake_router_fwd"
 ROUTER_DGRAD_TARGET = "jax_cake_router_dgrad"
 ROUTER_WGRAD_TARGET = "jax_cake_router_wgrad"
 # Every target the library registers, in registration order.
-TARGETS = (FWD_TARGET, DGRAD_TARGET, WGRAD_TARGET, ROUTER_FWD_TARGET, ROUTER_DGRAD_TARGET, ROUTER_WGRAD_TARGET)
+TARGETS = (
+    FWD_TARGET,
+    DGRAD_TARGET,
+    WGRAD_TARGET,
+    WGRAD_ACCUMULATE_TARGET,
+    ROUTER_FWD_TARGET,
+    ROUTER_DGRAD_TARGET,
+    ROUTER_WGRAD_TARGET,
+)
 
 
 def handler_symbol(target: str) -> str:

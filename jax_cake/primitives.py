@@ -26,6 +26,7 @@ from jax_cake.contract import (  # the FFI target names, defined once
     ROUTER_DGRAD_TARGET,
     ROUTER_FWD_TARGET,
     ROUTER_WGRAD_TARGET,
+    WGRAD_ACCUMULATE_TARGET,  # noqa: F401 (its primitive is still to come)
     WGRAD_TARGET,
 )
 
