@@ -329,11 +329,18 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
   return ffi::Error::Success();
 }
 
-// Gradient accumulation: dw[B, d_out, d_in] = acc + dy^T . x, in place. dw is acc's buffer
-// (input_output_aliases {2: 0}); the fp32 reduce-add variant of the tile runs at splits = 1
-// with no memset, so every element of the running sum gets exactly one fp32 add of its
-// finished tile total: bitwise reproducible. If XLA ever hands two buffers, acc is copied
-// into dw first (same result, one extra pass).
+// ------------------------------------------------------------- gradient accumulation
+extern "C" cudaError_t jax_cake_splitk_reduce_accumulate(const float* ws, float* acc, int64_t splits, int64_t count,
+                                                         int num_sms, cudaStream_t stream);
+
+// dw[B, d_out, d_in] = acc + dy[B, T, d_out]^T . x[B, T, d_in], in place: dw is acc's
+// buffer (input_output_aliases {2: 0}); if XLA ever hands two buffers, acc is copied
+// into dw first (same result, one extra pass). Two programs, both bitwise reproducible:
+//   reduction none (splits 1): the fp32 reduce-add variant of the tile with no memset,
+//     so every element gets exactly one fp32 add of its finished tile total;
+//   reduction ordered (splits > 1): the register-total fp32 variant writes partials
+//     [splits, B, d_out, d_in] into the workspace, then one pass adds their split-order
+//     sum into dw (skinny d_out, where whole tiles leave most SMs idle).
 ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> x,
                                ffi::Buffer<ffi::F32> acc, ffi::Result<ffi::Buffer<ffi::F32>> dw,
                                ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t tile_m, int64_t tile_n,
@@ -341,12 +348,13 @@ ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, f
                                int64_t raster, int64_t schedule) {
   const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
   const std::string who = kWgradAccumulateTarget;
-  (void)workspace;  // fixed arity only: the in-place sum needs none
   JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
   JC_RETURN_IF_ERROR(CheckCommonAttrs(kWgradAccumulateTarget, at));
-  if (splits != 1 || reduction != kReductionNone || schedule != kScheduleTiles)
-    return ffi::Error::InvalidArgument(who + ": splits must be 1, reduction " + std::to_string(kReductionNone) +
-                                       " and schedule " + std::to_string(kScheduleTiles));
+  const bool ordered = reduction == kReductionOrdered;
+  if (schedule != kScheduleTiles || !((reduction == kReductionNone && splits == 1) || (ordered && splits > 1)))
+    return ffi::Error::InvalidArgument(who + ": schedule must be " + std::to_string(kScheduleTiles) +
+                                       ", and reduction " + std::to_string(kReductionNone) + " with splits 1 or " +
+                                       std::to_string(kReductionOrdered) + " with splits > 1");
   JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
   JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
   JC_RETURN_IF_ERROR(CheckRank3("acc", acc.dimensions()));
@@ -356,9 +364,15 @@ ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, f
     return ffi::Error::InvalidArgument(who + ": shapes must be dy[B,T,d_out], x[B,T,d_in], acc and dw[B,d_out,d_in]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
   JC_RETURN_IF_ERROR(CheckWidths(kWgradAccumulateTarget, d_in, d_out));
-  const VariantKey key = at.Key("wgrad", kF32, true, kScheduleTiles);
+  const int64_t count = B * d_out * d_in;
+  // splits 1: the reduce-add variant; ordered partials: the variant that keeps its total in registers.
+  const VariantKey key = at.Key("wgrad", kF32, !ordered, kScheduleTiles);
   const Variant* v = FindVariant(key);
-  if (!v) return NoVariant(key);
+  if (!v || v->promote_every > 0) return NoVariant(key);
+  const int64_t ws_bytes = static_cast<int64_t>(workspace->size_bytes());
+  if (ordered && ws_bytes < splits * count * 4)
+    return ffi::Error::InvalidArgument(who + ": workspace has " + std::to_string(ws_bytes) +
+                                       " bytes, ordered split-K needs " + std::to_string(splits * count * 4));
   if (dw->untyped_data() != acc.untyped_data()) {
     cudaError_t err = cudaMemcpyAsync(dw->untyped_data(), acc.untyped_data(), acc.size_bytes(),
                                       cudaMemcpyDeviceToDevice, stream);
@@ -367,10 +381,19 @@ ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, f
   GemmArgs g;
   g.a = MnMajor(dy.untyped_data(), d_out, T, B);  // M-major: stride(M) = 1
   g.b = MnMajor(x.untyped_data(), d_in, T, B);    // N-major: stride(N) = 1
-  g.c = KMajor(dw->untyped_data(), d_out, d_in, B);
-  g.splits = 1;
+  g.splits = static_cast<int32_t>(splits);
   g.raster = static_cast<int32_t>(raster);
-  return Launch(v, g, stream);
+  if (!ordered) {
+    g.c = KMajor(dw->untyped_data(), d_out, d_in, B);
+    return Launch(v, g, stream);
+  }
+  void* ws = workspace->untyped_data();
+  g.c = KMajor(ws, d_out, d_in, splits * B);  // C viewed as [M, N, splits * B]: batch z = split * B + l
+  JC_RETURN_IF_ERROR(Launch(v, g, stream));
+  cudaError_t err = jax_cake_splitk_reduce_accumulate(static_cast<const float*>(ws), dw->typed_data(), splits, count,
+                                                      g_modules.num_sms, stream);
+  if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("jax_cake_splitk_reduce_accumulate launch", err));
+  return ffi::Error::Success();
 }
 
 }  // namespace
