@@ -28,7 +28,7 @@ import time
 
 from absl import app, flags
 
-from jax_cake import contract
+from jax_cake import contract, module_table
 from jax_cake.contract import HANDLER_SYMBOLS, LIBRARY_NAME
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -185,37 +185,6 @@ def export_kernels(arch: str, obj_dir: pathlib.Path) -> list:
     return list(VARIANTS)
 
 
-def write_variant_table(variants: list, obj_dir: pathlib.Path) -> pathlib.Path:
-    """Generates the C++ glue: module loaders, launchers and kVariants[]."""
-    from jax_cake.kernels import c_table
-    from jax_cake.planner import variants as variants_module
-
-    lines = c_table.error_hook_lines("jax_cake/build.py", ["jax_cake", "gen"])
-    for v in variants:
-        lines.append(f'#include "{v.name}.h"')
-    lines.append("namespace jax_cake { namespace gen {")
-    operands = [("a", "mA"), ("b", "mB"), ("c", "mC"), ("ws", "mWs")]
-    for v in variants:
-        lines += c_table.launcher_lines(v.name, "GemmArgs", operands, "g.splits, g.raster, g.max_ctas")
-    lines.append("}  // namespace gen")
-    lines.append("static const Variant kVariants[] = {")
-    for v in variants:
-        dt = "kF32" if v.out_dtype == "float32" else "kBf16"
-        add = "true" if v.store == "add" else "false"
-        sched = contract.SCHEDULES[v.schedule]
-        promote_every = variants_module.OUTPUT_PROMOTE_EVERY if v.promote_in == "output" else 0
-        lines.append(
-            f'  {{"{v.name}", "{v.program}", {v.tile_m}, {v.tile_n}, {v.tile_k}, {v.cluster_m}, {v.cluster_n}, '
-            f"{dt}, {add}, {sched}, {promote_every}, gen::load_{v.name}, gen::launch_{v.name}}},"
-        )
-    lines.append("};")
-    lines.append(f"static constexpr int kNumVariants = {len(variants)};")
-    lines.append("}  // namespace jax_cake")
-    path = obj_dir / "jax_cake_variants.inc"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 # ------------------------------------------------------------------ native build
 def build_library(
     variants: list,
@@ -310,7 +279,7 @@ def main(argv):
     obj_dir = pathlib.Path(FLAGS.obj_dir).resolve() if FLAGS.obj_dir else out_dir.parent / "obj"
     contract.write_header(obj_dir)  # jax_cake_codes.h: the codes and names ffi/*.cc use
     variants = export_kernels(arch, obj_dir)
-    write_variant_table(variants, obj_dir)
+    module_table.write_variant_table(variants, obj_dir)
     from jax_cake.kernels.router_bf16x3_sm90 import export_router_kernels  # after CUTE_DSL_ARCH is set
 
     router = export_router_kernels(obj_dir, log=_log)

@@ -41,7 +41,7 @@ RASTERS = {"m": RASTER_M, "n": RASTER_N}
 OUT_BF16 = 0
 OUT_F32 = 1
 OUT_DTYPES = {"bfloat16": OUT_BF16, "float32": OUT_F32}
-_OUT_DTYPE_ENUMERATORS = {"bfloat16": "kBf16", "float32": "kF32"}  # their C++ names
+OUT_DTYPE_ENUMERATORS = {"bfloat16": "kBf16", "float32": "kF32"}  # their C++ names
 
 # --- FFI targets and library symbols ------------------------------------------------------
 FWD_TARGET = "jax_cake_fwd"
@@ -124,7 +124,7 @@ def header_text() -> str:
     codes("The `schedule` attribute.", "Schedule", SCHEDULES)
     codes("The `raster` attribute.", "Raster", RASTERS)
     lines.append("// A variant's output dtype (Variant::out_dtype in the generated variant table).")
-    lines.append("enum OutDtype : int { " + ", ".join(f"{_OUT_DTYPE_ENUMERATORS[n]} = {c}" for n, c in OUT_DTYPES.items()) + " };")
+    lines.append("enum OutDtype : int { " + ", ".join(f"{OUT_DTYPE_ENUMERATORS[n]} = {c}" for n, c in OUT_DTYPES.items()) + " };")
     lines.append("")
     lines.append("// FFI target names.")
     for t in TARGETS:

@@ -61,9 +61,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_cake.kernels import c_table
 from jax_cake.kernels.epilogue_sm90 import make_epilogue, stage_sub_tile, tile_sub_tiles
 from jax_cake.kernels.gemm_sm90 import _fence_tensor
+from jax_cake.module_table import write_router_variant_table  # the one table generator
 from jax_cake.planner.router_variants import VARIANTS, RouterVariant
 
 # Registers per thread after setmaxnreg: the TMA warpgroup needs few; an MMA thread holds
@@ -640,37 +640,6 @@ def compile_variant(v: RouterVariant):
     return cute.compile(
         RouterBf16x3Sm90(v), a, a_lo, b, b_lo, c, cutlass.Int32(1), cutlass.Int32(132), make_fake_stream()
     )
-
-
-def write_router_variant_table(variants, obj_dir: pathlib.Path) -> pathlib.Path:
-    """Generates jax_cake_router_variants.inc: module loaders, launchers, kRouterVariants[].
-
-    Included by ffi/router_ffi.cc after it defines jax_cake::router::{RouterOperand,
-    RouterArgs, RouterVariantEntry}. Separate names from the dense table so both
-    translation units link into one library.
-    """
-    lines = c_table.error_hook_lines(
-        "jax_cake/kernels/router_bf16x3_sm90.py", ["jax_cake", "router", "gen"], undef_first=True
-    )
-    for v in variants:
-        lines.append(f'#include "{v.name}.h"')
-    lines.append("namespace jax_cake { namespace router { namespace gen {")
-    operands = [("a", "mA"), ("a_lo", "mA_lo"), ("b", "mB"), ("b_lo", "mB_lo"), ("c", "mC")]
-    for v in variants:
-        lines += c_table.launcher_lines(v.name, "RouterArgs", operands, "g.splits, g.max_ctas")
-    lines.append("}  // namespace gen")
-    lines.append("static const RouterVariantEntry kRouterVariants[] = {")
-    for v in variants:
-        lines.append(
-            f'  {{"{v.name}", "{v.program}", {v.tile_m}, {v.tile_n}, {v.tile_k}, gen::load_{v.name}, gen::launch_{v.name}}},'
-        )
-    lines.append("};")
-    lines.append(f"static constexpr int kNumRouterVariants = {len(variants)};")
-    lines.append("}  // namespace router")
-    lines.append("}  // namespace jax_cake")
-    path = obj_dir / "jax_cake_router_variants.inc"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def _default_log(msg: str) -> None:
