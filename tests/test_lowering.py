@@ -56,7 +56,7 @@ def test_step_lowers_to_one_custom_call_per_gemm_with_the_plan(t, d_in, d_out, w
 def test_skinny_wgrad_splits_k_to_fill_the_h200():
     with faked_device():
         p = jc.plan("wgrad", tokens=16172, d_in=4096, d_out=48, out_dtype=jnp.float32)
-    assert p.program == "det" and p.splits > 1 and p.reduction == "ordered"
+    assert p.algorithm == "det" and p.program == "wgrad" and p.splits > 1 and p.reduction == "ordered"
     assert 100 <= p.ctas <= 132
     assert p.workspace_bytes == p.splits * 48 * 4096 * 4
 
@@ -120,7 +120,7 @@ def test_checkpoint_recomputes_the_forward_unless_the_policy_saves_it(policy, fw
 
 
 def test_router_step_lowers_to_the_three_router_custom_calls(monkeypatch):
-    monkeypatch.setattr(jc.planner.planning, "ROUTER_KERNELS_ENABLED", True)
+    monkeypatch.setattr(jc.planner.choose, "ROUTER_KERNELS_ENABLED", True)
 
     def step(x, w):
         return jax.grad(lambda x, w: jnp.sum(jc.router_logits(x, w) ** 2), argnums=(0, 1))(x, w)

@@ -11,7 +11,7 @@ import jax_cake as jc
 from jax_cake import contract
 from jax_cake.planner import DeviceInfo, tables
 from jax_cake.planner.device import from_jax_device
-from jax_cake.planner.planning import compiled_tiles
+from jax_cake.planner.choose import compiled_tiles
 from jax_cake.planner.variants import split_tail_slots
 from helpers import H200, faked_device
 
@@ -65,7 +65,7 @@ def test_plan_is_frozen_and_hashable():
 )
 def test_unsupported_device_runs_xla_and_says_why(device, words):
     p = jc.plan("fwd", tokens=1024, d_in=512, d_out=512, device=device)
-    assert p.backend == "xla" and p.program == "xla"
+    assert p.backend == "xla" and p.program is None
     text = jc.explain(p)
     assert "runs the XLA path" in text
     for w in words:
@@ -79,11 +79,11 @@ def test_unaligned_shape_runs_xla_and_says_why():
 
 @pytest.fixture
 def router_kernels_enabled(monkeypatch):
-    monkeypatch.setattr(jc.planner.planning, "ROUTER_KERNELS_ENABLED", True)
+    monkeypatch.setattr(jc.planner.choose, "ROUTER_KERNELS_ENABLED", True)
 
 
 def test_router_kernels_can_be_held_back(monkeypatch):
-    monkeypatch.setattr(jc.planner.planning, "ROUTER_KERNELS_ENABLED", False)
+    monkeypatch.setattr(jc.planner.choose, "ROUTER_KERNELS_ENABLED", False)
     p = jc.plan("router_fwd", tokens=16384, d_in=4096, d_out=256, out_dtype=jnp.float32, device=H200)
     assert not p.uses_kernel and "held back" in p.reason and "BF16x3" in p.reason
 
@@ -94,7 +94,7 @@ def test_router_plans_use_the_fused_bf16x3_kernels(d, router_kernels_enabled):
     fwd = jc.plan("router_fwd", **sizes)
     wgrad = jc.plan("router_wgrad", **sizes, deterministic=False)
     assert fwd.uses_kernel and fwd.tile in compiled_tiles("router_fwd") and "BF16x3" in fwd.reason
-    assert wgrad.program == "det" and wgrad.deterministic  # the router has no split-K program
+    assert wgrad.algorithm == "det" and wgrad.deterministic  # the router has no split-K program
     assert wgrad.ctas >= 100  # splits over K = T fill the H200 where the tiles alone do not
     assert wgrad.workspace_bytes == (wgrad.splits * 256 * d * 4 if wgrad.splits > 1 else 16)
 
@@ -144,7 +144,7 @@ def test_h200_plans_fill_the_machine_and_stay_reproducible(t, d_in, d_out, out):
         p = jc.plan("wgrad", tokens=t, d_in=d_in, d_out=d_out, out_dtype=out, deterministic=deterministic, device=H200)
         assert p.uses_kernel and p.tile in compiled_tiles("wgrad")
         # The shipped sm_90a table has no measured rows: deterministic=False runs det too.
-        assert p.program == "det" and p.deterministic
+        assert p.algorithm == "det" and p.deterministic
         assert p.ctas >= 64, jc.explain(p)
         if p.reduction == "ordered":
             assert p.workspace_bytes >= p.splits * d_out * d_in * 4
@@ -187,18 +187,18 @@ def test_deterministic_false_follows_a_measured_split_row():
             deterministic=False,
             device=AbstractDevice("NVIDIA H100", 114, "cuda"),
         )
-    assert split.program == "split" and split.reduction == "arrival" and split.splits == 8 and not split.deterministic
+    assert split.algorithm == "split" and split.reduction == "arrival" and split.splits == 8 and not split.deterministic
     assert split.workspace_bytes == 16  # FP32 dw takes the atomics itself
     assert "synthetic test row" in jc.explain(split)
-    assert excluded.program == "det" and "excluded" in excluded.reason
-    assert det.program == "det" and det.deterministic
-    assert other_sms.program == "det"
+    assert excluded.algorithm == "det" and "excluded" in excluded.reason
+    assert det.algorithm == "det" and det.deterministic
+    assert other_sms.algorithm == "det"
 
 
 def test_force_selects_the_arm_for_the_benchmark():
     with jc.planner.force("split", splits=6):
         p = jc.plan("wgrad", tokens=16384, d_in=4096, d_out=64, out_dtype=jnp.bfloat16, device=H200)
-    assert p.program == "split" and p.splits == 6 and p.workspace_bytes == 64 * 4096 * 4
+    assert p.algorithm == "split" and p.splits == 6 and p.workspace_bytes == 64 * 4096 * 4
     with jc.planner.force("xla"):
         assert not jc.plan("fwd", tokens=64, d_in=64, d_out=64, device=H200).uses_kernel
     with pytest.raises(ValueError, match="program must be"):
@@ -378,7 +378,7 @@ def test_cluster_pairs_only_where_they_measured_faster(op, t, d_in, d_out, batch
 
 
 def test_det_splits_fill_the_last_wave_only_when_compute_bound():
-    from jax_cake.planner.planning import _det_splits
+    from jax_cake.planner.choose import _det_splits
 
     k = 16384  # 256 K tiles of 64
     # memory bound (default): one CTA per SM when the tiles fill less than half the SMs
@@ -415,7 +415,7 @@ def test_compute_bound_wgrad_fills_its_waves(d_in, d_out, out, tile, splits, red
 
 
 def test_split_tail_pieces_and_workspace():
-    from jax_cake.planner.planning import _tail_splits
+    from jax_cake.planner.choose import _tail_splits
 
     # (splits, tail time in whole-tile times) for the last partial wave
     assert _tail_splits(160, 132, 256) == (4, 0.25)  # 28 tail tiles -> 112 pieces, one wave

@@ -9,7 +9,7 @@ the micro-batch's weight gradient into the running sum inside the wgrad kernel
     workspace and one pass that adds their split-order sum into the running sum.
 Both are bitwise reproducible, whatever `deterministic` says.
 
-The tile comes from the wgrad planner's ranking (jax_cake.planner.planning), restricted
+The tile comes from the wgrad planner's ranking (jax_cake.planner.choose), restricted
 to what `variants.supports(..., accumulate=True)` holds. Where no ranked tile has an
 accumulating program the result is the ordinary FP32 wgrad plan (op "wgrad"): the
 primitive then runs that wgrad and a separate XLA add (one log line says so). Off the
@@ -27,7 +27,8 @@ from typing import Any
 from absl import logging
 
 from jax_cake import contract
-from jax_cake.planner import planning, variants
+from jax_cake.planner import choose, variants
+from jax_cake.planner.plan_type import Plan
 
 OP = "wgrad_accumulate"
 
@@ -39,14 +40,14 @@ def _log_separate_add_once(device: str, shape: str, reason: str) -> None:
     )
 
 
-def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, device: Any = None) -> planning.Plan:
+def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, device: Any = None) -> Plan:
     """The Plan that adds one micro-batch's FP32 weight gradient into the running sum.
 
     tokens, d_in, d_out, batch: x [batch, tokens, d_in], w and the sum [batch, d_out,
     d_in]. device: as `jax_cake.plan`. Returns a Plan with op "wgrad_accumulate" (the
     fused kernel), op "wgrad" (a kernel wgrad plus a separate add) or an XLA plan.
     """
-    base = planning.plan(
+    base = choose.plan(
         "wgrad",
         tokens=tokens,
         d_in=d_in,
@@ -62,12 +63,12 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
     # As the wgrad planner: 64-row tiles (one consumer warpgroup) only where reading the
     # operands bounds the GEMM; ordered K splits to fill the SMs there, or to fill the
     # last wave where the GEMM is compute bound.
-    memory_bound = m * n / (m + n) < planning._RIDGE_FLOP_PER_BYTE
-    for tile, tile_note in planning._ranked_tiles("wgrad", batch, m, n, sm_count, "float32"):
+    memory_bound = m * n / (m + n) < choose._RIDGE_FLOP_PER_BYTE
+    for tile, tile_note in choose._ranked_tiles("wgrad", batch, m, n, sm_count, "float32"):
         if not memory_bound and tile[0] <= 64:
             continue
         tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
-        splits = planning._det_splits(tiles, k, tile[2], sm_count, fill_waves=not memory_bound)
+        splits = choose._det_splits(tiles, k, tile[2], sm_count, fill_waves=not memory_bound)
         reduction = "ordered" if splits > 1 else "none"
         code = contract.REDUCTIONS[reduction]
         if not variants.supports("wgrad", tile, (1, 1), "float32", splits, code, accumulate=True):
@@ -79,7 +80,7 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
         return dataclasses.replace(
             base,
             op=OP,
-            program="det",
+            algorithm="det",
             tile=tile,
             cluster=(1, 1),
             splits=splits,

@@ -130,7 +130,7 @@ def candidate_plans(points: Sequence[bench.Point], arms: Sequence[bench.ArmSpec]
                     deterministic=arm.kind == "det",
                 )
             out[p.label][arm.name] = {
-                "program": plan.program,
+                "program": plan.algorithm,  # the plan table's name for det / split
                 "tile": list(plan.tile),
                 "splits": plan.splits,
                 "reduction": plan.reduction,

@@ -1,35 +1,38 @@
-"""The trace-time planner: op + static shapes + dtypes + device -> a frozen Plan.
+"""Choosing a plan: op + static shapes + dtypes + device -> a frozen Plan (plan_type.py).
 
-A Plan names the program that runs (a CuTe DSL kernel program or the XLA path), its
-tile, cluster, split count, reduction order and workspace size, and the reason it was
-chosen. Primitives pass the Plan to the native handler as FFI attributes.
+`plan()` is the entry point. It rules out the kernels where they cannot run (no CUDA GPU,
+another architecture, unaligned or empty shapes: the XLA path, with the reason), then
+picks the tile (utilization ranked by a per-tile prior), the wgrad algorithm (the
+`deterministic` flag, else the measured plan table of jax_cake.planner.tables), K splits,
+split tail, cluster pairing, raster and schedule by the rules below. Pins set by
+`jax_cake.planner.force` (overrides.py) win over the rules. Why each threshold has its
+value, with the measurements behind it: docs/planner.md.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import math
 import os
-from typing import Any, Iterator
+from typing import Any
 
 from absl import logging
 
 from jax_cake import contract
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import router_variants, tables, variants
+from jax_cake.planner.overrides import forced
+from jax_cake.planner.plan_type import OPS, Plan
 
-OPS = ("fwd", "dgrad", "wgrad", "router_fwd", "router_dgrad", "router_wgrad")
 _DENSE_OPS = ("fwd", "dgrad", "wgrad")
 
 # Architectures with compiled jax_cake kernels. Others run the XLA path.
 KERNEL_ARCHS = ("sm_90a",)
 
 # Per-tile efficiency prior: larger tiles reuse operands better when compute bound.
-# 128 x 160 measured 0.80 of 128 x 256 per SM (its N-major B tile gets a 64-byte swizzle,
-# 320-byte rows; H200, 2026-11-30: wgrad 4096 -> 4096 BF16, 913 us against 668), so it
-# wins only where it fills a wave the others leave a third empty (5120 -> 512).
+# 128 x 160 runs slower per SM than 128 x 256 (its N-major B tile gets a 64-byte swizzle),
+# so it wins only where it fills a wave the others leave a third empty (5120 -> 512).
+# Measured priors: docs/planner.md.
 _TILE_PRIOR = {(128, 256): 1.00, (128, 128): 0.93, (64, 256): 0.90, (128, 64): 0.85, (128, 160): 0.80}
 
 
@@ -68,143 +71,37 @@ _ALIGN_ELEMENTS = 8
 # against the operand reads.
 _MIN_K_TILES_PER_SPLIT = 8
 # A wgrad whose FLOPs per operand byte (about m n / (m + n) for K >> m, n) stay under
-# this is bound by reading x and dy: 790 TFLOP/s / 4.3 TB/s on the H200 (FACTS.md).
+# this is bound by reading x and dy: the H200's peak BF16 FLOP/s over its memory
+# bandwidth (docs/planner.md).
 _RIDGE_FLOP_PER_BYTE = 184
 # A compute-bound deterministic wgrad adds ordered K splits until its CTAs fill this much
 # of their last wave (`_det_splits`).
 _WAVE_FILL = 0.9
 # The router kernels run only once their accuracy is shown on a GPU (gpu_check's
-# router checks exercise them directly either way): 4.43e-6 to 4.45e-6 against the
-# 5e-6 target on the H200, 2026-11-29 21:12 UTC (docs/BENCHMARKS.md).
+# router checks exercise them directly either way); they meet the 5e-6 target on the
+# H200 (docs/planner.md).
 ROUTER_KERNELS_ENABLED = True
-# fwd/dgrad walk tiles along N first from this N up (measured on the H200).
+# fwd/dgrad walk tiles along N first from this N up: the activation rows stay in L2 while
+# the weight tiles stream (docs/planner.md).
 _RASTER_N_MIN = 512
 # A split tail cuts each tail tile into at most this many K pieces (each piece but the
 # last costs a partial-tile store and load).
 _MAX_TAIL_SPLITS = 4
 # Cluster pairs (2, 1): the CTAs of two adjacent M tiles share their B tile (TMA multicast),
-# halving its L2 -> SM traffic. On the H200 that was 1-3.5 % faster where the GEMM is
-# compute bound (N >= 1024, K >= 512) and no gain or a loss elsewhere (N = 512: -1.5 to
-# +2 %; batched 128 -> 512, K = 128: -1 %): docs/BENCHMARKS.md, 2026-11-29 and 2026-11-30.
-# The ping-pong dgrad pairs by the same rule: 2-8 % faster at K = 512 / 1024 (8 rows),
-# -2.5 to +1.6 % at K = 64 (2026-11-30).
+# halving its L2 -> SM traffic. That pays only where the GEMM is compute bound (N >= 1024,
+# K >= 512); elsewhere it gains nothing or loses a little. The ping-pong dgrad pairs by
+# the same rule (docs/planner.md).
 _CLUSTER_MIN_N = 1024
 _CLUSTER_MIN_K = 512
 # dgrad with a short K loop runs the ping-pong 128 x 128 variant (one warpgroup stores a
-# tile while the other multiplies the next): 0.3-8 % faster than the cooperative tiles in
-# all 18 rows of d_out (K) in {64, 512, 1024}, d_in (N) in {4096, 5120} on the H200;
-# 10-15 % slower at K = 4096, and 2.5 % slower (geomean of 8 rows) at K = 32 and 48,
-# less than one K tile (docs/BENCHMARKS.md, 2026-11-30). Batched dgrad (N = 128 or 512)
-# measured -2 to +7 %: it keeps the cooperative tiles.
+# tile while the other multiplies the next), so the epilogue hides behind the MMAs. With a
+# long K loop (4096) the epilogue matters little and the cooperative tiles win; under one
+# K tile (K < 64) there is nothing to overlap. Batched dgrad (N = 128 or 512) gains
+# nothing clear: it keeps the cooperative tiles (docs/planner.md).
 _PINGPONG_DGRAD_MIN_K = 64
 _PINGPONG_DGRAD_MAX_K = 1024
 _PINGPONG_DGRAD_MIN_N = 4096
 _PINGPONG_TILE = (128, 128, 64)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What one GEMM call runs. Frozen and hashable: it is static under jit.
-
-    The GEMM is C[batch, m, n] = A[batch, m, k] . B[batch, n, k]^T (see
-    docs/FFI_CONTRACT.md for how fwd/dgrad/wgrad map onto it).
-    """
-
-    op: str
-    backend: str  # "sm90a" (CuTe DSL kernels) or "xla"
-    program: str  # "gemm" (fwd/dgrad), "det" / "split" (wgrad), "xla"
-    batch: int
-    m: int
-    n: int
-    k: int
-    out_dtype: str
-    device: str
-    tile: tuple[int, int, int] = (0, 0, 0)
-    cluster: tuple[int, int] = (1, 1)
-    splits: int = 1
-    # "none", "ordered" (fixed split order, second pass), "arrival" (atomics), "split_tail"
-    # (the last partial wave's tiles cut into `splits` K pieces summed in piece order in
-    # the kernel: reproducible)
-    reduction: str = "none"
-    raster: str = "m"  # tiles walk along m first, or "n"
-    workspace_bytes: int = 0
-    reason: str = ""
-    sm_count: int = 0  # the device's SM count the plan was made for (kernel plans)
-    schedule: str = "tiles"  # "tiles", "split_tail" (wgrad, reduction "split_tail"), "pingpong" (fwd/dgrad)
-
-    @property
-    def uses_kernel(self) -> bool:
-        return self.backend != "xla"
-
-    @property
-    def deterministic(self) -> bool:
-        return self.reduction != "arrival"
-
-    @property
-    def ctas(self) -> int:
-        if not self.uses_kernel:
-            return 0
-        tm, tn, _ = self.tile
-        tiles = self.batch * math.ceil(self.m / tm) * math.ceil(self.n / tn)
-        if self.reduction == "split_tail":  # whole tiles, then splits pieces per tail tile
-            return tiles + variants.split_tail_slots(tiles, self.splits, self.sm_count)
-        return tiles * self.splits
-
-    def ffi_attributes(self) -> dict[str, Any]:
-        """The attributes the native handler reads (docs/FFI_CONTRACT.md)."""
-        import numpy as np
-
-        return {
-            "tile_m": np.int64(self.tile[0]),
-            "tile_n": np.int64(self.tile[1]),
-            "tile_k": np.int64(self.tile[2]),
-            "cluster_m": np.int64(self.cluster[0]),
-            "cluster_n": np.int64(self.cluster[1]),
-            "splits": np.int64(self.splits),
-            "reduction": np.int64(contract.REDUCTIONS[self.reduction]),
-            "raster": np.int64(contract.RASTERS[self.raster]),
-            "schedule": np.int64(contract.SCHEDULES[self.schedule]),
-        }
-
-
-# --- forcing a program (benchmark arms, the tuner) -------------------------------------
-
-_forced: dict[str, Any] = {}
-
-
-@contextlib.contextmanager
-def force(
-    program: str,
-    *,
-    splits: int | None = None,
-    tile: tuple[int, int, int] | None = None,
-    schedule: str | None = None,
-    cluster: tuple[int, int] | None = None,
-) -> Iterator[None]:
-    """Plans traced inside the block use `program` for the weight gradient.
-
-    program: "det", "split" or "xla" ("xla" forces the XLA path for every op). schedule
-    "pingpong" runs fwd and dgrad on the ping-pong 128 x 128 variants, "tiles" on the
-    cooperative tiles (None: the planner's rule, `_pingpong_rule`). cluster (1, 1) or
-    (2, 1) sets fwd/dgrad's CTA pairing where the library holds that variant (None: the
-    planner's rule). Used by the benchmark and the tuner to time each arm. Planning is at
-    trace time: jit a new function inside the block (a function traced earlier keeps its
-    plan).
-    """
-    if program not in ("det", "split", "xla"):
-        raise ValueError(f"force: program must be 'det', 'split' or 'xla', got {program!r}")
-    if schedule not in (None, "pingpong", "tiles"):
-        raise ValueError(f"force: schedule must be None, 'pingpong' or 'tiles', got {schedule!r}")
-    if cluster not in (None, (1, 1), (2, 1)):
-        raise ValueError(f"force: cluster must be None, (1, 1) or (2, 1), got {cluster!r}")
-    saved = dict(_forced)
-    _forced.clear()
-    _forced.update(program=program, splits=splits, tile=tile, schedule=schedule, cluster=cluster)
-    try:
-        yield
-    finally:
-        _forced.clear()
-        _forced.update(saved)
 
 
 # --- the planner ------------------------------------------------------------------------
@@ -237,7 +134,7 @@ def _plan_fields(op, batch, m, n, k, out_dtype, dev, backend: str = "sm90a") -> 
 def _xla_plan(op, batch, m, n, k, out_dtype, dev, reason) -> Plan:
     if dev.platform == "cuda":  # a GPU user expects the kernels: say once why not
         _log_fallback_once(dev.describe(), reason)
-    return Plan(**_plan_fields(op, batch, m, n, k, out_dtype, dev, backend="xla"), program="xla", reason=reason)
+    return Plan(**_plan_fields(op, batch, m, n, k, out_dtype, dev, backend="xla"), reason=reason)
 
 
 def _wave_fill(ctas: int, sm_count: int) -> float:
@@ -273,8 +170,8 @@ def _det_splits(tiles: int, k: int, tile_k: int, sm_count: int, fill_waves: bool
     """Ordered K splits, none shorter than _MIN_K_TILES_PER_SPLIT K tiles.
 
     Default (memory-bound GEMMs): enough splits for one CTA per SM when the tiles alone
-    fill less than half the SMs, else none (extra partial sums gained nothing there:
-    5120 -> 128 ran 65 us with 1 split, 68 with 3; H200, 2026-11-30). `fill_waves`
+    fill less than half the SMs, else none (extra partial sums gain nothing there,
+    docs/planner.md). `fill_waves`
     (compute bound): the fewest splits whose CTAs fill their last wave to at least
     _WAVE_FILL, else the best filling count (160 tiles on 132 SMs run 2 waves at 61 %;
     3 splits make 480 CTAs in 4 waves at 91 %).
@@ -297,21 +194,21 @@ def _wgrad_plan(
     base: dict, dev: device_lib.DeviceInfo, deterministic: bool, out_dtype: str, tokens: int, d_in: int, d_out: int
 ) -> Plan:
     batch, m, n, k = base["batch"], base["m"], base["n"], base["k"]
-    forced = _forced.get("program")
-    forced_tile, forced_splits = _forced.get("tile"), _forced.get("splits")
+    forced_algorithm = forced("program")
+    forced_tile, forced_splits = forced("tile"), forced("splits")
 
-    program, row = "det", None
-    if forced is not None:
+    algorithm, row = "det", None  # "det" or "split" (Plan.algorithm)
+    if forced_algorithm is not None:
         why = "forced by jax_cake.planner.force"
-        program = forced
+        algorithm = forced_algorithm
     elif deterministic:
         why = "deterministic=True"
     else:
         v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens)
-        program, row = v.program, v.row
+        algorithm, row = v.program, v.row
         why = (
             v.why
-            if program == "split"
+            if algorithm == "split"
             else f"deterministic=False, but the plan table chose the deterministic program: {v.why}"
         )
 
@@ -319,22 +216,22 @@ def _wgrad_plan(
     # program (split count, reduction) the library holds wins.
     wanted = forced_tile or (row.tile if row is not None and row.tile is not None and None not in row.tile else None)
     # 64-row tiles have one consumer warpgroup (half the MMA issue rate of 128 rows): only
-    # where the GEMM is bound by reading its operands (5120 -> 512 FP32 ran 217 us on
-    # 64 x 128 tiles, 143 on 128 x 128 with 3 splits, XLA 117: H200, 2026-11-30).
+    # where the GEMM is bound by reading its operands; compute-bound they lose to 128-row
+    # tiles with splits (docs/planner.md).
     memory_bound = m * n / (m + n) < _RIDGE_FLOP_PER_BYTE
     candidates = [
         c for c in _ranked_tiles("wgrad", batch, m, n, dev.sm_count, out_dtype) if memory_bound or c[0][0] > 64
     ]
     if wanted is not None and tuple(wanted) in compiled_tiles("wgrad"):
         candidates.insert(0, (tuple(wanted), f"{wanted[0]}x{wanted[1]} tiles as requested"))
-    if program == "det" and forced_tile is None and forced_splits is None and not memory_bound:
+    if algorithm == "det" and forced_tile is None and forced_splits is None and not memory_bound:
         tail = _split_tail_plan(base, dev, out_dtype, why)
         if tail is not None:
             return tail
     for tile, tile_note in candidates:
         tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
         k_tiles = math.ceil(k / tile[2])
-        if program == "split":
+        if algorithm == "split":
             splits = forced_splits or (row.splits if row is not None and row.splits else None)
             if splits is None:
                 splits = max(1, min(math.ceil(dev.sm_count / tiles), k_tiles))
@@ -342,7 +239,7 @@ def _wgrad_plan(
             reduction = "arrival" if splits > 1 else "none"
             reason = f"split-K program (arrival-order reduction, not bitwise reproducible): {why}; {tile_note}"
         else:
-            if forced == "det" and forced_splits:
+            if forced_algorithm == "det" and forced_splits:
                 splits = min(forced_splits, k_tiles)
             else:
                 splits = _det_splits(tiles, k, tile[2], dev.sm_count, fill_waves=not memory_bound)
@@ -354,7 +251,7 @@ def _wgrad_plan(
         cluster, cluster_note = _pick_cluster("wgrad", tile, m, n, k, out_dtype, splits, reduction)
         return Plan(
             **base,
-            program="split" if program == "split" else "det",
+            algorithm="split" if algorithm == "split" else "det",
             tile=tile,
             cluster=cluster,
             splits=splits,
@@ -363,7 +260,7 @@ def _wgrad_plan(
             reason=reason + cluster_note,
         )
     return _xla_plan(
-        "wgrad", batch, m, n, k, out_dtype, dev, f"no compiled wgrad variant runs the {program} program here"
+        "wgrad", batch, m, n, k, out_dtype, dev, f"no compiled wgrad variant runs the {algorithm} program here"
     )
 
 
@@ -391,11 +288,8 @@ def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why
     (fp32 dw, whose pieces each keep one wgmma chain) a piece would be longer than
     variants.OUTPUT_PROMOTE_EVERY K tiles.
 
-    The cut costs ~15-20 us more than its share of the K loop predicts (H200,
-    2026-11-30: 5120 -> 1024 BF16 227 us for a predicted 209), so it wins only against a
-    whole extra wave: 5120 -> 1024 BF16 wgrad 246-253 -> 227 us. With no whole wave,
-    smaller tiles do better (4096 -> 512 BF16: 98 us cut in two, 89 on 128 x 128;
-    5120 -> 512: 132 cut in three, 122 on 128 x 160)."""
+    The cut costs more than its share of the K loop predicts, so it wins only against a
+    whole extra wave; with no whole wave, smaller tiles do better (docs/planner.md)."""
     batch, m, n, k = base["batch"], base["m"], base["n"], base["k"]
     variant = max(
         (
@@ -422,7 +316,7 @@ def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why
     rem = tiles % dev.sm_count
     return Plan(
         **base,
-        program="det",
+        algorithm="det",
         tile=tile,
         splits=splits,
         reduction="split_tail",
@@ -462,7 +356,7 @@ def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
     base = dict(**_plan_fields(op, 1, m, n, k, "float32", dev), tile=tile)
     how = "fused BF16x3 (hi*hi + hi*lo + lo*hi, FP32 accumulation)"
     if op != "router_wgrad":
-        return Plan(**base, program="gemm", reason=f"{how}, one pass over K={k}: {tile_note}")
+        return Plan(**base, reason=f"{how}, one pass over K={k}: {tile_note}")
     tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1])
     splits = _det_splits(tiles, k, tile[2], dev.sm_count)
     reduction = "ordered" if splits > 1 else "none"
@@ -470,7 +364,7 @@ def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
     split_note = f"{splits} K splits summed in fixed split order" if splits > 1 else "one pass over K"
     return Plan(
         **base,
-        program="det",
+        algorithm="det",
         splits=splits,
         reduction=reduction,
         workspace_bytes=workspace,
@@ -514,7 +408,7 @@ def plan(
         m, n, k = d_out, d_in, tokens
     args = (op, batch, m, n, k, out_dtype, dev)
 
-    if _forced.get("program") == "xla":
+    if forced("program") == "xla":
         return _xla_plan(*args, "forced by jax_cake.planner.force")
     if os.environ.get("JAX_CAKE_DISABLE", "") not in ("", "0"):  # read at trace time: debugging, bisecting
         return _xla_plan(*args, "JAX_CAKE_DISABLE is set: XLA dot_general with the same semantics")
@@ -545,20 +439,18 @@ def plan(
     if op == "wgrad":
         return _wgrad_plan(base, dev, bool(deterministic), out_dtype, tokens, d_in, d_out)
     tile, tile_note = _pick_tile(op, batch, m, n, dev.sm_count, "bfloat16")
-    # Walking tiles along N first keeps the activation rows in L2 while the weight
-    # tiles stream: 6-11 % faster at N >= 512 on the H200 (docs/BENCHMARKS.md, 2026-11-29).
+    # Walking tiles along N first keeps the activation rows in L2 while the weight tiles stream.
     raster = "n" if n >= _RASTER_N_MIN else "m"
     schedule = "tiles"
     pingpong_note = _pingpong_rule(op, n, k)
     if pingpong_note and variants.supports(op, _PINGPONG_TILE, (1, 1), "bfloat16", 1, contract.REDUCTION_NONE, schedule="pingpong"):
         tile, schedule, tile_note = _PINGPONG_TILE, "pingpong", pingpong_note
     cluster, cluster_note = _pick_cluster(op, tile, m, n, k, "bfloat16", 1, "none", schedule)
-    forced_cluster = _forced.get("cluster")
+    forced_cluster = forced("cluster")
     if forced_cluster and variants.supports(op, tile, forced_cluster, "bfloat16", 1, contract.REDUCTION_NONE, schedule=schedule):
         cluster, cluster_note = forced_cluster, f"; cluster {forced_cluster[0]}x{forced_cluster[1]} (forced)"
     return Plan(
         **base,
-        program="gemm",
         tile=tile,
         cluster=cluster,
         raster=raster,
@@ -570,28 +462,12 @@ def plan(
 
 def _pingpong_rule(op: str, n: int, k: int) -> str:
     """Why fwd/dgrad run the ping-pong tiles here ("": the cooperative tiles)."""
-    forced = _forced.get("schedule")
-    if forced:
-        return "128x128 ping-pong tiles (forced)" if forced == "pingpong" else ""
+    forced_schedule = forced("schedule")
+    if forced_schedule:
+        return "128x128 ping-pong tiles (forced)" if forced_schedule == "pingpong" else ""
     if op == "dgrad" and _PINGPONG_DGRAD_MIN_K <= k <= _PINGPONG_DGRAD_MAX_K and n >= _PINGPONG_DGRAD_MIN_N:
         return (
             f"128x128 ping-pong tiles ({_PINGPONG_DGRAD_MIN_K} <= K={k} <= {_PINGPONG_DGRAD_MAX_K}: one warpgroup's epilogue "
             "runs under the other's MMAs)"
         )
     return ""
-
-
-def explain(p: Plan) -> str:
-    """Plain words: which program runs for this Plan, and why."""
-    gemm = f"{p.op}: C[{p.batch}x{p.m}x{p.n}] over K={p.k}, {p.out_dtype} out, on {p.device}"
-    if not p.uses_kernel:
-        return f"{gemm}\n  runs the XLA path: {p.reason}"
-    tm, tn, tk = p.tile
-    lines = [
-        gemm,
-        f"  runs the jax_cake {p.backend} '{p.program}' program: {tm}x{tn}x{tk} tiles, cluster {p.cluster[0]}x{p.cluster[1]}, "
-        f"{p.splits} split(s), {p.ctas} CTAs, reduction {p.reduction}, {p.schedule} schedule, workspace {p.workspace_bytes} bytes",
-        f"  bitwise reproducible: {'yes' if p.deterministic else 'no'}",
-        f"  why: {p.reason}",
-    ]
-    return "\n".join(lines)

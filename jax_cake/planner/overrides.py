@@ -1,0 +1,52 @@
+"""Forcing overrides: `force(...)` pins parts of the plans traced inside its block.
+
+The benchmark and the tuner time each arm (an algorithm, tile, split count, schedule or
+cluster) this way; the planner (jax_cake.planner.choose) reads the pins with `forced`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+_forced: dict[str, Any] = {}
+
+
+def forced(key: str) -> Any:
+    """The pinned value of `key` ("program", "splits", "tile", "schedule", "cluster"), or
+    None outside a `force` block or where the block leaves it to the planner."""
+    return _forced.get(key)
+
+
+@contextlib.contextmanager
+def force(
+    program: str,
+    *,
+    splits: int | None = None,
+    tile: tuple[int, int, int] | None = None,
+    schedule: str | None = None,
+    cluster: tuple[int, int] | None = None,
+) -> Iterator[None]:
+    """Plans traced inside the block use `program` for the weight gradient.
+
+    program: the algorithm, "det" or "split" (Plan.algorithm), or "xla" (the XLA path for
+    every op). schedule "pingpong" runs fwd and dgrad on the ping-pong 128 x 128 variants,
+    "tiles" on the cooperative tiles (None: the planner's rule, `choose._pingpong_rule`).
+    cluster (1, 1) or (2, 1) sets fwd/dgrad's CTA pairing where the library holds that
+    variant (None: the planner's rule). Planning is at trace time: jit a new function
+    inside the block (a function traced earlier keeps its plan).
+    """
+    if program not in ("det", "split", "xla"):
+        raise ValueError(f"force: program must be 'det', 'split' or 'xla', got {program!r}")
+    if schedule not in (None, "pingpong", "tiles"):
+        raise ValueError(f"force: schedule must be None, 'pingpong' or 'tiles', got {schedule!r}")
+    if cluster not in (None, (1, 1), (2, 1)):
+        raise ValueError(f"force: cluster must be None, (1, 1) or (2, 1), got {cluster!r}")
+    saved = dict(_forced)
+    _forced.clear()
+    _forced.update(program=program, splits=splits, tile=tile, schedule=schedule, cluster=cluster)
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)

@@ -1,0 +1,93 @@
+"""The Plan: what one GEMM call runs, decided at trace time (jax_cake.planner.choose).
+
+Primitives pass a kernel Plan to the native handler as FFI attributes
+(`Plan.ffi_attributes`, docs/FFI_CONTRACT.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jax_cake import contract
+from jax_cake.planner import variants
+
+OPS = ("fwd", "dgrad", "wgrad", "router_fwd", "router_dgrad", "router_wgrad")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one GEMM call runs. Frozen and hashable: it is static under jit.
+
+    The GEMM is C[batch, m, n] = A[batch, m, k] . B[batch, n, k]^T (see
+    docs/FFI_CONTRACT.md for how fwd/dgrad/wgrad map onto it).
+    """
+
+    op: str  # one of OPS
+    backend: str  # "sm90a" (CuTe DSL kernels) or "xla"
+    batch: int
+    m: int
+    n: int
+    k: int
+    out_dtype: str
+    device: str
+    # How the K sum is ordered, as jax_cake.planner.force and the plan tables name it:
+    # "det" (a fixed order: one pass, ordered split-K or a split tail; bitwise reproducible)
+    # or "split" (arrival-order split-K, wgrad only). fwd, dgrad and the router are "det".
+    algorithm: str = "det"
+    tile: tuple[int, int, int] = (0, 0, 0)
+    cluster: tuple[int, int] = (1, 1)
+    splits: int = 1
+    # "none", "ordered" (fixed split order, second pass), "arrival" (atomics), "split_tail"
+    # (the last partial wave's tiles cut into `splits` K pieces summed in piece order in
+    # the kernel: reproducible); contract.REDUCTIONS holds their codes
+    reduction: str = "none"
+    raster: str = "m"  # tiles walk along m first, or "n"
+    workspace_bytes: int = 0
+    reason: str = ""
+    sm_count: int = 0  # the device's SM count the plan was made for (kernel plans)
+    schedule: str = "tiles"  # "tiles", "split_tail" (wgrad, reduction "split_tail"), "pingpong" (fwd/dgrad)
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self.backend != "xla"
+
+    @property
+    def program(self) -> str | None:
+        """The kernel program the FFI handler runs, as the variant tables name it: "fwd",
+        "dgrad" or "wgrad" (of the router's family for the router ops; "wgrad" for
+        "wgrad_accumulate"); None on the XLA path."""
+        if not self.uses_kernel:
+            return None
+        return "wgrad" if self.op == "wgrad_accumulate" else self.op.removeprefix("router_")
+
+    @property
+    def deterministic(self) -> bool:
+        return self.reduction != "arrival"
+
+    @property
+    def ctas(self) -> int:
+        if not self.uses_kernel:
+            return 0
+        tm, tn, _ = self.tile
+        tiles = self.batch * math.ceil(self.m / tm) * math.ceil(self.n / tn)
+        if self.reduction == "split_tail":  # whole tiles, then splits pieces per tail tile
+            return tiles + variants.split_tail_slots(tiles, self.splits, self.sm_count)
+        return tiles * self.splits
+
+    def ffi_attributes(self) -> dict[str, Any]:
+        """The attributes the native handler reads (docs/FFI_CONTRACT.md)."""
+        import numpy as np
+
+        return {
+            "tile_m": np.int64(self.tile[0]),
+            "tile_n": np.int64(self.tile[1]),
+            "tile_k": np.int64(self.tile[2]),
+            "cluster_m": np.int64(self.cluster[0]),
+            "cluster_n": np.int64(self.cluster[1]),
+            "splits": np.int64(self.splits),
+            "reduction": np.int64(contract.REDUCTIONS[self.reduction]),
+            "raster": np.int64(contract.RASTERS[self.raster]),
+            "schedule": np.int64(contract.SCHEDULES[self.schedule]),
+        }
