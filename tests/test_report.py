@@ -1,0 +1,233 @@
+"""jax_cake.tools.report on CPU: the headline tables from small bench CSVs, the marker block, the pictures."""
+
+import csv
+import gzip
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jax_cake.tools import bench, report
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DENSE_COLUMNS = list(bench.FAMILIES["dense"].columns)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def dense_row(d_in, d_out, out, tokens, op, mode, new, xla, cublas, split=None):
+    row = dict.fromkeys(DENSE_COLUMNS, "")
+    row.update(
+        {
+            "GPU": "H200",
+            "SMs": 132,
+            "d_in -> d_out": f"{d_in} -> {d_out}",
+            "out": out,
+            "T": tokens,
+            "op": op,
+            "mode": mode,
+            "det us": new,
+            "split us": split if split is not None else new,
+            "XLA us": xla,
+            "cuBLAS us": cublas,
+            "new us": new,
+            # bench writes these ratios; report recomputes them from the times
+            "det/new": 1.0,
+            "XLA/new": xla / new,
+            "cuBLAS/new": cublas / new,
+        }
+    )
+    return row
+
+
+def write_csv(path, columns, rows, compress=False):
+    opener = gzip.open if compress else open
+    with opener(path, "wt", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return str(path)
+
+
+@pytest.fixture
+def fixtures(tmp_path):
+    """Two dense files (the second replaces one row of the first), a router, a batched and a floor CSV."""
+    first = [
+        # skinny point: XLA 2x / 3x slower, cuBLAS 1.2x
+        dense_row(4096, 48, "FP32", 16172, "fwd", "g", new=40.0, xla=80.0, cublas=48.0),
+        dense_row(4096, 48, "FP32", 16172, "wgrad", "g", new=40.0, xla=120.0, cublas=48.0, split=44.0),
+        # compute-bound point: XLA 0.9x, cuBLAS 1.0x
+        dense_row(4096, 1024, "BF16", 16172, "fwd", "g", new=200.0, xla=180.0, cublas=200.0),
+        dense_row(4096, 1024, "BF16", 16172, "wgrad", "g", new=200.0, xla=180.0, cublas=200.0),
+        dense_row(4096, 48, "FP32", 16172, "fwd", "e", new=50.0, xla=55.0, cublas=50.0),
+    ]
+    # a later re-measurement of the compute-bound wgrad: its row must replace the first file's
+    later = [dense_row(4096, 1024, "BF16", 16172, "wgrad", "g", new=100.0, xla=160.0, cublas=100.0)]
+    dense_a = write_csv(tmp_path / "dense_a.csv.gz", DENSE_COLUMNS, first, compress=True)
+    dense_b = write_csv(tmp_path / "dense_b.csv", DENSE_COLUMNS, later)
+    router_columns = list(bench.FAMILIES["router"].columns)
+    router = write_csv(
+        tmp_path / "router.csv",
+        router_columns,
+        [
+            {
+                "GPU": "H200",
+                "SMs": 132,
+                "d -> E": "4096 -> 256",
+                "T": 16384,
+                "op": "fwd",
+                "mode": "g",
+                "XLA x3 us": 412.8,
+                "XLA highest us": 679.872,
+                "new us": 151.552,
+                "XLA x3/new": 412.8 / 151.552,
+                "XLA highest/new": 679.872 / 151.552,
+            }
+        ],
+    )
+    batched_columns = ["GPU", "SMs", "B", "d_in -> d_out", "T", "op", "mode", "XLA us", "cuBLAS us", "new us"]
+    batched = write_csv(
+        tmp_path / "batched.csv",
+        batched_columns,
+        [
+            {
+                "GPU": "H200",
+                "SMs": 132,
+                "B": 16,
+                "d_in -> d_out": "128 -> 512",
+                "T": 4096,
+                "op": "fwd",
+                "mode": "g",
+                "XLA us": 28.0,
+                "cuBLAS us": 31.0,
+                "new us": 27.9,
+            }
+        ],
+    )
+    floor = write_csv(
+        tmp_path / "floor.csv",
+        ["rows", "a -> b (bf16)", "MB read", "MB written", "floor us", "TB/s"],
+        [
+            {"rows": 16172, "a -> b (bf16)": "4096 -> 48", "MB read": 132.5, "MB written": 1.6, "floor us": 37.5},
+            # a widen case: not a floor for the skinny fwd / wgrad rows
+            {"rows": 16172, "a -> b (bf16)": "48 -> 4096", "MB read": 1.6, "MB written": 132.5, "floor us": 42.4},
+        ],
+    )
+    page = tmp_path / "page.md"
+    before = "# Benchmarks\n\nhand-written text above.\n\n"
+    after = "\n\nhand-written text below, with a stray marker-like word: report:end.\n"
+    page.write_text(before + report.BEGIN + "\nstale table\n" + report.END + after)
+    return dict(
+        csvs=[dense_a, dense_b, router, batched, floor],
+        page=str(page),
+        img_dir=str(tmp_path / "img"),
+        before=before,
+        after=after,
+    )
+
+
+def table_line(block, *cells):
+    """The markdown table row that starts with these cells."""
+    prefix = "| " + " | ".join(cells) + " |"
+    hits = [line for line in block.splitlines() if line.startswith(prefix)]
+    assert len(hits) == 1, f"{prefix!r} in:\n{block}"
+    return [c.strip() for c in hits[0].strip("|").split("|")]
+
+
+def test_families_and_merge_order(fixtures):
+    rows, sources = report.load(fixtures["csvs"])
+    assert [os.path.basename(p) for p in sources["dense"]] == ["dense_a.csv.gz", "dense_b.csv"]
+    assert len(rows["dense"]) == 5  # six rows read, one replaced by the later file
+    wgrad = [r for r in rows["dense"] if r["op"] == "wgrad" and r["d_in -> d_out"] == "4096 -> 1024"]
+    assert [r["new us"] for r in wgrad] == [100.0]
+    assert len(rows["router"]) == len(rows["batched"]) == 1
+    assert len(rows["floor"]) == 2
+    with pytest.raises(ValueError, match="not a bench or memory_floor CSV"):
+        report.family_of(["a", "b"])
+
+
+def test_headline_table_values(fixtures):
+    report.write_report(fixtures["csvs"], fixtures["page"], fixtures["img_dir"])
+    text = open(fixtures["page"]).read()
+    block = text[text.index(report.BEGIN) : text.index(report.END)]
+    assert "stale table" not in block
+    assert "`dense_a.csv.gz`, `dense_b.csv`" in block
+
+    # fwd, graph: XLA/new 2.0 (skinny) and 0.9 (compute bound); cuBLAS/new 1.2 and 1.0
+    cells = table_line(block, "fwd", "g", "2")
+    assert cells[3] == f"{math.sqrt(2.0 * 0.9):.3f} (0.90-2.00)"
+    assert cells[4] == "2.000 (2.00-2.00)"
+    assert cells[5] == "0.900 (0.90-0.90)"
+    assert cells[6] == "1/2"
+    assert cells[7] == f"{math.sqrt(1.2):.3f} (1.00-1.20)"
+    assert cells[10] == "2/2"
+    assert cells[11] == "1.000"
+    # wgrad, graph: the replaced row counts (XLA 1.6, cuBLAS 1.0), not the first file's (0.9)
+    cells = table_line(block, "wgrad", "g", "2")
+    assert cells[3] == f"{math.sqrt(3.0 * 1.6):.3f} (1.60-3.00)"
+    assert cells[5] == "1.600 (1.60-1.60)"
+    assert cells[11] == f"{math.sqrt(1.1 * 1.0):.3f}"  # split us / new us
+    # eager has its own row; ops without data have none
+    assert table_line(block, "fwd", "e", "1")[3] == "1.100 (1.10-1.10)"
+    assert "| bwd |" not in block
+
+    # memory-bound rows over the narrow floor only: 40 / 37.5, 48 / 37.5, 80 / 37.5, 120 / 37.5
+    assert table_line(block, "fwd", "FP32", "1")[3:] == ["1.07-1.07", "1.28-1.28", "2.13-2.13"]
+    assert table_line(block, "wgrad", "FP32", "1")[3:] == ["1.07-1.07", "1.28-1.28", "3.20-3.20"]
+    # router and batched rows, ratios recomputed from the times
+    assert table_line(block, "4096 -> 256", "16384", "fwd", "g")[4:7] == ["151.6", "412.8", "2.724"]
+    batched = table_line(block, "16", "128 -> 512", "4096", "fwd", "g")
+    assert batched[5:] == ["27.90", "28.00", "31.00", "1.004", "1.111"]
+
+
+def test_only_the_marker_block_changes(fixtures):
+    report.write_report(fixtures["csvs"], fixtures["page"], fixtures["img_dir"])
+    text = open(fixtures["page"]).read()
+    assert text.startswith(fixtures["before"] + report.BEGIN + "\n")
+    assert text.endswith(report.END + fixtures["after"])
+    # a second run gives the same page: the block is replaced, not appended to
+    report.write_report(fixtures["csvs"], fixtures["page"], fixtures["img_dir"])
+    assert open(fixtures["page"]).read() == text
+    assert text.count(report.BEGIN) == text.count(report.END) == 1
+
+
+def test_replace_block_needs_both_markers_in_order():
+    assert report.replace_block(f"a{report.BEGIN}old{report.END}b", "new") == f"a{report.BEGIN}\nnew\n{report.END}b"
+    for bad in ("no markers", report.BEGIN, f"{report.END} {report.BEGIN}"):
+        with pytest.raises(ValueError, match="markers"):
+            report.replace_block(bad, "new")
+
+
+def test_pictures_are_written_and_embedded(fixtures):
+    report.write_report(fixtures["csvs"], fixtures["page"], fixtures["img_dir"])
+    text = open(fixtures["page"]).read()
+    for name in ("speedup_g.png", "speedup_e.png", "memory_floor.png"):
+        path = os.path.join(fixtures["img_dir"], name)
+        with open(path, "rb") as f:
+            data = f.read()
+        assert data.startswith(PNG_MAGIC), name
+        assert 1000 < len(data) < 60_000, (name, len(data))
+        assert f"(img/{name})" in text  # linked relative to the page
+
+
+def test_cli_writes_the_page(fixtures):
+    subprocess.run(
+        [sys.executable, "-m", "jax_cake.tools.report", "--csvs=" + ",".join(fixtures["csvs"])]
+        + [f"--page={fixtures['page']}", f"--img_dir={fixtures['img_dir']}", "--picture_modes=g"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    text = open(fixtures["page"]).read()
+    assert "| wgrad | g | 2 |" in text
+    assert sorted(os.listdir(fixtures["img_dir"])) == ["memory_floor.png", "speedup_g.png"]
+
+
+def test_default_csvs_exist_and_name_their_families():
+    seen = set()
+    for path in report.CSVS:
+        full = os.path.join(REPO, path)
+        assert os.path.isfile(full), path
+        seen.add(report.family_of(report.read_rows(full)[0]))
+    assert seen == set(report.FAMILIES)
