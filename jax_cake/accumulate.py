@@ -51,10 +51,15 @@ from jax_cake.planner.accumulate import plan_accumulate
 # --- the primitive ----------------------------------------------------------------------
 
 
-def _per_shard() -> bool:
-    """Inside shard_map over every mesh axis: the operands are the shards."""
+def _unpartitioned() -> bool:
+    """Whether the accumulating custom call may run as it is: one device, no mesh of more
+    than one device set (XLA replicates a custom call that has no partitioning rule, which
+    stays correct), or inside shard_map over every mesh axis (the operands are the shards).
+    """
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+    if jax.device_count() == 1 or mesh.empty or mesh.size == 1:
+        return True
+    return all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
 
 
 def wgrad_accumulate(dy, x, acc, plan: Plan):
@@ -66,10 +71,10 @@ def wgrad_accumulate(dy, x, acc, plan: Plan):
     {2: 0}), so under jit the sum is updated in place with no separate pass over it. A
     plan for op "wgrad" (no accumulating variant fits) runs that wgrad and an XLA add; an
     XLA plan, and any platform but CUDA, the reference `acc + dot(dy^T, x)` in float32.
-    Under jit on a mesh of several devices (outside shard_map) the accumulating call has
-    no partitioning rule: the partitioned wgrad runs, then the add.
+    Under a mesh of several devices (outside shard_map) the accumulating call has no
+    partitioning rule: the partitioned wgrad runs there, then the add.
     """
-    if plan.op != "wgrad_accumulate" or not (jax.device_count() == 1 or _per_shard()):
+    if plan.op != "wgrad_accumulate" or not _unpartitioned():
         if plan.op == "wgrad_accumulate":
             sizes = dict(tokens=dy.shape[1], d_in=x.shape[2], d_out=dy.shape[2], batch=dy.shape[0])
             plan = make_plan("wgrad", **sizes, out_dtype="float32", device=device_lib.current(dy, x))

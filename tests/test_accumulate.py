@@ -1,0 +1,239 @@
+"""Gradient accumulation (`grad_accumulator=`) on CPU: values, validation, plans, and the
+CUDA lowering of a micro-batch scan step (faked H200)."""
+
+import logging
+import pathlib
+import re
+import subprocess
+import sys
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cake as jc
+from helpers import faked_device, rand
+from jax_cake import accumulate
+from jax_cake.planner import variants
+from jax_cake.planner.accumulate import plan_accumulate
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+F32, BF16 = jnp.float32, jnp.bfloat16
+MICRO = 4
+
+
+def _loss(project):
+    def loss(w, acc, x, dy):
+        y = project(x, w, acc)
+        return jnp.sum(y.astype(F32) * dy.astype(F32))
+
+    return loss
+
+
+def _dense(x, w, acc):
+    return jc.dense_projection(x, w, grad_accumulator=acc)
+
+
+def _batched(x, w, acc):
+    return jc.batched_projection(x, w, grad_accumulator=acc)
+
+
+def _scan_sum(project, w, acc0, xs, dys):
+    loss = _loss(project)
+
+    def step(acc, mb):
+        return jax.grad(loss, argnums=1)(w, acc, *mb), None
+
+    return jax.lax.scan(step, acc0, (xs, dys))[0]
+
+
+def _plain_grads(project, w, xs, dys):
+    def loss(w, x, dy):
+        return jnp.sum(project(x, w).astype(F32) * dy.astype(F32))
+
+    return [jax.grad(loss)(w, xs[i], dys[i]) for i in range(xs.shape[0])]
+
+
+@pytest.mark.parametrize("w_dtype", [F32, BF16])
+def test_dense_accumulated_gradient_is_the_sum_of_the_micro_batch_gradients(w_dtype):
+    t, d_in, d_out = 48, 64, 40
+    xs, dys = rand(0, (MICRO, 2, t, d_in), BF16), rand(1, (MICRO, 2, t, d_out), BF16)
+    w = rand(2, (d_out, d_in), w_dtype)
+    acc0 = rand(3, (d_out, d_in), F32)  # a running sum already holding earlier steps
+    total = jax.jit(lambda w, a, x, d: _scan_sum(_dense, w, a, x, d))(w, acc0, xs, dys)
+    # A bf16 weight's own gradient is rounded to bf16; the sum takes the FP32 one, which is
+    # what an FP32 copy of the weight gets (the products use the same bf16 values).
+    grads = _plain_grads(lambda x, w: jc.dense_projection(x, w), w.astype(F32), xs, dys)
+    expected = np.asarray(acc0, np.float64) + sum(np.asarray(g, np.float64) for g in grads)
+    assert total.dtype == F32 and total.shape == w.shape
+    np.testing.assert_allclose(np.asarray(total, np.float64), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+
+
+def test_batched_accumulated_gradient_is_the_sum_of_the_micro_batch_gradients():
+    b, t, d_in, d_out = 3, 32, 64, 16
+    xs, dys = rand(4, (MICRO, b, t, d_in), BF16), rand(5, (MICRO, b, t, d_out), BF16)
+    w = rand(6, (b, d_out, d_in), F32)
+    acc0 = jnp.zeros((b, d_out, d_in), F32)
+    total = jax.jit(lambda w, a, x, d: _scan_sum(_batched, w, a, x, d))(w, acc0, xs, dys)
+    grads = _plain_grads(lambda x, w: jc.batched_projection(x, w), w, xs, dys)
+    expected = sum(np.asarray(g, np.float64) for g in grads)
+    np.testing.assert_allclose(np.asarray(total, np.float64), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+
+
+def test_forward_and_dx_are_unchanged_and_w_gets_a_zero_cotangent():
+    x, w, dy = rand(7, (24, 32), BF16), rand(8, (16, 32), F32), rand(9, (24, 16), BF16)
+    acc = rand(10, (16, 32), F32)
+    y_acc, vjp_acc = jax.vjp(lambda x, w, a: jc.dense_projection(x, w, grad_accumulator=a), x, w, acc)
+    y, vjp = jax.vjp(lambda x, w: jc.dense_projection(x, w), x, w)
+    dx_acc, dw_acc, new_acc = vjp_acc(dy)
+    dx, dw = vjp(dy)
+    np.testing.assert_array_equal(np.asarray(y_acc, np.float32), np.asarray(y, np.float32))
+    np.testing.assert_array_equal(np.asarray(dx_acc, np.float32), np.asarray(dx, np.float32))
+    assert not np.any(np.asarray(dw_acc))
+    np.testing.assert_allclose(np.asarray(new_acc), np.asarray(acc) + np.asarray(dw), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "acc_shape,acc_dtype,error,words",
+    [
+        ((16, 32), BF16, TypeError, ["grad_accumulator", "float32", "bfloat16"]),
+        ((16, 32), jnp.float16, TypeError, ["grad_accumulator", "float32", "float16"]),
+        ((32, 16), F32, ValueError, ["grad_accumulator", "(16, 32)", "(32, 16)"]),
+        ((1, 16, 32), F32, ValueError, ["grad_accumulator", "(16, 32)", "(1, 16, 32)"]),
+    ],
+)
+def test_dense_validation_names_the_accumulator(acc_shape, acc_dtype, error, words):
+    x, w = jnp.zeros((8, 32), BF16), jnp.zeros((16, 32), F32)
+    with pytest.raises(error) as e:
+        jc.dense_projection(x, w, grad_accumulator=jnp.zeros(acc_shape, acc_dtype))
+    msg = str(e.value)
+    assert msg.startswith("dense_projection: ")
+    for word in words:
+        assert word in msg, msg
+
+
+def test_batched_validation_names_the_accumulator():
+    x, w = jnp.zeros((2, 8, 32), BF16), jnp.zeros((2, 16, 32), BF16)
+    with pytest.raises(ValueError, match=r"batched_projection: grad_accumulator must have w's shape \(2, 16, 32\)"):
+        jc.batched_projection(x, w, grad_accumulator=jnp.zeros((16, 32), F32))
+    with pytest.raises(TypeError, match="batched_projection: grad_accumulator must be an array"):
+        jc.batched_projection(x, w, grad_accumulator=[0.0])
+
+
+def test_plans_on_the_h200():
+    with faked_device():
+        square = plan_accumulate(tokens=8192, d_in=4096, d_out=4096)
+        skinny = plan_accumulate(tokens=8192, d_in=4096, d_out=48)
+    assert square.op == "wgrad_accumulate" and square.splits == 1 and square.reduction == "none"
+    assert variants.find_variant("wgrad", square.tile, (1, 1), "float32", "add") is not None
+    assert square.tile == (128, 128, 64)  # 64-row tiles only where memory bound
+    # Skinny: whole tiles would leave most SMs idle; ordered splits, summed into the sum.
+    assert skinny.op == "wgrad_accumulate" and skinny.splits > 1 and skinny.reduction == "ordered"
+    assert skinny.workspace_bytes == skinny.splits * 48 * 4096 * 4
+    for p in (square, skinny):
+        assert variants.supports(
+            "wgrad", p.tile, p.cluster, "float32", p.splits, int(p.ffi_attributes()["reduction"]), accumulate=True
+        )
+        assert p.deterministic and "gradient accumulation" in p.reason
+
+
+def test_no_accumulating_variant_falls_back_to_wgrad_and_an_add(monkeypatch, caplog):
+    real = variants.supports
+
+    def no_accumulate(*args, accumulate=False, **kwargs):
+        return False if accumulate else real(*args, **kwargs)
+
+    monkeypatch.setattr(variants, "supports", no_accumulate)
+    with faked_device(), caplog.at_level(logging.WARNING):
+        p = plan_accumulate(tokens=8192, d_in=4096, d_out=1024, batch=2)
+        text = _step_text(8192, 4096, 1024)
+    assert p.op == "wgrad" and p.uses_kernel and "separate add" in p.reason
+    assert any("separate add" in r.getMessage() for r in caplog.records)
+    assert _calls(text, "jax_cake_wgrad_accumulate") == [] and len(_calls(text, "jax_cake_wgrad")) == 1
+    assert _f32_adds(text, 1024, 4096), "the fallback must add dw into the sum"
+
+
+def test_unaligned_shapes_run_the_xla_reference_on_cuda():
+    with faked_device():
+        p = plan_accumulate(tokens=100, d_in=4096, d_out=12)
+        text = _step_text(100, 4096, 12)
+    assert not p.uses_kernel
+    assert "custom_call @jax_cake" not in text
+
+
+# --- the CUDA lowering of a scan step ---------------------------------------------------
+
+
+def _calls(text: str, target: str) -> list[str]:
+    return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
+
+
+def _f32_adds(text: str, d_out: int, d_in: int) -> list[str]:
+    """Elementwise f32 adds over a [d_out, d_in] (or [1, d_out, d_in]) tensor."""
+    pattern = re.compile(rf"stablehlo\.add .*tensor<(1x)?{d_out}x{d_in}xf32>")
+    return [line for line in text.splitlines() if pattern.search(line)]
+
+
+def _step_text(t: int, d_in: int, d_out: int) -> str:
+    """A jitted 4-micro-batch accumulation step, the sum donated, lowered for CUDA."""
+
+    def step(w, acc, xs, dys):
+        return _scan_sum(_dense, w, acc, xs, dys)
+
+    args = (
+        jax.ShapeDtypeStruct((d_out, d_in), F32),
+        jax.ShapeDtypeStruct((d_out, d_in), F32),
+        jax.ShapeDtypeStruct((MICRO, t, d_in), BF16),
+        jax.ShapeDtypeStruct((MICRO, t, d_out), BF16),
+    )
+    return jax.jit(step, donate_argnums=1).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _attr(call: str, name: str) -> int:
+    return int(re.search(rf"\b{name} = (\d+) : i64", call).group(1))
+
+
+@pytest.mark.parametrize("t,d_in,d_out", [(8192, 4096, 4096), (8192, 4096, 48)])
+def test_scan_step_lowers_to_the_accumulating_call_in_place(t, d_in, d_out):
+    with faked_device():
+        text = _step_text(t, d_in, d_out)
+        p = plan_accumulate(tokens=t, d_in=d_in, d_out=d_out)
+    (call,) = _calls(text, "jax_cake_wgrad_accumulate")
+    # acc (operand 2) is the result 0's buffer; the donated sum is the step's output.
+    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], operand_index = 2" in call
+    assert "tf.aliasing_output = 0" in text
+    assert (_attr(call, "tile_m"), _attr(call, "tile_n"), _attr(call, "tile_k")) == p.tile
+    assert _attr(call, "splits") == p.splits
+    assert _attr(call, "reduction") == int(p.ffi_attributes()["reduction"])
+    assert f"tensor<1x{d_out}x{d_in}xf32>, tensor<{p.workspace_bytes}xui8>" in call
+    # No wgrad, no dgrad (dx is unused), no XLA GEMM and no separate add or reduce over dw.
+    for target in ("jax_cake_wgrad", "jax_cake_dgrad"):
+        assert _calls(text, target) == [], target
+    assert "dot_general" not in text
+    assert _f32_adds(text, d_out, d_in) == []
+    assert not re.search(rf"stablehlo\.reduce.*tensor<1x{d_out}x{d_in}xf32>", text)
+
+
+def test_grad_accumulator_is_a_keyword_of_both_ops():
+    import inspect
+
+    for fn in (jc.dense_projection, jc.batched_projection):
+        param = inspect.signature(fn).parameters["grad_accumulator"]
+        assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is None
+    assert accumulate.wgrad_accumulate.__doc__
+
+
+def test_example_runs_on_cpu():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "grad_accumulation.py"), "--steps=6", "--micro_batches=4",
+         "--tokens=32", "--d_model=32", "--lr=3e-2", "--log_every=1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "accumulated gradient matches the sum of micro-batch gradients" in proc.stdout, proc.stdout
+    losses = [float(v) for v in re.findall(r"^step\s+\d+\s+loss\s+(\S+)", proc.stdout, re.MULTILINE)]
+    assert len(losses) >= 2 and losses[-1] < 0.9 * losses[0], proc.stdout
