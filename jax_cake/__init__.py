@@ -2,12 +2,14 @@
 
 import jax_cake as jc
 y = jc.dense_projection(x, w, deterministic=True)    # y = x @ w.T
+q, k, v = jc.fused_projections(x, (wq, wk, wv))      # one GEMM launch each for fwd, dx, dw
 print(jc.explain(jc.plan("wgrad", tokens=16384, d_in=4096, d_out=48)))
 """
 
 from jax_cake import remat
 from jax_cake.api import batched_projection, dense_projection, router_logits
 from jax_cake.flax_adapter import dot_general, promote_dtype
+from jax_cake.fused import fused_projections
 from jax_cake.planner import Plan, explain, plan
 
 __version__ = "0.1.0"
@@ -18,6 +20,7 @@ __all__ = [
     "dense_projection",
     "dot_general",
     "explain",
+    "fused_projections",
     "plan",
     "promote_dtype",
     "remat",

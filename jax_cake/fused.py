@@ -1,0 +1,139 @@
+"""Projections of one input by several weights (QKV, gate/up, MLA, skinny heads): one
+launch per GEMM instead of one per weight.
+
+    q, k, v = jax_cake.fused_projections(h, (wq, wk, wv))   # y_i = h @ w_i.T
+
+With D = sum_i d_out_i and W = the weights' bf16 casts stacked along d_out ([D, d_in]):
+
+- forward: ONE fwd GEMM y = x @ W.T ([T, D]); each y_i is a column slice of y. The cast
+  of an FP32 master to bf16 is a pass XLA runs anyway, and the stacking happens inside
+  that same fusion (it writes W instead of the separate casts: no extra bytes).
+- backward: dy = the dy_i side by side ([T, D], bf16). dx is ONE dgrad GEMM dy @ W over
+  K = D (one FP32 sum, rounded once: no per-weight partial dx and no adds), and the
+  weight gradient is ONE wgrad GEMM dy.T @ x (x read once) whose [D, d_in] result is
+  split into the dw_i by rows. The wgrad writes FP32 when any w_i is FP32 (an FP32
+  master gets its gradient straight from the accumulator; a bf16 w_i gets that FP32 sum
+  rounded once) and bf16 when every w_i is bf16.
+
+The three plans are made from the summed shape (tokens T, d_in, d_out = D). Everything
+else is as in `jax_cake.dense_projection`: trace-time validation naming the argument,
+the deterministic flag (it applies to the wgrad), the XLA reference off CUDA, each
+output named for the remat policies (jax_cake.remat), and shard_map (operands made
+varying over the same manual axes).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_cake import api
+from jax_cake import primitives
+from jax_cake import remat
+
+_BF16 = jnp.bfloat16
+
+
+def _stack_bf16(ws):
+    """[D, d_in] bf16: the weights' casts side by side along d_out (one fusion in XLA)."""
+    return jnp.concatenate([w.astype(_BF16) for w in ws], axis=0)
+
+
+def _wgrad_dtype(w_dtypes: tuple[str, ...]) -> str:
+    return "bfloat16" if all(d == "bfloat16" for d in w_dtypes) else "float32"
+
+
+def _split_columns(y, widths: tuple[int, ...]):
+    out, start = [], 0
+    for width in widths:
+        out.append(jax.lax.slice_in_dim(y, start, start + width, axis=-1))
+        start += width
+    return tuple(out)
+
+
+def _fused_plans(x3, w_cat, deterministic: bool, w_dtypes: tuple[str, ...]):
+    return api._plans(x3, w_cat[None], deterministic, _wgrad_dtype(w_dtypes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fused(x3, ws, deterministic: bool, w_dtypes: tuple[str, ...]):
+    return _fused_fwd(x3, ws, deterministic, w_dtypes)[0]
+
+
+def _fused_fwd(x3, ws, deterministic, w_dtypes):
+    w_cat = _stack_bf16(ws)
+    fwd_plan, _, _ = _fused_plans(x3, w_cat, deterministic, w_dtypes)
+    y = primitives.fwd(x3, w_cat[None], fwd_plan)
+    return _split_columns(y, tuple(w.shape[0] for w in ws)), (x3, w_cat)
+
+
+def _fused_bwd(deterministic, w_dtypes, residuals, dys):
+    x3, w_cat = residuals
+    _, dgrad_plan, wgrad_plan = _fused_plans(x3, w_cat, deterministic, w_dtypes)
+    dy = jnp.concatenate([d.astype(_BF16) for d in dys], axis=-1)
+    dx = primitives.dgrad(dy, w_cat[None], dgrad_plan)
+    dw = primitives.wgrad(dy, x3, wgrad_plan)[0]  # [D, d_in] in the plan's out dtype
+    dws, start = [], 0
+    for d, dtype in zip(dys, w_dtypes):
+        width = d.shape[-1]
+        dws.append(jax.lax.slice_in_dim(dw, start, start + width, axis=0).astype(dtype))
+        start += width
+    return dx, tuple(dws)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def fused_projections(x, ws: Sequence[Any], *, deterministic: bool = True) -> tuple:
+    """(x @ w.T for w in ws) with one GEMM launch each for the forward, dx and dw.
+
+    Args:
+      x: [..., d_in] bfloat16 activations shared by every projection (any number of
+        leading token dimensions).
+      ws: a non-empty list or tuple of weights, ws[i] [d_out_i, d_in] bfloat16 or
+        float32 (a float32 weight is a master weight, as in dense_projection: rounded to
+        bfloat16 for the products, its gradient float32 from the FP32 accumulator).
+        Dtypes may be mixed.
+      deterministic: keyword-only, as in dense_projection (applies to the one wgrad).
+
+    Returns:
+      A tuple (y_0, y_1, ...) with y_i [..., d_out_i] bfloat16. Gradients: dx bfloat16
+      [..., d_in] (one FP32 sum over all sum_i d_out_i, rounded once), dw_i in ws[i]'s
+      dtype [d_out_i, d_in].
+
+    Raises (at trace time): TypeError / ValueError naming the bad argument (x, ws or
+    ws[i], deterministic).
+    """
+    fn = "fused_projections"
+    deterministic = api._check_deterministic(fn, deterministic)
+    api._check_array(fn, "x", x)
+    api._check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
+    if x.ndim < 1:
+        raise ValueError(f"{fn}: x must have rank >= 1 ([..., d_in]), got a scalar")
+    if not isinstance(ws, (list, tuple)):
+        got = "an array (wrap one weight as (w,))" if hasattr(ws, "shape") else type(ws).__name__
+        raise TypeError(f"{fn}: ws must be a list or tuple of [d_out, d_in] weights, got {got}")
+    if not ws:
+        raise ValueError(f"{fn}: ws must hold at least one weight, got an empty {type(ws).__name__}")
+    d_in = x.shape[-1]
+    for i, w in enumerate(ws):
+        name = f"ws[{i}]"
+        api._check_array(fn, name, w)
+        api._check_dtype(fn, name, w, (jnp.bfloat16, jnp.float32), "")
+        api._check_rank(fn, name, w, 2, "[d_out, d_in]")
+        if w.shape[1] != d_in:
+            raise ValueError(
+                f"{fn}: {name}.shape[1] (d_in={w.shape[1]}) must equal x's last dimension (d_in={d_in}); "
+                f"every weight is [d_out, d_in] over the same x"
+            )
+    lead = x.shape[:-1]
+    x3 = jnp.reshape(x, (1, math.prod(lead), d_in))
+    x3, *ws = api._to_common_varying(x3, *ws)
+    w_dtypes = tuple(jnp.dtype(w.dtype).name for w in ws)
+    ys = _fused(x3, tuple(ws), deterministic, w_dtypes)
+    return tuple(remat.name_output(jnp.reshape(y, lead + (y.shape[-1],))) for y in ys)
