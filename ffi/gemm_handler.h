@@ -6,7 +6,7 @@
 //   - the mapping of a row-major buffer onto a GEMM operand (`KMajor`, `MnMajor`);
 //   - variant lookup in a generated module table (`FindEntry`), loading the table's
 //     modules (`EnsureLoaded`) and launching an entry (`LaunchEntry`).
-// The GEMM convention is docs/FFI_CONTRACT.md's: C[M, N] = sum_k A[m, k] B[n, k], batch L.
+// The GEMM convention is docs/ffi_contract.md's: C[M, N] = sum_k A[m, k] B[n, k], batch L.
 #pragma once
 
 #include <cuda_runtime.h>

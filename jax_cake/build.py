@@ -4,11 +4,13 @@ Runs on a CPU machine (no GPU, no driver needed):
   1. compiles every kernel variant of jax_cake/planner/variants.py with CuTe DSL for
      the target arch (CUTE_DSL_ARCH is set before cutlass is imported), with dynamic
      M/N/K/L, and exports each one to C (`<name>.h` + `<name>.o`) under build/obj/;
-  2. generates build/obj/jax_cake_variants.inc (the variant table for the handlers);
+  2. generates build/obj/jax_cake_variants.inc (the variant table for the handlers,
+     jax_cake/module_table.py) and jax_cake_codes.h (the FFI codes and names of
+     jax_cake/contract.py, which ffi/*.cc include);
   3. compiles ffi/splitk_reduce.cu (nvcc) and ffi/*.cc (g++) against the XLA FFI
      headers of the oldest supported jaxlib (--ffi_headers_jaxlib), because a handler
      built with newer headers fails on an older runtime while older headers work on
-     newer ones (FACTS.md);
+     newer ones;
   4. links build/lib/libjax_cake_ffi.so with the static CuTe DSL runtime from the
      installed nvidia-cutlass-dsl-libs wheel and the static CUDA runtime.
 The library path is printed as the last line of output.
@@ -35,13 +37,15 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 FFI_DIR = REPO_ROOT / "ffi"
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("arch", ["sm_90a"], "GPU architectures to build for (only sm_90a kernels exist so far).")
+flags.DEFINE_list(
+    "arch", list(contract.KERNEL_ARCHS), "GPU architectures to build for (only sm_90a kernels exist so far)."
+)
 flags.DEFINE_string("out_dir", str(REPO_ROOT / "build" / "lib"), "Where libjax_cake_ffi.so is written.")
 flags.DEFINE_string("obj_dir", None, "Where exported kernel objects go (default: <out_dir>/../obj).")
 flags.DEFINE_bool("compile_only", False, "Compile and export the kernels only; skip the C++ build and link.")
 flags.DEFINE_string(
     "ffi_headers_jaxlib",
-    "0.10.2",
+    contract.FFI_HEADERS_JAXLIB,
     "Build the handlers against the XLA FFI headers of this jaxlib version (the oldest supported), "
     "fetched once with pip into build/ffi_headers/ when the installed jaxlib is another version. "
     "'installed' uses the installed jaxlib's headers (the library then needs that jaxlib or newer).",
@@ -272,7 +276,7 @@ def main(argv):
     del argv
     t0 = time.time()
     archs = FLAGS.arch
-    if archs != ["sm_90a"]:
+    if archs != list(contract.KERNEL_ARCHS):
         raise app.UsageError(f"only --arch=sm_90a has kernels so far, got {archs}")
     arch = archs[0]
     out_dir = pathlib.Path(FLAGS.out_dir).resolve()

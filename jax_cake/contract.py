@@ -1,4 +1,4 @@
-"""The names and codes of the FFI boundary (docs/FFI_CONTRACT.md), defined once.
+"""The names and codes of the FFI boundary (docs/ffi_contract.md), defined once.
 
 Python imports them from here (the planner, the primitives, the library loader, the
 build). The C++ handlers include `jax_cake_codes.h`, which the build generates from
@@ -75,6 +75,12 @@ HANDLER_SYMBOLS = tuple(handler_symbol(t) for t in TARGETS)
 MODULE_LOADERS = ("jax_cake_load_modules", "jax_cake_router_load_modules")
 # The shared library the build writes and native.py loads.
 LIBRARY_NAME = "libjax_cake_ffi.so"
+# GPU architectures with compiled kernels (the build's --arch; others run the XLA path).
+KERNEL_ARCHS = ("sm_90a",)
+# The handlers are built against the XLA FFI headers of this jaxlib, the oldest supported:
+# a handler built with newer headers fails on an older runtime, older headers work on
+# newer ones. Part of the cached build's key (native.cache_key).
+FFI_HEADERS_JAXLIB = "0.10.2"
 
 # --- the generated C++ header -------------------------------------------------------------
 HEADER_NAME = "jax_cake_codes.h"
@@ -124,7 +130,8 @@ def header_text() -> str:
     codes("The `schedule` attribute.", "Schedule", SCHEDULES)
     codes("The `raster` attribute.", "Raster", RASTERS)
     lines.append("// A variant's output dtype (Variant::out_dtype in the generated variant table).")
-    lines.append("enum OutDtype : int { " + ", ".join(f"{OUT_DTYPE_ENUMERATORS[n]} = {c}" for n, c in OUT_DTYPES.items()) + " };")
+    enumerators = ", ".join(f"{OUT_DTYPE_ENUMERATORS[name]} = {code}" for name, code in OUT_DTYPES.items())
+    lines.append(f"enum OutDtype : int {{ {enumerators} }};")
     lines.append("")
     lines.append("// FFI target names.")
     for t in TARGETS:

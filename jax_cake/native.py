@@ -6,16 +6,30 @@ CPU-only machine without the library imports this module without error.
 Where the library is looked for, first hit wins:
   1. $JAX_CAKE_LIBRARY (a path to the .so);
   2. <repo>/build/lib/libjax_cake_ffi.so (what `python -m jax_cake.build` writes);
-  3. libjax_cake_ffi.so next to this package (an installed copy).
+  3. libjax_cake_ffi.so next to this package (an installed copy);
+  4. the per-user cache, `cache_dir()`: $JAX_CAKE_CACHE_DIR/<key>, else
+     $XDG_CACHE_HOME/jax_cake/<key>, else ~/.cache/jax_cake/<key>, where <key> is
+     `cache_key()` (jax_cake's version, the kernels' GPU architecture and the jaxlib
+     version whose FFI headers the handlers are built against).
+
+Build on first use: where none is found and the CuTe DSL is installed
+(`pip install 'jax_cake[build]'`), the first op that needs the library builds it into
+the cache (about a minute, once; one progress line on stderr) and every later process
+reuses it. Without the DSL the error says what to install.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib.util
 import os
 import pathlib
+import subprocess
+import sys
 import threading
 
+from jax_cake import contract
 from jax_cake.contract import LIBRARY_NAME, MODULE_LOADERS, TARGETS, handler_symbol
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -26,16 +40,86 @@ _lib: ctypes.CDLL | None = None
 _registered = False
 
 
+# Overrides the cache root (the library then lives in $JAX_CAKE_CACHE_DIR/<cache_key()>).
+CACHE_ENV = "JAX_CAKE_CACHE_DIR"
+
+
+def cache_key() -> str:
+    """What a cached build depends on: "<jax_cake version>-<GPU arch>-jaxlib<FFI headers version>"."""
+    from jax_cake import __version__
+
+    return f"{__version__}-{contract.KERNEL_ARCHS[0]}-jaxlib{contract.FFI_HEADERS_JAXLIB}"
+
+
+def cache_dir() -> pathlib.Path:
+    """The folder of this user's cached build for `cache_key()` (see the module docstring)."""
+    root = os.environ.get(CACHE_ENV)
+    if root:
+        return pathlib.Path(root).expanduser() / cache_key()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
+    return base / "jax_cake" / cache_key()
+
+
 def library_path() -> pathlib.Path | None:
     """Path of the native library that would be loaded, or None if there is none."""
     env = os.environ.get("JAX_CAKE_LIBRARY")
     if env:
         p = pathlib.Path(env)
         return p if p.is_file() else None
-    for cand in (_REPO_ROOT / "build" / "lib" / LIBRARY_NAME, _PACKAGE_DIR / LIBRARY_NAME):
+    for cand in (_REPO_ROOT / "build" / "lib" / LIBRARY_NAME, _PACKAGE_DIR / LIBRARY_NAME, cache_dir() / LIBRARY_NAME):
         if cand.is_file():
             return cand
     return None
+
+
+def _dsl_available() -> bool:
+    """Whether the CuTe DSL (the `cutlass` package of nvidia-cutlass-dsl) can be imported."""
+    return importlib.util.find_spec("cutlass") is not None
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+    """An exclusive lock across processes (two first uses build once)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build_library(out_dir: pathlib.Path, extra_args: tuple[str, ...] = ()) -> None:
+    """Runs `python -m jax_cake.build` into `out_dir` (a fresh process: the build sets
+    CUTE_DSL_ARCH before cutlass is imported). Its output goes to stderr."""
+    cmd = [sys.executable, "-m", "jax_cake.build", f"--out_dir={out_dir}", f"--obj_dir={out_dir / 'obj'}", *extra_args]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_DIR.parent), env.get("PYTHONPATH")]))
+    try:  # the build's log goes to our stderr, where a user sees the progress line too
+        log = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        log = None
+    proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"jax_cake: building the GPU library into {out_dir} failed (exit {proc.returncode}); "
+                           f"the build's output is above. Command: {' '.join(cmd)}")
+
+
+def _build_into_cache() -> pathlib.Path:
+    """Builds the library into `cache_dir()` unless another process already has; returns its path."""
+    target = cache_dir()
+    lib = target / LIBRARY_NAME
+    with _file_lock(target.parent / f"{target.name}.lock"):
+        if not lib.is_file():  # another process may have built it while we waited
+            print(f"jax_cake: building the GPU library (about a minute, once) into {target}", file=sys.stderr,
+                  flush=True)
+            _build_library(target)
+            if not lib.is_file():
+                raise RuntimeError(f"jax_cake: the build finished but {lib} is missing")
+    return lib
 
 
 def _cuda_device_present() -> bool:
@@ -52,11 +136,16 @@ def _load() -> ctypes.CDLL:
     if _lib is not None:
         return _lib
     path = library_path()
+    if path is None and not os.environ.get("JAX_CAKE_LIBRARY") and _dsl_available():
+        path = _build_into_cache()  # first use on this machine
     if path is None:
-        where = os.environ.get("JAX_CAKE_LIBRARY") or str(_REPO_ROOT / "build" / "lib" / LIBRARY_NAME)
+        where = os.environ.get("JAX_CAKE_LIBRARY") or (
+            f"{_REPO_ROOT / 'build' / 'lib' / LIBRARY_NAME}, {_PACKAGE_DIR / LIBRARY_NAME} and {cache_dir()}"
+        )
         raise RuntimeError(
-            f"jax_cake native library not found (looked at {where}). Build it with "
-            "`python -m jax_cake.build` (needs nvidia-cutlass-dsl and a CUDA toolkit), "
+            f"jax_cake native library not found (looked at {where}). Install the CuTe DSL with "
+            "`pip install 'jax_cake[build]'` (the first op then builds the library once into the cache), or "
+            "build it with `python -m jax_cake.build` (needs nvidia-cutlass-dsl and a CUDA toolkit), "
             "or point JAX_CAKE_LIBRARY at a built libjax_cake_ffi.so."
         )
     _lib = _open(path)

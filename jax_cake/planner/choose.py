@@ -26,8 +26,7 @@ from jax_cake.planner.plan_type import OPS, Plan
 
 _DENSE_OPS = ("fwd", "dgrad", "wgrad")
 
-# Architectures with compiled jax_cake kernels. Others run the XLA path.
-KERNEL_ARCHS = ("sm_90a",)
+KERNEL_ARCHS = contract.KERNEL_ARCHS  # architectures with compiled kernels; others run the XLA path
 
 # Per-tile efficiency prior: larger tiles reuse operands better when compute bound.
 # 128 x 160 runs slower per SM than 128 x 256 (its N-major B tile gets a 64-byte swizzle),
@@ -113,7 +112,8 @@ def _pick_cluster(
     """(cluster, note): a (2, 1) pair where it measured faster and the library holds it."""
     if n < _CLUSTER_MIN_N or k < _CLUSTER_MIN_K or math.ceil(m / tile[0]) < 2:
         return (1, 1), ""
-    if not variants.supports(program, tile, (2, 1), out_dtype, splits, contract.REDUCTIONS[reduction], schedule=schedule):
+    code = contract.REDUCTIONS[reduction]
+    if not variants.supports(program, tile, (2, 1), out_dtype, splits, code, schedule=schedule):
         return (1, 1), ""
     return (2, 1), "; CTA pairs (cluster 2x1) share the B tile by TMA multicast"
 
@@ -443,11 +443,12 @@ def plan(
     raster = "n" if n >= _RASTER_N_MIN else "m"
     schedule = "tiles"
     pingpong_note = _pingpong_rule(op, n, k)
-    if pingpong_note and variants.supports(op, _PINGPONG_TILE, (1, 1), "bfloat16", 1, contract.REDUCTION_NONE, schedule="pingpong"):
+    one_pass = contract.REDUCTION_NONE
+    if pingpong_note and variants.supports(op, _PINGPONG_TILE, (1, 1), "bfloat16", 1, one_pass, schedule="pingpong"):
         tile, schedule, tile_note = _PINGPONG_TILE, "pingpong", pingpong_note
     cluster, cluster_note = _pick_cluster(op, tile, m, n, k, "bfloat16", 1, "none", schedule)
     forced_cluster = forced("cluster")
-    if forced_cluster and variants.supports(op, tile, forced_cluster, "bfloat16", 1, contract.REDUCTION_NONE, schedule=schedule):
+    if forced_cluster and variants.supports(op, tile, forced_cluster, "bfloat16", 1, one_pass, schedule=schedule):
         cluster, cluster_note = forced_cluster, f"; cluster {forced_cluster[0]}x{forced_cluster[1]} (forced)"
     return Plan(
         **base,

@@ -1,6 +1,6 @@
 """Which GPU a trace is planned for: architecture and SM count, found at trace time.
 
-Order of lookup (FACTS.md): the abstract mesh in scope (inside shard_map or
+Order of lookup: the abstract mesh in scope (inside shard_map or
 `jax.sharding.use_abstract_mesh`), else the mesh of the arguments' sharding, else
 `jax.devices()[0]`. Abstract devices carry a kind name and a core count but no compute
 capability, so the architecture comes from the kind name there.

@@ -1,7 +1,7 @@
 """The Plan: what one GEMM call runs, decided at trace time (jax_cake.planner.choose).
 
 Primitives pass a kernel Plan to the native handler as FFI attributes
-(`Plan.ffi_attributes`, docs/FFI_CONTRACT.md).
+(`Plan.ffi_attributes`, docs/ffi_contract.md).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class Plan:
     """What one GEMM call runs. Frozen and hashable: it is static under jit.
 
     The GEMM is C[batch, m, n] = A[batch, m, k] . B[batch, n, k]^T (see
-    docs/FFI_CONTRACT.md for how fwd/dgrad/wgrad map onto it).
+    docs/ffi_contract.md for how fwd/dgrad/wgrad map onto it).
     """
 
     op: str  # one of OPS
@@ -77,7 +77,7 @@ class Plan:
         return tiles * self.splits
 
     def ffi_attributes(self) -> dict[str, Any]:
-        """The attributes the native handler reads (docs/FFI_CONTRACT.md)."""
+        """The attributes the native handler reads (docs/ffi_contract.md)."""
         import numpy as np
 
         return {

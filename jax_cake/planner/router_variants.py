@@ -4,7 +4,7 @@
 the planner may import this module at run time to know which (program, tile) the
 native library can run. An FFI call naming anything else gets INVALID_ARGUMENT.
 
-GEMM convention (as docs/FFI_CONTRACT.md, no batch): C[M, N] = sum_k A[m, k] B[n, k],
+GEMM convention (as docs/ffi_contract.md, no batch): C[M, N] = sum_k A[m, k] B[n, k],
 logical operands and the output float32, each product done as BF16x3
 (a_hi b_hi + a_hi b_lo + a_lo b_hi, fp32 accumulation, hi = bf16(a), lo = bf16(a - hi)).
   fwd:   A = x [T, d] K-major,               B = w [E, d] K-major,               C = logits [T, E]

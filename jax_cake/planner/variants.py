@@ -5,7 +5,7 @@ this module at run time to know which (program, tile, cluster, out dtype) the na
 library can run. A Plan naming anything else is rejected by the FFI handler with
 INVALID_ARGUMENT, so the two sides can only disagree loudly.
 
-GEMM convention (see docs/FFI_CONTRACT.md): C[M, N] = sum_k A[m, k] B[n, k], batch L.
+GEMM convention (see docs/ffi_contract.md): C[M, N] = sum_k A[m, k] B[n, k], batch L.
   fwd:   A = x  [L, T, d_in]  K-major,  B = w [L, d_out, d_in] K-major,  C = y  bf16
   dgrad: A = dy [L, T, d_out] K-major,  B = w viewed [N=d_in, K=d_out]  N-major, C = dx bf16
   wgrad: A = dy viewed [M=d_out, K=T] M-major, B = x viewed [N=d_in, K=T] N-major,
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_cake.contract import (  # the `reduction` codes (docs/FFI_CONTRACT.md)
+from jax_cake.contract import (  # the `reduction` codes (docs/ffi_contract.md)
     REDUCTION_ARRIVAL,
     REDUCTION_NONE,
     REDUCTION_ORDERED,
