@@ -1,11 +1,13 @@
 """Training step of a small transformer block whose projections run through jax_cake.
 
-The block (RMSNorm -> q/k/v -> causal attention -> o, RMSNorm -> MLP up/down) keeps
-float32 master weights [d_out, d_in] and bfloat16 activations; every projection is
-`jax_cake.dense_projection`, so the forward takes BF16 products and the weight gradient
-comes back in float32 straight from the wgrad accumulator. The block is rematerialized
-with `jax_cake.remat.save_projections`: projection outputs are saved, everything else
-(norms, attention softmax, GELU) is recomputed in the backward.
+The block (RMSNorm -> q/k/v -> causal attention -> o, RMSNorm -> SwiGLU MLP gate/up ->
+down) keeps float32 master weights [d_out, d_in] and bfloat16 activations. Projections
+that share an input run as one `jax_cake.fused_projections` (q/k/v; gate/up): one GEMM
+launch each for the forward, dx and dw instead of one per weight. The others (o, down)
+are `jax_cake.dense_projection`. Either way the forward takes BF16 products and each
+weight gradient comes back in float32 straight from the wgrad accumulator. The block is
+rematerialized with `jax_cake.remat.save_projections`: projection outputs are saved,
+everything else (norms, attention softmax, SiLU) is recomputed in the backward.
 
 Task: regress a fixed random linear map of the input tokens (loss must go down).
 Runs on CPU (XLA fallback) and on a supported GPU (AOT kernels):
@@ -56,6 +58,7 @@ def init_params(key, d_model):
         "wk": (d_model, d_model),
         "wv": (d_model, d_model),
         "wo": (d_model, d_model),
+        "w_gate": (4 * d_model, d_model),
         "w_up": (4 * d_model, d_model),
         "w_down": (d_model, 4 * d_model),
     }
@@ -81,10 +84,13 @@ def block(params, x, *, heads, deterministic):
     def proj(h, name):
         return jax_cake.dense_projection(h, params[name], deterministic=deterministic)
 
+    def fused(h, *names):  # projections of one input: one GEMM launch each for fwd, dx, dw
+        return jax_cake.fused_projections(h, [params[n] for n in names], deterministic=deterministic)
+
     batch, seq, d_model = x.shape
     head_dim = d_model // heads
     h = rms_norm(x, params["attn_norm"])
-    q, k, v = (proj(h, n).reshape(batch, seq, heads, head_dim) for n in ("wq", "wk", "wv"))
+    q, k, v = (y.reshape(batch, seq, heads, head_dim) for y in fused(h, "wq", "wk", "wv"))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32)
     causal = jnp.tril(jnp.ones((seq, seq), bool))
     scores = jnp.where(causal, scores / math.sqrt(head_dim), -jnp.inf)
@@ -92,7 +98,8 @@ def block(params, x, *, heads, deterministic):
     attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, d_model)
     x = x + proj(attn, "wo")
     h = rms_norm(x, params["mlp_norm"])
-    return x + proj(jax.nn.gelu(proj(h, "w_up")), "w_down")
+    gate, up = fused(h, "w_gate", "w_up")
+    return x + proj(jax.nn.silu(gate) * up, "w_down")
 
 
 def adam(params, grads, state, step, lr, b1=0.9, b2=0.999, eps=1e-8):
