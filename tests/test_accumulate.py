@@ -237,3 +237,15 @@ def test_example_runs_on_cpu():
     assert "accumulated gradient matches the sum of micro-batch gradients" in proc.stdout, proc.stdout
     losses = [float(v) for v in re.findall(r"^step\s+\d+\s+loss\s+(\S+)", proc.stdout, re.MULTILINE)]
     assert len(losses) >= 2 and losses[-1] < 0.9 * losses[0], proc.stdout
+
+
+def test_bench_runs_on_cpu():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_cake.tools.accumulate_bench", "--tokens=64", "--d_in=128", "--d_out=128",
+         "--runs=1", "--groups=2", "--steps=2", "--flush_mb=1", "--modes=g"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| 128 -> 128 | 64 | 4 | g |" in proc.stdout and "separate/fused" in proc.stdout, proc.stdout
