@@ -2,13 +2,11 @@
 shared memory -> TMA store, in sub-tiles of (tile_m, 32) columns through `epi_stage`
 buffers.
 
-Shared: the construction, each tile's sub-tile partitions, which accumulator registers
-make each sub-tile, and the staging of a sub-tile into its buffer. Each kernel runs its own
-store loop inside its persistent tile loop: the store warp's acquire / TMA store / commit
-are branches on the warp index, dynamic control flow that the DSL takes only in its own
-jit functions, and a jit helper there would have to carry these trace-time objects through
-the dynamic loop, which the DSL refuses. The shared pieces are plain trace-time Python with
-no control flow.
+Here: the construction, each tile's sub-tile partitions, which accumulator registers
+make each sub-tile, and the staging of a sub-tile into its buffer, all plain trace-time
+Python with no control flow. The store loop around them (the store warp's acquire / TMA
+store / commit are branches on the warp index, dynamic control flow the DSL takes only in
+its jit functions) is gemm_base_sm90.GemmSm90Base._store_tile.
 
 Imported only by the kernel modules (AOT); never at run time.
 """

@@ -3,10 +3,13 @@
 C[M, N, Lc] = sum_k A[M, K, L] * B[N, K, L] for bf16 A/B, fp32 accumulation, bf16 or
 fp32 C. M, N, K, L are dynamic: one compiled variant serves every shape.
 
-Layout of the CTA: warpgroup 0 is the producer (one warp issues the TMA loads of A and
-B into a ring of shared-memory stages guarded by an mbarrier pipeline); warpgroups
-1..tile_m/64 are consumers (each owns 64 rows of the tile, issues wgmma on the stage,
-releases it, and finally writes its rows through shared memory with TMA stores).
+Layout of the CTA (the frame of gemm_base_sm90.GemmSm90Base): warpgroup 0 is the
+producer (one warp issues the TMA loads of A and B into a ring of shared-memory stages
+guarded by an mbarrier pipeline); warpgroups 1..tile_m/64 are consumers (each owns 64
+rows of the tile, issues wgmma on the stage, releases it, and finally writes its rows
+through shared memory with TMA stores). This module holds what is the dense family's
+own: the bf16 operands and cluster multicast, the (m, n, batch, split) tile walk, split-K,
+the split tail, ping-pong and the two-level accumulation of fp32 wgrad.
 
 Persistent: the grid holds at most one CTA per SM; CTA i handles tiles i, i + grid,
 ... of the (m, n, batch l, split) tile space, so the producer already loads the next
@@ -20,10 +23,9 @@ output itself. Reduce-add variants instead TMA-add every split into batch l of C
 
 FP32 wgrad (long K = T) uses two-level accumulation (`promote`): wgmma accumulates
 _PROMOTE_EVERY K tiles from zero, then that partial is added to the running fp32
-accumulator. The error of one wgmma chain grows linearly with its length (H200,
-2026-11-29: 1.86e-5 relative for one chain over K = 16384, i.e. 256 K tiles; 9.0e-6 at
-128 tiles; 2.1e-6 at 32 tiles; 2.7e-7 at 4 tiles), about 7e-8 per K tile. bf16 output
-(target 1e-2) does not promote.
+accumulator. The error of one wgmma chain grows about linearly with its length (about
+7e-8 relative per K tile on the H200), so one chain over a long K misses the fp32
+target. bf16 output (target 1e-2) does not promote.
 
 The running total needs a second accumulator (tile_n / 2 more registers per thread), so a
 128 x 256 fp32 tile cannot keep it in registers. Those variants (`promote_in="output"`)
@@ -32,9 +34,9 @@ warpgroups run the epilogue on their chain, the first chain as a plain TMA store
 tile, every later one (the last included) as a TMA reduce-add into it, and restart the
 chain from zero. The store warp waits for the previous chain's bulk stores to complete
 before the next chain's first store, so each element's adds arrive in chain order: bitwise
-reproducible. A promotion costs ~4.5 us of CTA time (H200, 2026-11-30, Nsight Compute: the
-two-buffer TMA store round trips, the reduce-add, the drain and the 4-way conflicted fp32
-shared-memory stores), hence the long chains.
+reproducible. A promotion costs microseconds of CTA time (the TMA store round trips
+through two buffers, the reduce-add, the drain and the bank-conflicted fp32 shared-memory
+stores), hence the long chains.
 
 Split tail (`schedule="split_tail"`, cluster (1, 1)): whole waves of tiles run as
 above; the `rem = tiles % grid` tiles of the last, partial wave are each cut into
@@ -45,8 +47,8 @@ raises a flag; the last piece (the highest item id of its tile, so it never wait
 work scheduled after it) waits for the flags and adds the partials in piece order, then
 stores C. The cut depends only on the shape, the grid and `splits`: bitwise reproducible.
 Workspace: int32 flags [round_up(rem * (splits - 1), 32)], then one partial tile per
-flag. (Cutting K evenly over all CTAs, stream-K proper, was 2x slower for wgrad on the
-H200: CTAs at different K offsets lose the L2 reuse of the shared x and dy rows.) With
+flag. (Cutting K evenly over all CTAs, stream-K proper, was much slower for wgrad: CTAs
+at different K offsets lose the L2 reuse of the shared x and dy rows.) With
 `promote_in="output"` the whole-wave tiles promote into C as above, while the pieces of a
 cut tile never write C before their sum, so each keeps its share of K in one wgmma chain:
 pieces are at most OUTPUT_PROMOTE_EVERY K tiles (the planner plans no more, the FFI
@@ -63,11 +65,10 @@ CTAs walk the same items, so their warpgroups consume the multicast B stages in 
 Streamed activations: in the skinny variants (fwd 128 x 64, wgrad 64-row tiles), when d_out
 fits one tile, every tile of x feeds exactly one CTA tile and x is nearly all the traffic;
 its TMA loads then carry an L2 evict-first hint, so the stream of x replaces itself in L2
-instead of other lines (other tensors' dirty lines) there. H200, 2026-11-30, protocol of
-jax_cake.tools.bench: skinny fwd 6-14 % and wgrad 7-11 % faster. Elsewhere the hint lost: 14 % on
-the batched 128 -> 512 fwd (x re-read by two N tiles), 10 % on the batched 512 -> 128 fwd
-(x read once, but a quarter of the traffic is the output's writes), so only the skinny
-variants carry it.
+instead of other lines (other tensors' dirty lines) there, which makes the skinny fwd
+and wgrad faster. Elsewhere the hint lost (where x is re-read by two N tiles, or where
+the output's writes are a large part of the traffic), so only the skinny variants carry
+it.
 
 Ragged edges: TMA loads zero-fill out-of-bounds rows/columns of A and B (including the
 K tail), and TMA stores clip out-of-bounds rows/columns of C, so no predication is
@@ -85,65 +86,27 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils.distributed import spin_lock_ld_lt_relaxed_wait
 
-from jax_cake.kernels.epilogue_sm90 import make_epilogue, stage_sub_tile, tile_sub_tiles
+from jax_cake.kernels.epilogue_sm90 import make_epilogue, tile_sub_tiles
+from jax_cake.kernels.gemm_base_sm90 import EPI_BARRIER_ID, GemmSm90Base, fence_tensor
 from jax_cake.planner.variants import OUTPUT_PROMOTE_EVERY, GemmVariant
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
 
-# Registers per thread after setmaxnreg (384-thread CTAs only): the producer needs
-# few, the two consumer warpgroups hold the accumulators (64 x tile_n fp32 each =
-# tile_n / 2 registers per thread). 128 * 40 + 256 * 232 <= 64K registers.
-# A 256-thread CTA (one consumer) already gets up to 255 registers: no reconfiguration.
-_PRODUCER_REGS = 40
-_CONSUMER_REGS = 232
 # L2 cache policy of cp.async.bulk.tensor: evict first (CUTLASS's CacheHintSm90::EVICT_FIRST).
 _L2_EVICT_FIRST = 0x12F0000000000000
 # Two-level accumulation interval in K tiles (64 each). Each promotion drains the
 # wgmma pipeline (wait_group(0)), so fewer promotions cost less time; the chain error
 # grows ~linearly with the interval (~7e-8 per K tile, see the module docstring):
-# 16 tiles predicts ~1.1e-6 relative, 9x under the 1e-5 fp32 target and independent
-# of T (was 4: 2.7e-7 measured, at a 13 % time cost against bf16 output). With two
-# consumer warpgroups the second one promotes half an interval later (a first chain
-# of 8 tiles), so the two drains do not coincide.
+# 16 tiles predicts ~1.1e-6 relative, well under the 1e-5 fp32 target whatever T, and
+# shorter intervals cost time for accuracy nobody needs. With two consumer warpgroups
+# the second one promotes half an interval later (a first chain of 8 tiles), so the two
+# drains do not coincide.
 _PROMOTE_EVERY = 16
 
 
-@dsl_user_op
-def _fence_f32(x, *, loc=None, ip=None):
-    """An empty volatile asm that reads and redefines one fp32 register.
-
-    Reading wgmma accumulators must stay after `wgmma.wait_group`; nothing ties plain
-    fp32 adds to that wait, so the compiler may hoist them above it, and ptxas then
-    serializes every wgmma of the kernel (C7514). Routing each accumulator through a
-    side-effecting asm after the wait pins the order (CUTLASS C++ does the same with
-    warpgroup_fence_operand).
-    """
-    return cutlass.Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [cutlass.Float32(x).ir_value(loc=loc, ip=ip)],
-            "",
-            "=f,0",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@cute.jit
-def _fence_tensor(t: cute.Tensor):
-    for i in cutlass.range_constexpr(cute.size(t)):
-        t[i] = _fence_f32(t[i])
-
-
-class GemmSm90:
+class GemmSm90(GemmSm90Base):
     """One compiled GEMM program (see module docstring). Configure with a GemmVariant."""
 
     def __init__(self, variant: GemmVariant):
@@ -194,15 +157,12 @@ class GemmSm90:
         self.c_dtype = _DTYPES[variant.out_dtype]
         # Consumer warpgroups; the threads that share one tile (its accumulator, stage
         # releases and epilogue): all consumers, or with ping-pong one warpgroup.
-        self.num_mma_wg = 2 if self.pingpong else variant.tile_m // 64
-        self.mma_threads = 128 * self.num_mma_wg
+        self._init_cta(2 if self.pingpong else variant.tile_m // 64)
         self.tile_threads = 128 if self.pingpong else self.mma_threads
-        self.threads = 128 + self.mma_threads
         # Epilogue buffers (32-column sub-tiles): a sub-tile waits only for the store that
         # last read its buffer. dgrad gets one per sub-tile (the whole tile): at small
         # K = d_out it is bound by writing C, and its stores then drain under the next
-        # tile's K loop (H200, 2026-11-29: dgrad 4096 -> 48 43.7 -> 40.7 us, 4096 -> 1024
-        # 194.3 -> 189.9); fwd (128, 256) lost 0-2 % with it (one A/B stage fewer), so
+        # tile's K loop; fwd (128, 256) lost a little with it (one A/B stage fewer), so
         # the others keep up to four. The ring index is epi_idx % epi_stage, so the number
         # of sub-tiles per tile must be a multiple of epi_stage: tile_n = 160 (five
         # sub-tiles) gets one buffer per sub-tile.
@@ -213,14 +173,10 @@ class GemmSm90:
             # Two fp32 buffers leave room for a fourth A/B stage at 128 x 256 (four
             # would leave three).
             self.epi_stage = 2
-        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
-        # Epilogue sub-tile: all consumer rows x 32 columns per TMA store.
-        self.epi_tile = (variant.tile_m, 32)
         # Ping-pong: each warpgroup has its own epi_stage buffers.
         self.epi_buffers = self.epi_stage * (2 if self.pingpong else 1)
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * (self.c_dtype.width // 8) * self.epi_buffers
-        ab_bytes = (variant.tile_m + variant.tile_n) * variant.tile_k * 2
-        self.ab_stage = min(8, (self.smem_capacity - epi_bytes - 2048) // ab_bytes)
+        self.ab_stage = self._ring_stages((variant.tile_m + variant.tile_n) * variant.tile_k * 2, epi_bytes)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -249,48 +205,30 @@ class GemmSm90:
             (1 if self.pingpong else self.num_mma_wg, 1, 1),
             tiler_mn=(64, self.tile_mnk[1]),
         )
-        a_smem_staged = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
-        b_smem_staged = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage)
-        epi_smem_staged = sm90_utils.make_smem_layout_epi(self.c_dtype, c_layout, self.epi_tile, self.epi_buffers)
-
-        a_smem = cute.slice_(a_smem_staged, (None, None, 0))
-        b_smem = cute.slice_(b_smem_staged, (None, None, 0))
-        epi_smem = cute.slice_(epi_smem_staged, (None, None, 0))
-        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, a_smem, (self.tile_mnk[0], self.tile_mnk[2])
+        a_smem_staged, b_smem_staged, epi_smem_staged = self._smem_layouts(
+            a_layout, self.ab_dtype, b_layout, self.ab_dtype, c_layout, self.c_dtype, self.ab_stage, self.epi_buffers
         )
-        if cutlass.const_expr(self.cluster_m > 1):
-            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(),
-                mB,
-                b_smem,
-                (self.tile_mnk[1], self.tile_mnk[2]),
-                num_multicast=self.cluster_m,
-            )
-        else:
-            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, b_smem, (self.tile_mnk[1], self.tile_mnk[2])
-            )
+        tma_atom_a, tma_a = self._tma_load(mA, a_smem_staged, self.tile_mnk[0])
+        tma_atom_b, tma_b = self._tma_load(mB, b_smem_staged, self.tile_mnk[1], multicast=self.cluster_m)
         if cutlass.const_expr(self.reduce_add):
             store_op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp()
         else:
             store_op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
-        tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(store_op, mC, epi_smem, self.epi_tile)
+        tma_atom_c, tma_c = self._tma_store(store_op, mC, epi_smem_staged)
         # promote_in="output": later chains reduce-add into the tile the first one stored.
         tma_atom_c_add, tma_c_add = tma_atom_c, tma_c
         if cutlass.const_expr(self.promote_out):
-            tma_atom_c_add, tma_c_add = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(), mC, epi_smem, self.epi_tile
+            tma_atom_c_add, tma_c_add = self._tma_store(
+                cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(), mC, epi_smem_staged
             )
-
-        @cute.struct
-        class SharedStorage:
-            pipe_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(epi_smem_staged)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self._shared_storage(
+            self.ab_stage,
+            {
+                "sA": (self.ab_dtype, a_smem_staged),
+                "sB": (self.ab_dtype, b_smem_staged),
+                "sC": (self.c_dtype, epi_smem_staged),
+            },
+        )
 
         # Persistent grid: at most one CTA per SM (max_ctas, from the caller), each
         # cluster walking cluster tiles (m, n, batch, split) with a stride of the
@@ -349,14 +287,10 @@ class GemmSm90:
         splits: cutlass.Int32,
         raster: cutlass.Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg_idx = warp_idx // 4
+        tidx, warp_idx, wg_idx = self._warp_roles()
 
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
+            self._prefetch_descriptors(tma_atom_a, tma_atom_b, tma_atom_c)
 
         bidx, _, _ = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
@@ -389,35 +323,16 @@ class GemmSm90:
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        a_smem = cute.slice_(a_smem_staged, (None, None, 0))
-        b_smem = cute.slice_(b_smem_staged, (None, None, 0))
-        tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + cute.size_in_bytes(self.ab_dtype, b_smem)
-        # Full barrier: one producer arrive + TMA bytes. Empty barrier: one arrive per
-        # consumer warp (lane 0 signals in PipelineTmaAsync.consumer_release).
-        # With a cluster, each consumer warp releases a stage in every CTA of the
-        # cluster (they all multicast B into it), hence cm arrives per warp.
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.pipe_mbar.data_ptr(),
-            num_stages=self.ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (self.tile_threads // 32) * cm),
-            tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, cm, 1, 1)),
-            defer_sync=cm > 1,
-        )
-        if cutlass.const_expr(cm > 1):
-            # Barrier init must be visible cluster-wide before any peer multicasts.
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(cm, 1), is_relaxed=True)
-            pipeline.pipeline_init_wait(cluster_shape_mn=(cm, 1))
-
-        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+        tx_bytes = self._stage_bytes(self.ab_dtype, a_smem_staged) + self._stage_bytes(self.ab_dtype, b_smem_staged)
+        # The tile's consumer warps release each stage (in every CTA of the cluster).
+        ab_pipe = self._ring(storage, self.ab_stage, tx_bytes, self.tile_threads // 32, cm)
+        sA = self._smem_tensor(storage.sA, a_smem_staged)
+        sB = self._smem_tensor(storage.sB, b_smem_staged)
+        sC = self._smem_tensor(storage.sC, epi_smem_staged)
 
         if wg_idx == 0:
             # ------------------------------------------------------------ producer
-            if cutlass.const_expr(self.num_mma_wg == 2):
-                cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            self._producer_regs()
             if warp_idx == 0:
                 prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 # Persistent: this cluster walks cluster tiles id, id + #clusters, ...;
@@ -441,13 +356,9 @@ class GemmSm90:
                     k_begin, k_cnt = self._k_range(split, per_split, k_tiles, piece, pieces)
                     gA = cute.local_tile(mA, self.tile_mnk, (pid_m, pid_n, None, l_idx), proj=(1, None, 1))
                     gB = cute.local_tile(mB, self.tile_mnk, (pid_m, pid_n, None, l_idx), proj=(None, 1, 1))
-                    tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-                    )
+                    tAsA, tAgA = self._tma_part(tma_atom_a, sA, gA)
                     # With a cluster, this CTA loads slice `rank` of B and multicasts it.
-                    tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_b, rank, cute.make_layout(cm), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-                    )
+                    tBsB, tBgB = self._tma_part(tma_atom_b, sB, gB, rank, cm)
                     for kt in cutlass.range(k_cnt, unroll=1):
                         ab_pipe.producer_acquire(prod_state)
                         k_coord = k_begin + kt
@@ -497,17 +408,16 @@ class GemmSm90:
                     ab_pipe.producer_tail(prod_state)
         else:
             # ------------------------------------------------------------ consumers
-            if cutlass.const_expr(self.num_mma_wg == 2):
-                cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            self._consumer_regs()
             mma_wg = wg_idx - 1
             mma_tidx = tidx - 128
             thr_mma = tiled_mma.get_slice(mma_wg * 128)
             # The warp that issues this tile's TMA stores, and this tile's epilogue buffers.
-            store_warp, buf_base, epi_barrier_id = 4, 0, 1
+            store_warp, buf_base, epi_barrier_id = 4, 0, EPI_BARRIER_ID
             if cutlass.const_expr(self.pingpong):
                 mma_tidx = tidx - 128 * wg_idx
                 thr_mma = tiled_mma.get_slice(0)
-                store_warp, buf_base, epi_barrier_id = 4 * wg_idx, mma_wg * self.epi_stage, 1 + mma_wg
+                store_warp, buf_base, epi_barrier_id = 4 * wg_idx, mma_wg * self.epi_stage, EPI_BARRIER_ID + mma_wg
             tCsA = thr_mma.partition_A(sA)
             tCsB = thr_mma.partition_B(sB)
             tCrA = tiled_mma.make_fragment_A(tCsA)
@@ -592,7 +502,7 @@ class GemmSm90:
                         # keeps the tensor cores busy while the other drains.
                         if (kt + promote_phase) % _PROMOTE_EVERY == _PROMOTE_EVERY - 1:
                             cute.nvgpu.warpgroup.wait_group(0)
-                            _fence_tensor(acc_k)
+                            fence_tensor(acc_k)
                             acc.store(acc.load() + acc_k.load())
                             acc_k.fill(0.0)
                     if cutlass.const_expr(self.promote_out):
@@ -601,29 +511,24 @@ class GemmSm90:
                         # goes out in the epilogue below.
                         if kt % OUTPUT_PROMOTE_EVERY == OUTPUT_PROMOTE_EVERY - 1 and kt < chains_end:
                             cute.nvgpu.warpgroup.wait_group(0)
-                            _fence_tensor(acc)
+                            fence_tensor(acc)
                             p_coord = (pid_m, pid_n, None, l_idx)
-                            pS_sD, pS_gD, p_num, p_layout = tile_sub_tiles(
-                                tma_atom_c, mC, sC, self.tile_mnk, self.epi_tile, p_coord
-                            )
-                            pA_sD, pA_gD, _, _ = tile_sub_tiles(
-                                tma_atom_c_add, mC_add, sC, self.tile_mnk, self.epi_tile, p_coord
-                            )
+                            p_plain = tile_sub_tiles(tma_atom_c, mC, sC, self.tile_mnk, self.epi_tile, p_coord)
+                            p_add = tile_sub_tiles(tma_atom_c_add, mC_add, sC, self.tile_mnk, self.epi_tile, p_coord)
                             if warp_idx == store_warp:
                                 # The previous chain's adds must be complete before these.
                                 cute.arch.cp_async_bulk_wait_group(0, read=False)
-                            for epi_idx in cutlass.range_constexpr(p_num):
-                                buf = epi_idx % self.epi_stage
-                                if warp_idx == store_warp:
-                                    c_pipe.producer_acquire()
-                                stage_sub_tile(staging, epi_idx, buf, self.c_dtype)
-                                coord = p_layout.get_hier_coord(epi_idx)
-                                if warp_idx == store_warp:
-                                    if kt == OUTPUT_PROMOTE_EVERY - 1:
-                                        cute.copy(tma_atom_c, pS_sD[(None, buf)], pS_gD[(None, coord)])
-                                    else:
-                                        cute.copy(tma_atom_c_add, pA_sD[(None, buf)], pA_gD[(None, coord)])
-                                    c_pipe.producer_commit()
+                            self._store_tile(
+                                staging,
+                                c_pipe,
+                                warp_idx,
+                                store_warp,
+                                buf_base,
+                                self.c_dtype,
+                                (tma_atom_c, *p_plain),
+                                (tma_atom_c_add, *p_add),
+                                kt == OUTPUT_PROMOTE_EVERY - 1,
+                            )
                             acc.fill(0.0)
                 if cutlass.const_expr(self.pingpong):
                     # Every MMA of this tile is issued: the other warpgroup's K loop may
@@ -632,10 +537,10 @@ class GemmSm90:
                         their_turn.arrive()
                 cute.nvgpu.warpgroup.wait_group(0)
                 if cutlass.const_expr(self.promote):
-                    _fence_tensor(acc_k)
+                    fence_tensor(acc_k)
                     acc.store(acc.load() + acc_k.load())
                 if cutlass.const_expr(self.promote_out):
-                    _fence_tensor(acc)
+                    fence_tensor(acc)
                 if k_cnt > 0:
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
@@ -680,35 +585,30 @@ class GemmSm90:
                     c_batch = split * num_l + l_idx
                     if cutlass.const_expr(self.reduce_add):
                         c_batch = l_idx
-                    bSG_sD, bSG_gD, epi_tile_num, epi_tile_layout = tile_sub_tiles(
-                        tma_atom_c, mC, sC, self.tile_mnk, self.epi_tile, (pid_m, pid_n, None, c_batch)
-                    )
+                    c_coord = (pid_m, pid_n, None, c_batch)
+                    plain = tile_sub_tiles(tma_atom_c, mC, sC, self.tile_mnk, self.epi_tile, c_coord)
                     if cutlass.const_expr(self.promote_out):
                         # After earlier chains (K loop above) the last one reduce-adds, once
                         # their stores are complete.
                         chained = chains_end >= OUTPUT_PROMOTE_EVERY
-                        bSA_sD, bSA_gD, _, _ = tile_sub_tiles(
-                            tma_atom_c_add, mC_add, sC, self.tile_mnk, self.epi_tile, (pid_m, pid_n, None, c_batch)
-                        )
+                        add = tile_sub_tiles(tma_atom_c_add, mC_add, sC, self.tile_mnk, self.epi_tile, c_coord)
                         if warp_idx == store_warp:
                             cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    for epi_idx in cutlass.range_constexpr(epi_tile_num):
-                        buf = buf_base + epi_idx % self.epi_stage
-                        # Wait only for the store that last read this buffer (epi_stage stores
-                        # ago); the stores of a tile's last sub-tiles drain under the next K loop.
-                        if warp_idx == store_warp:
-                            c_pipe.producer_acquire()
-                        stage_sub_tile(staging, epi_idx, buf, self.c_dtype)
-                        gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
-                        if warp_idx == store_warp:
-                            if cutlass.const_expr(self.promote_out):
-                                if chained:
-                                    cute.copy(tma_atom_c_add, bSA_sD[(None, buf)], bSA_gD[(None, gmem_coord)])
-                                else:
-                                    cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
-                            else:
-                                cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
-                            c_pipe.producer_commit()
+                        self._store_tile(
+                            staging,
+                            c_pipe,
+                            warp_idx,
+                            store_warp,
+                            buf_base,
+                            self.c_dtype,
+                            (tma_atom_c_add, *add),
+                            (tma_atom_c, *plain),
+                            chained,
+                        )
+                    else:
+                        self._store_tile(
+                            staging, c_pipe, warp_idx, store_warp, buf_base, self.c_dtype, (tma_atom_c, *plain)
+                        )
                 if cutlass.const_expr(self.pingpong):
                     # Step over the stages of the other warpgroup's next tile.
                     read_state.advance(k_tiles)

@@ -18,9 +18,10 @@ CTAs share an operand tile in L2). The ring and its barrier phases carry over fr
 tile: loads of the next tile start while a tile's epilogue runs, and its TMA stores drain
 under the next K loop.
 
-CTA (warp-specialized): warpgroup 0, warp 0 streams each K tile's A and B hi/lo tiles by
-TMA into one ring (PipelineTmaAsync; empty = lane 0 of each MMA warp); two MMA
-warpgroups of 64 rows each at tile_m = 128.
+CTA (warp-specialized, in the frame of gemm_base_sm90.GemmSm90Base; this module holds the
+BF16x3 split, the triple MMA and the router's tile walk): warpgroup 0, warp 0 streams
+each K tile's A and B hi/lo tiles by TMA into one ring (PipelineTmaAsync; empty = lane 0
+of each MMA warp); two MMA warpgroups of 64 rows each at tile_m = 128.
   A in registers (fwd, wgrad: A = x, fp32): each MMA thread loads its wgmma-A fragment
      of the fp32 stage, splits it in registers (two elements per conversion) into one of
      three register buffers, so two wgmma groups stay in flight while the next K tile is
@@ -30,10 +31,10 @@ warpgroups of 64 rows each at tile_m = 128.
      added while the chain is small. Two-level accumulation: every 2 (RS: 4) K tiles
      a warpgroup drains its chain (wait_group 0) and adds it into an fp32 register total
      with FADD; the next chain starts with ACCUMULATE = False. wgmma's fp32 accumulation
-     loses precision along a chain (about 1.85e-8 relative per k16 wgmma on the H200: one
-     chain over K = 16384 gave 5.7e-5), so chains stay short. The two warpgroups' drains
-     are spread over the interval. Two 64 x tile_n accumulators per thread limit tile_n
-     to 128. Epilogue: registers -> swizzled smem -> TMA store.
+     loses precision about linearly along a chain (on the order of 1e-8 relative per k16
+     wgmma), so chains stay short. The two warpgroups' drains are spread over the
+     interval. Two 64 x tile_n accumulators per thread limit tile_n to 128. Epilogue:
+     registers -> swizzled smem -> TMA store.
 
 Split-K: a tile's split s reduces a contiguous range of K tiles and stores into batch s
 of C, so with splits > 1 C is the fp32 workspace [splits, M, N] and a separate pass sums
@@ -61,29 +62,22 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_cake.kernels.epilogue_sm90 import make_epilogue, stage_sub_tile, tile_sub_tiles
-from jax_cake.kernels.gemm_sm90 import _fence_tensor
+from jax_cake.kernels.epilogue_sm90 import make_epilogue, tile_sub_tiles
+from jax_cake.kernels.gemm_base_sm90 import EPI_BARRIER_ID, GemmSm90Base, fence_tensor
 from jax_cake.module_table import write_router_variant_table  # the one table generator
 from jax_cake.planner.router_variants import VARIANTS, RouterVariant
 
-# Registers per thread after setmaxnreg: the TMA warpgroup needs few; an MMA thread holds
-# two 64 x tile_n fp32 accumulators (the wgmma chain and the promoted total: 128 registers
-# at tile_n = 128), the A fragment buffers and addresses (SASS: up to R222, no local
-# memory). 128 * 40 + 256 * 232 = 64512 <= 65536.
-_PRODUCER_REGS = 40
-_MMA_REGS = 232
 # Two-level accumulation interval in K tiles (32 each). wgmma's fp32 accumulation in the
-# tensor core loses precision along one chain (measured on the H200: about 1.85e-8
-# relative per k16 wgmma in the chain, i.e. 1.5e-5 at K = 4096 and 5.7e-5 at
-# K = 16384 with all three products in one chain). Every 2 K tiles: chains of 12 wgmma
-# (64 K elements): 4.36e-6 to 4.45e-6 on the H200 (docs/ROUTER_NOTES.md). The warpgroups'
-# drains are spread over the interval, so the other warpgroup's wgmma cover each one.
+# tensor core loses precision along one chain, about linearly with the chain's length
+# (on the order of 1e-8 relative per k16 wgmma), so with all three products in one chain
+# a long K misses the fp32 target; chains of 2 K tiles (12 wgmma, 64 K elements) stay
+# well inside it. The warpgroups' drains are spread over the interval, so the other
+# warpgroup's wgmma cover each one.
 _PROMOTE_EVERY = 2
 # A in registers (fwd, wgrad): three A register buffers keep two wgmma groups in flight
 # while the next K tile is loaded and split, which pays only with chains longer than two
-# K tiles, so these chains are four K tiles (256 K elements). H200, 2026-11-29, against two
-# buffers and chains of two tiles (both with the packed split): fwd 153.2 vs 157.5 us at
-# T = 16384, d = 4096, E = 256; error 4.44e-6 vs 4.43e-6 (docs/ROUTER_NOTES.md).
+# K tiles, so these chains are four K tiles (256 K elements): faster than two buffers and
+# chains of two, at the same error.
 _A_BUFFERS_RS = 3
 _PROMOTE_EVERY_RS = 4
 
@@ -138,16 +132,7 @@ def _split_pairs(src: cute.Tensor, hi: cute.Tensor, lo: cute.Tensor):
         lo[i] = _bf16x2_lo(src[2 * i], src[2 * i + 1], h)
 
 
-def _stage_bytes(dtype, staged):
-    """Bytes of one stage of a staged (.., .., stage) shared-memory layout: a TMA transaction."""
-    return cute.size_in_bytes(dtype, cute.slice_(staged, (None, None, 0)))
-
-
-# Named barrier ids (0 is __syncthreads).
-_EPI_BARRIER_ID = 1
-
-
-class RouterBf16x3Sm90:
+class RouterBf16x3Sm90(GemmSm90Base):
     """One compiled BF16x3 GEMM program (see module docstring). Configure with a RouterVariant."""
 
     def __init__(self, variant: RouterVariant):
@@ -172,58 +157,28 @@ class RouterBf16x3Sm90:
         self.mma_dtype = cutlass.BFloat16
         # A's stage: fp32 (split in registers) or bf16 hi and lo.
         self.a_dtype = self.io_dtype if self.a_rs else self.mma_dtype
-        self.num_mma_wg = variant.tile_m // 64
-        self.mma_threads = 128 * self.num_mma_wg
-        self.threads = 128 + self.mma_threads
+        self._init_cta(variant.tile_m // 64)
         # Epilogue buffers (tile_m x 32 fp32 each). dgrad (K = E = 256: 8 K tiles per
         # tile) writes a 64 KB fp32 tile per 8 K tiles: a buffer per sub-tile lets the
-        # stores drain under the next tile's K loop (H200: 194.7 -> 189.6 us at T = 16384,
-        # d = 4096). fwd and wgrad (long K) store little per K tile: two.
+        # stores drain under the next tile's K loop. fwd and wgrad (long K) store little
+        # per K tile: two.
         self.epi_stage = variant.tile_n // 32 if variant.program == "dgrad" else 2
-        self.epi_tile = (variant.tile_m, 32)
-        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
         tm, tn, tk = self.tile_mnk
         # One ring: a stage holds a K tile's A (fp32, or bf16 hi and lo) and B hi and lo.
         stage_bytes = tm * tk * (4 if self.a_rs else 2 * 2) + tn * tk * 2 * 2
-        epi_bytes = tm * 32 * 4 * self.epi_stage
-        budget = self.smem_capacity - 2048  # mbarriers + alignment padding
-        self.stages = min(8, (budget - epi_bytes) // stage_bytes)
+        self.stages = self._ring_stages(stage_bytes, tm * 32 * 4 * self.epi_stage)
         if self.stages < 2:
             raise ValueError(f"tile {self.tile_mnk} does not fit two stages in shared memory")
-        self.smem_bytes = self.stages * stage_bytes + epi_bytes
 
     # ------------------------------------------------------------------ host side
     def _operand_tma(self, m_hi, m_lo, pre, staged, rows):
         """(atom, tensor, atom_lo, tensor_lo): one TMA per K tile for an operand split on
         chip (the lo pair repeats it and is not used), two (hi, lo) for a pre-split one."""
-        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        one = cute.slice_(staged, (None, None, 0))
-        tile = (rows, self.tile_mnk[2])
-        atom, t = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, m_hi, one, tile)
+        atom, t = self._tma_load(m_hi, staged, rows)
         if not pre:
             return atom, t, atom, t
-        atom_lo, t_lo = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, m_lo, one, tile)
+        atom_lo, t_lo = self._tma_load(m_lo, staged, rows)
         return atom, t, atom_lo, t_lo
-
-    def _shared_storage(self, a_staged, b_staged, epi_staged):
-        """The CTA's shared memory: the ring's barriers and A / B stages, and C's buffers."""
-        f32, bf16 = self.io_dtype, self.mma_dtype
-
-        def buf(dtype, layout):
-            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
-
-        # Built as a dict: the fields depend on the variant (and this module's annotations
-        # are strings under `from __future__ import annotations`).
-        fields = {"mbar": cute.struct.MemRange[cutlass.Int64, self.stages * 2]}
-        if self.a_rs:
-            fields["sA32"] = buf(f32, a_staged)
-        else:
-            fields["sAhi"] = buf(bf16, a_staged)
-            fields["sAlo"] = buf(bf16, a_staged)
-        fields["sBhi"] = buf(bf16, b_staged)
-        fields["sBlo"] = buf(bf16, b_staged)
-        fields["sC"] = buf(f32, epi_staged)
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
     def __call__(
@@ -258,17 +213,17 @@ class RouterBf16x3Sm90:
             a_source=cute.nvgpu.warpgroup.OperandSource.RMEM if self.a_rs else cute.nvgpu.warpgroup.OperandSource.SMEM,
         )
         tm, tn, tk = self.tile_mnk
-        a_staged = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, self.a_dtype, self.stages)
-        b_staged = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, self.mma_dtype, self.stages)
-        epi_staged = sm90_utils.make_smem_layout_epi(self.io_dtype, c_layout, self.epi_tile, self.epi_stage)
-        epi_one = cute.slice_(epi_staged, (None, None, 0))
-
+        a_staged, b_staged, epi_staged = self._smem_layouts(
+            a_layout, self.a_dtype, b_layout, self.mma_dtype, c_layout, self.io_dtype, self.stages, self.epi_stage
+        )
         tma_atom_a, tma_a, tma_atom_a_lo, tma_a_lo = self._operand_tma(mA, mA_lo, not self.a_rs, a_staged, tm)
         tma_atom_b, tma_b, tma_atom_b_lo, tma_b_lo = self._operand_tma(mB, mB_lo, True, b_staged, tn)
-        tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC, epi_one, self.epi_tile
+        tma_atom_c, tma_c = self._tma_store(cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC, epi_staged)
+        f32, bf16 = self.io_dtype, self.mma_dtype
+        a_buffers = {"sA32": (f32, a_staged)} if self.a_rs else {"sAhi": (bf16, a_staged), "sAlo": (bf16, a_staged)}
+        self.shared_storage = self._shared_storage(
+            self.stages, {**a_buffers, "sBhi": (bf16, b_staged), "sBlo": (bf16, b_staged), "sC": (f32, epi_staged)}
         )
-        self.shared_storage = self._shared_storage(a_staged, b_staged, epi_staged)
 
         m = cute.size(mC, mode=[0])
         n = cute.size(mC, mode=[1])
@@ -297,13 +252,6 @@ class RouterBf16x3Sm90:
         )
 
     # ---------------------------------------------------------------- device side
-    @staticmethod
-    def _tma_part(atom, s_tensor, g_tensor):
-        """(smem stages, gmem K tiles) of one TMA load, the CTA's whole tile per copy."""
-        return cute.nvgpu.cpasync.tma_partition(
-            atom, 0, cute.make_layout(1), cute.group_modes(s_tensor, 0, 2), cute.group_modes(g_tensor, 0, 2)
-        )
-
     def _tile_coords(self, tile, tiles_m, tiles_n, k_tiles, per_split):
         """(pid_m, pid_n, split, k_begin, k_cnt) of linear tile index `tile` (plain Python,
         traced inline). fwd walks N fastest, so the E / tile_n CTAs that share an x tile
@@ -353,17 +301,12 @@ class RouterBf16x3Sm90:
         epi_staged: cute.ComposedLayout,
         splits: cutlass.Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg_idx = warp_idx // 4
+        tidx, warp_idx, wg_idx = self._warp_roles()
 
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-            if cutlass.const_expr(not self.a_rs):
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a_lo)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b_lo)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
+            # Without a pre-split A, tma_atom_a_lo is tma_atom_a again.
+            a_atoms = (tma_atom_a,) if self.a_rs else (tma_atom_a, tma_atom_a_lo)
+            self._prefetch_descriptors(*a_atoms, tma_atom_b, tma_atom_b_lo, tma_atom_c)
 
         # Persistent: CTA `bid` takes tiles bid, bid + grid, ... of the (split, M, N) tile
         # space; the ring and its phases carry over from one tile to the next, so the
@@ -383,29 +326,22 @@ class RouterBf16x3Sm90:
 
         # The ring: full = 1 producer arrive + the stage's TMA bytes (A fp32, or A hi and lo;
         # B hi and lo); empty = lane 0 of every MMA warp, once its wgmma on the stage are done.
-        tx = (1 if self.a_rs else 2) * _stage_bytes(self.a_dtype, a_staged) + 2 * _stage_bytes(self.mma_dtype, b_staged)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
-            tx_count=tx,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
+        a_bytes = self._stage_bytes(self.a_dtype, a_staged)
+        tx = (1 if self.a_rs else 2) * a_bytes + 2 * self._stage_bytes(self.mma_dtype, b_staged)
+        pipe = self._ring(storage, self.stages, tx, self.mma_threads // 32)
         sA32 = sAhi = sAlo = None
         if cutlass.const_expr(self.a_rs):
-            sA32 = storage.sA32.get_tensor(a_staged.outer, swizzle=a_staged.inner)
+            sA32 = self._smem_tensor(storage.sA32, a_staged)
         else:
-            sAhi = storage.sAhi.get_tensor(a_staged.outer, swizzle=a_staged.inner)
-            sAlo = storage.sAlo.get_tensor(a_staged.outer, swizzle=a_staged.inner)
-        sBhi = storage.sBhi.get_tensor(b_staged.outer, swizzle=b_staged.inner)
-        sBlo = storage.sBlo.get_tensor(b_staged.outer, swizzle=b_staged.inner)
-        sC = storage.sC.get_tensor(epi_staged.outer, swizzle=epi_staged.inner)
+            sAhi = self._smem_tensor(storage.sAhi, a_staged)
+            sAlo = self._smem_tensor(storage.sAlo, a_staged)
+        sBhi = self._smem_tensor(storage.sBhi, b_staged)
+        sBlo = self._smem_tensor(storage.sBlo, b_staged)
+        sC = self._smem_tensor(storage.sC, epi_staged)
 
         if wg_idx == 0:
             # ------------------------------------------------------------ TMA loads
-            if cutlass.const_expr(self.num_mma_wg == 2):
-                cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            self._producer_regs()
             if warp_idx == 0:
                 part = self._tma_part
                 load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -433,8 +369,7 @@ class RouterBf16x3Sm90:
                         load_state.advance()
         else:
             # ------------------------------------------------------------ MMA warps
-            if cutlass.const_expr(self.num_mma_wg == 2):
-                cute.arch.setmaxregister_increase(_MMA_REGS)
+            self._consumer_regs()
             mma_wg = wg_idx - 1
             mma_tidx = tidx - 128
             # The MMA warpgroups promote on different K tiles (spread over the interval),
@@ -484,7 +419,7 @@ class RouterBf16x3Sm90:
                 mma_tidx,
                 self.epi_stage,
                 self.mma_threads,
-                _EPI_BARRIER_ID,
+                EPI_BARRIER_ID,
             )
             first_mma_warp = 4
 
@@ -531,7 +466,7 @@ class RouterBf16x3Sm90:
                                 # Promote: drain the chain and add it into the fp32 total.
                                 if chain_end:
                                     cute.nvgpu.warpgroup.wait_group(0)
-                                    _fence_tensor(acc_k)
+                                    fence_tensor(acc_k)
                                     acc.store(acc.load() + acc_k.load())
                     cute.nvgpu.warpgroup.wait_group(0)
                     # The tile's last nb - 1 stages (their wgmma are done).
@@ -571,10 +506,10 @@ class RouterBf16x3Sm90:
                         read_state.advance()
                         # Promote: drain the chain and add it into the fp32 total (FADD,
                         # round-to-nearest). The fence keeps the FADDs after the wait (see
-                        # gemm_sm90._fence_f32: otherwise ptxas serializes every wgmma).
+                        # gemm_base_sm90._fence_f32: otherwise ptxas serializes every wgmma).
                         if chain_end:
                             cute.nvgpu.warpgroup.wait_group(0)
-                            _fence_tensor(acc_k)
+                            fence_tensor(acc_k)
                             acc.store(acc.load() + acc_k.load())
                     cute.nvgpu.warpgroup.wait_group(0)
                     # The tile's last stage (its wgmma are done).
@@ -583,23 +518,12 @@ class RouterBf16x3Sm90:
                         release_state.advance()
 
                 # -------------------------------------------------------- epilogue
-                # registers -> swizzled smem (epi_stage buffers) -> TMA store, which clips the edges.
-                # The store of a tile drains while the next tile's K loop runs.
-                bSG_sD, bSG_gD, epi_tile_num, epi_tile_layout = tile_sub_tiles(
-                    tma_atom_c, mC, sC, self.tile_mnk, self.epi_tile, (pid_m, pid_n, None, split)
-                )
-                for epi_idx in cutlass.range_constexpr(epi_tile_num):
-                    buf = epi_idx % self.epi_stage
-                    # Wait only for the store that last read this buffer (epi_stage stores
-                    # ago), so with a whole tile of buffers the MMA warps never wait on this
-                    # tile's stores: they drain under the next tile's K loop.
-                    if warp_idx == first_mma_warp:
-                        c_pipe.producer_acquire()
-                    stage_sub_tile(staging, epi_idx, buf)
-                    gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
-                    if warp_idx == first_mma_warp:
-                        cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gmem_coord)])
-                        c_pipe.producer_commit()
+                # registers -> swizzled smem (epi_stage buffers) -> TMA store, which clips the
+                # edges. The store of a tile drains while the next tile's K loop runs; with a
+                # whole tile of buffers (dgrad) the MMA warps never wait on this tile's stores.
+                c_coord = (pid_m, pid_n, None, split)
+                sub_tiles = tile_sub_tiles(tma_atom_c, mC, sC, self.tile_mnk, self.epi_tile, c_coord)
+                self._store_tile(staging, c_pipe, warp_idx, first_mma_warp, 0, None, (tma_atom_c, *sub_tiles))
             if warp_idx == first_mma_warp:
                 c_pipe.producer_tail()
 

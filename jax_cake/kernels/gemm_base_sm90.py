@@ -1,0 +1,223 @@
+"""What the sm_90a GEMM kernels of jax_cake (gemm_sm90: dense bf16; router_bf16x3_sm90:
+fp32 by BF16x3) have in common.
+
+Both are persistent, warp-specialized TMA + wgmma kernels of one shape: warpgroup 0 is the
+producer (its warp 0 streams each K tile's operands by TMA into a ring of shared-memory
+stages guarded by a PipelineTmaAsync); warpgroups 1..num_mma_wg are consumers, which issue
+wgmma on a stage, release it, and store their tile through (tile_m, 32) sub-tile buffers
+of shared memory by TMA (epilogue_sm90). `GemmSm90Base` holds that frame: the CTA's
+threads and registers, the ring's depth, the shared-memory layouts and TMA atoms, the
+CTA's shared storage, the ring pipeline and the sub-tile store loop. What the kernels do
+inside it (operands, tile walk, the K loop and its accumulation) stays in each family's
+module.
+
+Imported only by the kernel modules (AOT); never at run time.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from jax_cake.kernels.epilogue_sm90 import stage_sub_tile
+
+# Registers per thread after setmaxnreg (384-thread CTAs only): the producer needs few,
+# the two consumer warpgroups hold the accumulators. 128 * 40 + 256 * 232 <= 64K
+# registers. A 256-thread CTA (one consumer) already gets up to 255 registers: no
+# reconfiguration.
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+# Shared memory kept out of the ring and the epilogue buffers: mbarriers and the
+# 1024-byte alignment padding of the buffers.
+_SMEM_RESERVED = 2048
+# Ring depth cap of both families.
+_MAX_STAGES = 8
+# Named barrier of a tile's consumer threads in the epilogue (0 is __syncthreads).
+EPI_BARRIER_ID = 1
+
+
+@dsl_user_op
+def _fence_f32(x, *, loc=None, ip=None):
+    """An empty volatile asm that reads and redefines one fp32 register.
+
+    Reading wgmma accumulators must stay after `wgmma.wait_group`; nothing ties plain
+    fp32 adds to that wait, so the compiler may hoist them above it, and ptxas then
+    serializes every wgmma of the kernel (C7514). Routing each accumulator through a
+    side-effecting asm after the wait pins the order (CUTLASS C++ does the same with
+    warpgroup_fence_operand).
+    """
+    return cutlass.Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [cutlass.Float32(x).ir_value(loc=loc, ip=ip)],
+            "",
+            "=f,0",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@cute.jit
+def fence_tensor(t: cute.Tensor):
+    """_fence_f32 on every element of t: call after a wait_group, before reading t."""
+    for i in cutlass.range_constexpr(cute.size(t)):
+        t[i] = _fence_f32(t[i])
+
+
+class GemmSm90Base:
+    """The frame of a warp-specialized sm_90a GEMM (module docstring).
+
+    A subclass sets `tile_mnk` and calls `_init_cta` in its __init__, then `_ring_stages`
+    once it knows its stage and epilogue bytes; its `epi_stage` is the number of
+    epilogue buffers one tile's store loop cycles through.
+    """
+
+    # ------------------------------------------------------------ configuration
+    def _init_cta(self, num_mma_wg: int) -> None:
+        """The CTA: one producer warpgroup and num_mma_wg consumer warpgroups."""
+        self.num_mma_wg = num_mma_wg
+        self.mma_threads = 128 * num_mma_wg
+        self.threads = 128 + self.mma_threads
+        # Epilogue sub-tile: all of the tile's rows x 32 columns per TMA store.
+        self.epi_tile = (self.tile_mnk[0], 32)
+        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+
+    def _ring_stages(self, stage_bytes: int, epi_bytes: int) -> int:
+        """Stages of the operand ring that fit next to epi_bytes of epilogue buffers."""
+        return min(_MAX_STAGES, (self.smem_capacity - epi_bytes - _SMEM_RESERVED) // stage_bytes)
+
+    # ---------------------------------------------------------------- host side
+    def _smem_layouts(self, a_layout, a_dtype, b_layout, b_dtype, c_layout, c_dtype, stages: int, epi_buffers: int):
+        """(A, B, C) staged shared-memory layouts: `stages` ring stages of the A and B
+        tiles, epi_buffers epilogue sub-tile buffers."""
+        return (
+            sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, a_dtype, stages),
+            sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, b_dtype, stages),
+            sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, epi_buffers),
+        )
+
+    def _tma_load(self, m_x, staged, rows: int, multicast: int = 1):
+        """(atom, TMA tensor) loading one (rows, tile_k) K tile of m_x into a stage of
+        `staged`; with multicast > 1 each CTA of the cluster loads 1/multicast of it for
+        all of them."""
+        one = cute.slice_(staged, (None, None, 0))
+        tile = (rows, self.tile_mnk[2])
+        if multicast > 1:
+            return cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), m_x, one, tile, num_multicast=multicast
+            )
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), m_x, one, tile)
+
+    def _tma_store(self, op, m_c, epi_staged):
+        """(atom, TMA tensor) storing one epilogue sub-tile buffer into m_c by `op`."""
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(op, m_c, cute.slice_(epi_staged, (None, None, 0)), self.epi_tile)
+
+    @staticmethod
+    def _shared_storage(stages: int, buffers: dict):
+        """The CTA's shared memory: the ring's mbarriers (full and empty per stage), then
+        one 1024-byte aligned buffer per entry of `buffers` (name -> (dtype, staged
+        layout)), in order. Built as a dict: the fields depend on the variant (and the
+        kernel modules' annotations are strings under `from __future__ import annotations`)."""
+        fields = {"mbar": cute.struct.MemRange[cutlass.Int64, stages * 2]}
+        for name, (dtype, layout) in buffers.items():
+            fields[name] = cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    # -------------------------------------------------------------- device side
+    @staticmethod
+    def _warp_roles():
+        """(thread index, warp index made warp-uniform, warpgroup index)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        return tidx, warp_idx, warp_idx // 4
+
+    @staticmethod
+    def _prefetch_descriptors(*atoms) -> None:
+        """Prefetch the TMA descriptors of `atoms` (from one warp)."""
+        for atom in atoms:
+            cute.nvgpu.cpasync.prefetch_descriptor(atom)
+
+    @staticmethod
+    def _stage_bytes(dtype, staged) -> int:
+        """Bytes of one stage of a staged (.., .., stage) layout: one TMA transaction."""
+        return cute.size_in_bytes(dtype, cute.slice_(staged, (None, None, 0)))
+
+    @staticmethod
+    def _smem_tensor(field, staged):
+        """The staged tensor over one buffer of the shared storage."""
+        return field.get_tensor(staged.outer, swizzle=staged.inner)
+
+    def _ring(self, storage, stages: int, tx_count, consumer_warps: int, cm: int = 1):
+        """The operand ring's PipelineTmaAsync. Full barrier: one producer arrive + the
+        stage's TMA bytes (tx_count). Empty barrier: one arrive per consumer warp (lane 0
+        signals in consumer_release); in a (cm, 1) cluster every consumer warp releases
+        the stage in all cm CTAs (they all multicast into it), hence cm arrives per warp."""
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps * cm),
+            tx_count=tx_count,
+            cta_layout_vmnk=cute.make_layout((1, cm, 1, 1)),
+            defer_sync=cm > 1,
+        )
+        if cm > 1:
+            # Barrier init must be visible cluster-wide before any peer multicasts.
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(cm, 1), is_relaxed=True)
+            pipeline.pipeline_init_wait(cluster_shape_mn=(cm, 1))
+        return ring
+
+    @staticmethod
+    def _tma_part(atom, s_tensor, g_tensor, rank=0, cta_count: int = 1):
+        """(smem stages, gmem K tiles) of one TMA load; with cta_count > 1, the slice
+        `rank` this CTA loads (and multicasts) of the tile."""
+        return cute.nvgpu.cpasync.tma_partition(
+            atom, rank, cute.make_layout(cta_count), cute.group_modes(s_tensor, 0, 2), cute.group_modes(g_tensor, 0, 2)
+        )
+
+    def _producer_regs(self) -> None:
+        """Give registers back to the consumers (two consumer warpgroups only)."""
+        if cutlass.const_expr(self.num_mma_wg == 2):
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+
+    def _consumer_regs(self) -> None:
+        """Take the producer's registers (two consumer warpgroups only)."""
+        if cutlass.const_expr(self.num_mma_wg == 2):
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+
+    @cute.jit
+    def _store_tile(self, staging, c_pipe, warp_idx, store_warp, buf_base, c_dtype, first, second=None, use_first=None):
+        """One tile's epilogue: each sub-tile of the accumulator goes to buffer buf_base +
+        (its index % epi_stage) and leaves by TMA store from warp store_warp.
+
+        first, second: (atom, smem partition, gmem partition, sub-tile count, index ->
+        coordinate layout) of tile_sub_tiles; with a second one (None: only first), each
+        sub-tile goes out through first where use_first holds, else through second.
+        c_dtype: convert to it while staging (None: the accumulator's dtype)."""
+        atom, sD, gD, num, layout = first
+        for epi_idx in cutlass.range_constexpr(num):
+            buf = buf_base + epi_idx % self.epi_stage
+            # Wait only for the store that last read this buffer (epi_stage stores ago):
+            # the stores of a tile's last sub-tiles drain under the next tile's K loop.
+            if warp_idx == store_warp:
+                c_pipe.producer_acquire()
+            stage_sub_tile(staging, epi_idx, buf, c_dtype)
+            coord = layout.get_hier_coord(epi_idx)
+            if warp_idx == store_warp:
+                if cutlass.const_expr(second is None):
+                    cute.copy(atom, sD[(None, buf)], gD[(None, coord)])
+                else:
+                    if use_first:
+                        cute.copy(atom, sD[(None, buf)], gD[(None, coord)])
+                    else:
+                        cute.copy(second[0], second[1][(None, buf)], second[2][(None, coord)])
+                c_pipe.producer_commit()
