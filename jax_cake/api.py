@@ -113,7 +113,7 @@ def _projection_bwd(deterministic, w_dtype, residuals, dy):
 _projection.defvjp(_projection_fwd, _projection_bwd)
 
 
-def dense_projection(x, w, *, deterministic: bool = True):
+def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None):
     """y = x @ w.T with BF16 operands and FP32 accumulation.
 
     Args:
@@ -124,11 +124,22 @@ def dense_projection(x, w, *, deterministic: bool = True):
       deterministic: keyword-only. True (default): bitwise identical results on every
         run for the same inputs, shapes and GPU. False: the planner may pick a faster
         split-K program whose weight-gradient sum order can vary, where measured faster.
+      grad_accumulator: keyword-only, None (default) or a float32 array of w's shape: the
+        running sum of w's gradient over micro-batches. Given, the backward adds this
+        call's dw into it inside the wgrad kernel (in place under jit, bitwise
+        reproducible): the cotangent of grad_accumulator is `grad_accumulator + dw` and
+        w's is zero, so `jax.grad(loss, argnums=<the sums>)` returns the new sums (a
+        lax.scan over micro-batches carries them). Give a sum to one call per loss.
+        See jax_cake.accumulate.
 
     Returns:
       y: [..., d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.
     """
     fn = "dense_projection"
+    if grad_accumulator is not None:  # gradient accumulation in the wgrad kernel
+        from jax_cake import accumulate
+
+        return accumulate.dense_projection(x, w, grad_accumulator, deterministic=deterministic)
     deterministic = _check_deterministic(fn, deterministic)
     _check_array(fn, "x", x)
     _check_array(fn, "w", w)
@@ -148,18 +159,24 @@ def dense_projection(x, w, *, deterministic: bool = True):
     return remat.name_output(jnp.reshape(y3, lead + (w.shape[0],)))
 
 
-def batched_projection(x, w, *, deterministic: bool = True):
+def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=None):
     """y[b] = x[b] @ w[b].T for every batch entry b (e.g. MLA head rows), one launch.
 
     Args:
       x: [B, T, d_in] bfloat16.
       w: [B, d_out, d_in] bfloat16 or float32 (master weight, as in dense_projection).
       deterministic: keyword-only, as in dense_projection.
+      grad_accumulator: keyword-only, None or a float32 [B, d_out, d_in] running sum of
+        w's gradient, as in dense_projection.
 
     Returns:
       y: [B, T, d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.
     """
     fn = "batched_projection"
+    if grad_accumulator is not None:  # gradient accumulation in the wgrad kernel
+        from jax_cake import accumulate
+
+        return accumulate.batched_projection(x, w, grad_accumulator, deterministic=deterministic)
     deterministic = _check_deterministic(fn, deterministic)
     _check_array(fn, "x", x)
     _check_array(fn, "w", w)
