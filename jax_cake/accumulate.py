@@ -178,7 +178,8 @@ def dense_projection(x, w, grad_accumulator, *, deterministic: bool = True):
     api._check_rank(fn, "w", w, 2, "[d_out, d_in]")
     if x.shape[-1] != w.shape[1]:
         raise ValueError(
-            f"{fn}: x's last dimension (d_in={x.shape[-1]}) must equal w.shape[1] (d_in={w.shape[1]}); w is [d_out, d_in]"
+            f"{fn}: x's last dimension (d_in={x.shape[-1]}) must equal w.shape[1] (d_in={w.shape[1]}); "
+            "w is [d_out, d_in]"
         )
     _check_accumulator(fn, grad_accumulator, w)
     lead = x.shape[:-1]
