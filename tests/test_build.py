@@ -115,12 +115,3 @@ def test_aot_build_exports_handlers(tmp_path):
     from jax_cake.planner.variants import VARIANTS
 
     assert names.split(",") == [v.name for v in VARIANTS]
-
-
-@pytest.mark.gpu
-def test_gpu_check_quick():
-    """The quick part of `python -m jax_cake.gpu_check` (GPU machine only)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "jax_cake.gpu_check", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

@@ -1,0 +1,52 @@
+"""GPU test set-up: the library registered once per session, and the `slow` cases.
+
+Every test here that touches the GPU is marked `gpu` (skipped without a GPU by
+tests/conftest.py). `slow`-marked cases (the seed grid beyond its first T) are skipped
+unless the -m expression names them: `pytest -m gpu tests` runs the default set,
+`pytest -m "gpu and slow" tests` the rest.
+"""
+
+import pathlib
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # gpu_helpers, kernel_cases
+
+
+def pytest_collection_modifyitems(config, items):
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason='slow GPU case: run with -m "gpu and slow"')
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """The CPU tests of this directory (no `gpu` marker) run on CPU: tests/conftest.py
+    skips by keyword, and every item under a directory named gpu has that keyword."""
+    for item in session.items:
+        if item.get_closest_marker("gpu") is None and HERE in pathlib.Path(item.path).parents:
+            item.own_markers[:] = [
+                m
+                for m in item.own_markers
+                if not (m.name == "skip" and "needs an NVIDIA GPU" in str(m.kwargs.get("reason", "")))
+            ]
+
+
+@pytest.fixture(scope="session")
+def gpu_library():
+    """The CUDA backend up and the jax_cake library's FFI targets registered; a GPU
+    machine without the built library fails here (build it: python -m jax_cake.build)."""
+    import jax
+
+    from jax_cake import native
+
+    device = jax.devices()[0]
+    assert device.platform == "gpu", f"the default device is {device.platform}, not a GPU"
+    assert native.library_path() is not None, "jax_cake library not found: run python -m jax_cake.build"
+    native.ensure_registered()
+    return native.library_path()
