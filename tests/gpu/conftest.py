@@ -24,19 +24,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session):
-    """The CPU tests of this directory (no `gpu` marker) run on CPU: tests/conftest.py
-    skips by keyword, and every item under a directory named gpu has that keyword."""
-    for item in session.items:
-        if item.get_closest_marker("gpu") is None and HERE in pathlib.Path(item.path).parents:
-            item.own_markers[:] = [
-                m
-                for m in item.own_markers
-                if not (m.name == "skip" and "needs an NVIDIA GPU" in str(m.kwargs.get("reason", "")))
-            ]
-
-
 @pytest.fixture(scope="session")
 def gpu_library():
     """The CUDA backend up and the jax_cake library's FFI targets registered; a GPU
