@@ -15,8 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_cake import primitives
+from jax_cake import partitioning, primitives
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import plan as make_plan
 from jax_cake import remat
@@ -61,7 +62,7 @@ def _to_common_varying(*arrays):
 
     Inside shard_map a replicated weight next to token-sharded activations would
     otherwise give the custom_vjp backward a cotangent whose manual axes do not match
-    the input (FACTS.md). pcast's transpose sums the gradient over the added axes, which
+    the input. pcast's transpose sums the gradient over the added axes, which
     is exactly the data-parallel weight-gradient reduction.
     """
     union = frozenset().union(*(_varying_axes(a) for a in arrays))
@@ -89,31 +90,100 @@ def _plans(x3, w3, deterministic: bool, w_dtype: str):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _projection(x3, w3, deterministic: bool, w_dtype: str):
+def _explicit_specs(*arrays):
+    """The operands' PartitionSpecs where their types carry Explicit shardings, else None."""
+    if partitioning.explicit_mesh(*arrays) is None:
+        return None
+    return tuple(jax.typeof(a).sharding.spec for a in arrays)
+
+
+def _as_primal_types(cotangents, primals):
+    """Under Explicit axes a custom_vjp backward returns each cotangent with its primal's
+    sharding type; elsewhere the cotangents are returned as they are."""
+    specs = _explicit_specs(*primals)
+    if specs is None:
+        return tuple(cotangents)
+    return tuple(partitioning.reshard_to(c, spec) for c, spec in zip(cotangents, specs))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _projection(x3, w3, deterministic: bool, w_dtype: str, out_request):
     fwd_plan, _, _ = _plans(x3, w3, deterministic, w_dtype)
-    return primitives.fwd(x3, w3.astype(jnp.bfloat16), fwd_plan)
+    return primitives.fwd(x3, w3.astype(jnp.bfloat16), fwd_plan, out_sharding=out_request)
 
 
-def _projection_fwd(x3, w3, deterministic, w_dtype):
+def _projection_fwd(x3, w3, deterministic, w_dtype, out_request):
     w_bf16 = w3.astype(jnp.bfloat16)
     fwd_plan, _, _ = _plans(x3, w3, deterministic, w_dtype)
-    return primitives.fwd(x3, w_bf16, fwd_plan), (x3, w_bf16)
+    return primitives.fwd(x3, w_bf16, fwd_plan, out_sharding=out_request), (x3, w_bf16)
 
 
-def _projection_bwd(deterministic, w_dtype, residuals, dy):
+def _projection_bwd(deterministic, w_dtype, out_request, residuals, dy):
+    del out_request
     x3, w_bf16 = residuals
     _, dgrad_plan, wgrad_plan = _plans(x3, w_bf16, deterministic, w_dtype)
     dy = dy.astype(jnp.bfloat16)
-    dx = primitives.dgrad(dy, w_bf16, dgrad_plan)
-    dw = primitives.wgrad(dy, x3, wgrad_plan)
-    return dx, dw
+    # Under Explicit axes each gradient is asked for in its primal's sharding (for an
+    # FSDP weight that makes the data-parallel sum of dw a reduce-scatter).
+    x_spec, w_spec = _explicit_specs(x3, w_bf16) or (None, None)
+    dx = primitives.dgrad(dy, w_bf16, dgrad_plan, out_sharding=x_spec)
+    dw = primitives.wgrad(dy, x3, wgrad_plan, deterministic=deterministic, out_sharding=w_spec)
+    return _as_primal_types((dx, dw), (x3, w_bf16))
 
 
 _projection.defvjp(_projection_fwd, _projection_bwd)
 
 
-def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None):
+# --- out_sharding ------------------------------------------------------------------------
+
+
+def _check_out_sharding(fn: str, out_sharding: Any, ndim: int):
+    """out_sharding as (PartitionSpec, NamedSharding or None) after validation, or None."""
+    if out_sharding is None:
+        return None
+    if isinstance(out_sharding, NamedSharding):
+        spec, mesh = out_sharding.spec, out_sharding.mesh
+    elif isinstance(out_sharding, P):
+        spec, mesh = out_sharding, jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError(
+                f"{fn}: out_sharding={spec} is a PartitionSpec but no mesh is set; "
+                "call under `with jax.set_mesh(mesh):` or pass a NamedSharding"
+            )
+    else:
+        raise TypeError(
+            f"{fn}: out_sharding must be a jax.sharding.PartitionSpec, a NamedSharding or None, "
+            f"got {type(out_sharding).__name__} {out_sharding!r}"
+        )
+    if any(t == jax.sharding.AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types):
+        raise ValueError(f"{fn}: out_sharding cannot be used inside shard_map (outputs there are per-shard)")
+    if len(spec) > ndim:
+        raise ValueError(f"{fn}: out_sharding={spec} has {len(spec)} entries, more than the output's rank {ndim}")
+    seen: set = set()
+    for axes in partitioning.normalize(spec, ndim):
+        for axis in axes:
+            if axis not in mesh.axis_names:
+                raise ValueError(
+                    f"{fn}: out_sharding={spec} names mesh axis {axis!r}, which the mesh "
+                    f"{tuple(mesh.axis_names)} does not have"
+                )
+            if axis in seen:
+                raise ValueError(f"{fn}: out_sharding={spec} uses mesh axis {axis!r} twice")
+            seen.add(axis)
+    return spec, out_sharding
+
+
+def _apply_out_sharding(y, checked):
+    """y with the sharding asked for: a reshard under Explicit axes, a constraint otherwise."""
+    if checked is None:
+        return y
+    spec, out_sharding = checked
+    if partitioning.explicit_mesh(y) is not None:
+        return partitioning.reshard_to(y, spec)
+    return jax.lax.with_sharding_constraint(y, out_sharding)
+
+
+def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None, out_sharding=None):
     """y = x @ w.T with BF16 operands and FP32 accumulation.
 
     Args:
@@ -131,6 +201,12 @@ def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None)
         w's is zero, so `jax.grad(loss, argnums=<the sums>)` returns the new sums (a
         lax.scan over micro-batches carries them). Give a sum to one call per loss.
         See jax_cake.accumulate.
+      out_sharding: keyword-only, None (default), a PartitionSpec (with a mesh set by
+        `jax.set_mesh`) or a NamedSharding: the sharding of y. None: the sharding rule's
+        (jax_cake.partitioning): the tokens keep x's sharding, d_out w's where x does not
+        use that mesh axis. Given, y is resharded to it (Explicit axes) or constrained to
+        it (Auto axes), and a reduction over a sharded d_in becomes a reduce-scatter where
+        the asked-for sharding allows one.
 
     Returns:
       y: [..., d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.
@@ -152,14 +228,18 @@ def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None)
         raise ValueError(
             f"{fn}: x's last dimension (d_in={x.shape[-1]}) must equal w.shape[1] (d_in={w.shape[1]}); w is [d_out, d_in]"
         )
+    out = _check_out_sharding(fn, out_sharding, x.ndim)
     lead = x.shape[:-1]
     x3 = jnp.reshape(x, (1, math.prod(lead), x.shape[-1]))
     x3, w = _to_common_varying(x3, w)
-    y3 = _projection(x3, w[None], deterministic, jnp.dtype(w.dtype).name)
-    return remat.name_output(jnp.reshape(y3, lead + (w.shape[0],)))
+    # The asked-for sharding reaches the GEMM where y3 has it as it is (x of rank 2).
+    request = P(None, *out[0]) if out is not None and x.ndim == 2 else None
+    y3 = _projection(x3, w[None], deterministic, jnp.dtype(w.dtype).name, request)
+    y = _apply_out_sharding(jnp.reshape(y3, lead + (w.shape[0],)), out)
+    return remat.name_output(y)
 
 
-def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=None):
+def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=None, out_sharding=None):
     """y[b] = x[b] @ w[b].T for every batch entry b (e.g. MLA head rows), one launch.
 
     Args:
@@ -168,6 +248,7 @@ def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=Non
       deterministic: keyword-only, as in dense_projection.
       grad_accumulator: keyword-only, None or a float32 [B, d_out, d_in] running sum of
         w's gradient, as in dense_projection.
+      out_sharding: keyword-only, the sharding of y, as in dense_projection.
 
     Returns:
       y: [B, T, d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.
@@ -192,8 +273,10 @@ def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=Non
         raise ValueError(
             f"{fn}: x.shape[2] (d_in={x.shape[2]}) must equal w.shape[2] (d_in={w.shape[2]}); w is [B, d_out, d_in]"
         )
+    out = _check_out_sharding(fn, out_sharding, 3)
     x, w = _to_common_varying(x, w)
-    return remat.name_output(_projection(x, w, deterministic, jnp.dtype(w.dtype).name))
+    y = _projection(x, w, deterministic, jnp.dtype(w.dtype).name, out[0] if out is not None else None)
+    return remat.name_output(_apply_out_sharding(y, out))
 
 
 # --- the router -----------------------------------------------------------------------
@@ -224,7 +307,10 @@ def _router_bwd(deterministic, residuals, g):
     x, w = residuals
     _, dgrad_plan, wgrad_plan = _router_plans(x, w, deterministic)
     g = g.astype(jnp.float32)
-    return primitives.router_dgrad(g, w, dgrad_plan), primitives.router_wgrad(g, x, wgrad_plan)
+    x_spec, w_spec = _explicit_specs(x, w) or (None, None)
+    dx = primitives.router_dgrad(g, w, dgrad_plan, out_sharding=x_spec)
+    dw = primitives.router_wgrad(g, x, wgrad_plan, deterministic=deterministic, out_sharding=w_spec)
+    return _as_primal_types((dx, dw), (x, w))
 
 
 _router.defvjp(_router_fwd, _router_bwd)

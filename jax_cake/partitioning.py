@@ -1,0 +1,327 @@
+"""Sharding rules for the jax_cake GEMMs under `jax.jit` with sharded operands.
+
+Every GEMM primitive (jax_cake.primitives) is an einsum over named factors:
+
+    fwd           "b t k, b o k -> b t o"     router_fwd    "t k, e k -> t e"
+    dgrad         "b t o, b o k -> b t k"     router_dgrad  "t e, e k -> t k"
+    wgrad         "b t o, b t k -> b o k"     router_wgrad  "t e, t k -> e k"
+
+A factor that is in an operand but not in the result is contracted. One rule (`decide`)
+turns the operands' shardings into the shardings each operand is computed with, the
+result's sharding and the reduction over the mesh axes of the contracted factors:
+
+- The first operand (x, or dy: the activations) keeps its sharding: it is never gathered.
+  Weight gradients (both operands activations) keep the token factor's sharding first.
+- A factor both operands share (the batch b, the contracted factor) takes the first
+  operand's axes; where the first operand leaves it whole and the second one shards it on
+  axes the first does not use, the first operand is sliced locally (it is replicated on
+  those axes, so this moves no data).
+- The second operand's free factor keeps its axes up to the first one the first operand
+  already uses (FSDP: w sharded on the token axis is gathered there, x is not).
+- A factor left whole that the result is wanted sharded on (a consumer's sharding, or
+  out_sharding) is sliced locally where its operand is replicated on those axes.
+- Contracted factors sharded on mesh axes give one psum over them, or a reduce-scatter
+  (psum_scatter) where the result is wanted sharded on those axes (FSDP weight grads,
+  sequence-parallel outputs).
+
+Two ways run the rule:
+
+- Auto axes (and GSPMD): `jax.experimental.custom_partitioning` with a Shardy
+  `sharding_rule` and the GSPMD callbacks. The partition callback receives the per-shard
+  shapes; the local function plans the GEMM for those shapes and the mesh's device.
+- Explicit axes (`jax.sharding.AxisType.Explicit`, `jax.set_mesh`): the shardings are in
+  the operands' types. The operands are resharded (`jax.sharding.reshard`) and the local
+  GEMM runs in `jax.shard_map` with the reduction there. The result's type carries the
+  sharding the rule gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_cake.planner import device as device_lib
+
+Axes = tuple[str, ...]  # the mesh axes one dimension is sharded on, major first
+Spec = tuple[Axes, ...]  # one Axes per dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One GEMM as an einsum over factors: "a-factors, b-factors -> result-factors"."""
+
+    name: str
+    rule: str
+
+    @functools.cached_property
+    def factors(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        lhs, result = self.rule.split("->")
+        a, b = lhs.split(",")
+        return tuple(a.split()), tuple(b.split()), tuple(result.split())
+
+    @property
+    def tokens_contracted(self) -> bool:
+        """A weight gradient: both operands are activations, contracted over the tokens."""
+        return "t" in self.contracted
+
+    @functools.cached_property
+    def contracted(self) -> tuple[str, ...]:
+        a, b, result = self.factors
+        return tuple(f for f in dict.fromkeys(a + b) if f not in result)
+
+
+GEMMS = {
+    g.name: g
+    for g in (
+        Gemm("fwd", "b t k, b o k -> b t o"),
+        Gemm("dgrad", "b t o, b o k -> b t k"),
+        Gemm("wgrad", "b t o, b t k -> b o k"),
+        Gemm("router_fwd", "t k, e k -> t e"),
+        Gemm("router_dgrad", "t e, e k -> t k"),
+        Gemm("router_wgrad", "t e, t k -> e k"),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """How one GEMM runs on a mesh: operand and result shardings, the reduction."""
+
+    arg_specs: tuple[Spec, Spec]
+    out_spec: Spec
+    psum_axes: Axes = ()  # all-reduce over these axes
+    scatter_dim: int | None = None  # reduce-scatter the result's dim over scatter_axes
+    scatter_axes: Axes = ()
+
+    @property
+    def reduces(self) -> bool:
+        return bool(self.psum_axes or self.scatter_axes)
+
+
+def normalize(spec: Any, ndim: int) -> Spec:
+    """A PartitionSpec (or None) as one tuple of mesh axes per dimension."""
+    entries = list(spec) if spec is not None else []
+    entries += [None] * (ndim - len(entries))
+    out = []
+    for e in entries[:ndim]:
+        if e is None or e is P.UNCONSTRAINED:
+            out.append(())
+        elif isinstance(e, str):
+            out.append((e,))
+        else:
+            out.append(tuple(e))
+    return tuple(out)
+
+
+def to_pspec(spec: Spec) -> P:
+    return P(*[None if not axes else axes[0] if len(axes) == 1 else axes for axes in spec])
+
+
+def decide(gemm: Gemm, axis_sizes: dict[str, int], shapes, specs, out_request: Any = None) -> Decision:
+    """The rule of the module docstring for operands of global `shapes` sharded by `specs`.
+
+    `out_request`: the result sharding a consumer wants (a PartitionSpec), or None. It only
+    turns a psum into a reduce-scatter; the result's sharding otherwise follows the rule.
+    """
+    fa, fb, fr = gemm.factors
+    sa, sb = normalize(specs[0], len(fa)), normalize(specs[1], len(fb))
+    size = dict(zip(fa, shapes[0])) | dict(zip(fb, shapes[1]))
+
+    def parts(axes) -> int:
+        return math.prod(axis_sizes[a] for a in axes)
+
+    def even(f, axes) -> Axes:  # the longest prefix of axes that tiles the factor evenly
+        axes = tuple(axes)
+        while axes and size[f] % parts(axes):
+            axes = axes[:-1]
+        return axes
+
+    fac: dict[str, Axes] = {}
+    used: set[str] = set()
+
+    def assign(f, axes):
+        keep: list[str] = []
+        for a in axes:
+            if a in used:
+                break
+            keep.append(a)
+        fac[f] = even(f, keep)
+        used.update(fac[f])
+
+    shared = [f for f in fa if f in fb]
+    if gemm.tokens_contracted:  # weight gradients: the token factor first, from either operand
+        for f in shared:
+            assign(f, sa[fa.index(f)] or sb[fb.index(f)])
+    for f, axes in zip(fa, sa):
+        if f not in fac:
+            assign(f, axes)
+    for f, axes in zip(fb, sb):
+        if f not in fac:
+            assign(f, axes)  # the second operand's free factors: gathered where taken
+        elif not fac[f] and axes and not used & set(axes):
+            assign(f, axes)  # a shared factor the first operand leaves whole: slice it there
+    request = normalize(out_request, len(fr)) if out_request is not None else None
+    if request is not None:  # a whole free factor the result is wanted sharded on: slice it
+        for f, want in zip(fr, request):
+            if not fac[f] and want and not used & set(want) and size[f] % parts(want) == 0:
+                assign(f, want)
+
+    out_spec = [fac[f] for f in fr]
+    psum_axes = tuple(a for f in gemm.contracted for a in fac[f])
+    scatter_dim, scatter_axes = None, ()
+    if psum_axes and request is not None:
+        for d, f in enumerate(fr):
+            have = out_spec[d]
+            extra = request[d][len(have) :]
+            if (
+                request[d][: len(have)] == have
+                and extra
+                and set(extra) <= set(psum_axes)
+                and size[f] % parts(have + extra) == 0
+            ):
+                scatter_dim, scatter_axes = d, extra
+                out_spec[d] = have + extra
+                psum_axes = tuple(a for a in psum_axes if a not in extra)
+                break
+    return Decision(
+        arg_specs=(tuple(fac[f] for f in fa), tuple(fac[f] for f in fb)),
+        out_spec=tuple(out_spec),
+        psum_axes=psum_axes,
+        scatter_dim=scatter_dim,
+        scatter_axes=scatter_axes,
+    )
+
+
+def reduce(y, decision: Decision):
+    """The reduction of a local partial result (inside shard_map or a partition callback)."""
+    if decision.scatter_axes:
+        y = jax.lax.psum_scatter(y, decision.scatter_axes, scatter_dimension=decision.scatter_dim, tiled=True)
+    if decision.psum_axes:
+        y = jax.lax.psum(y, decision.psum_axes)
+    return y
+
+
+# --- Auto axes and GSPMD: custom_partitioning -----------------------------------------
+
+# local(a, b, device, reduce_dtype) -> the per-shard result. `local` is a hashable
+# callable (static under custom_partitioning); device is None for the whole-array call (the
+# plan made at trace time), else the device to plan the per-shard GEMM for. reduce_dtype,
+# when set, is the dtype the local result is produced in before the reduction (FP32 for
+# weight gradients, so partial sums are not rounded to bf16 before they are added).
+Local = Callable[..., Any]
+
+
+def _spec_of(sharding, ndim: int):
+    if sharding is None:
+        return None
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    if sharding.is_fully_replicated:
+        return P()
+    return None  # not expressible on the mesh: computed replicated (correct, not fast)
+
+
+def _mesh_decision(name: str, mesh, arg_shapes, result_shape) -> Decision:
+    gemm = GEMMS[name]
+    specs = [_spec_of(getattr(s, "sharding", None), len(s.shape)) for s in arg_shapes]
+    request = _spec_of(getattr(result_shape, "sharding", None), len(result_shape.shape)) if result_shape else None
+    return decide(gemm, dict(mesh.shape), [s.shape for s in arg_shapes], specs, request)
+
+
+def _infer(name, local, mesh, arg_shapes, result_shape):
+    del local
+    d = _mesh_decision(name, mesh, arg_shapes, None)
+    return NamedSharding(mesh, to_pspec(d.out_spec))
+
+
+def _propagate_user(name, local, mesh, user_shape):
+    del name, local, mesh
+    return user_shape.sharding
+
+
+def _partition(name, local, mesh, arg_shapes, result_shape):
+    d = _mesh_decision(name, mesh, arg_shapes, result_shape)
+    device = device_lib.from_jax_device(mesh.devices.flat[0])
+    out_dtype = result_shape.dtype
+
+    def lower_fn(a, b):
+        if not d.reduces:
+            return local(a, b, device, None)
+        return reduce(local(a, b, device, _reduce_dtype(out_dtype)), d).astype(out_dtype)
+
+    arg_shardings = tuple(NamedSharding(mesh, to_pspec(s)) for s in d.arg_specs)
+    return mesh, lower_fn, NamedSharding(mesh, to_pspec(d.out_spec)), arg_shardings
+
+
+def _reduce_dtype(dtype):
+    import jax.numpy as jnp
+
+    return jnp.float32 if jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) else dtype
+
+
+@functools.cache
+def _partitioned(name: str):
+    gemm = GEMMS[name]
+
+    @functools.partial(custom_partitioning, static_argnums=(0, 1))
+    def op(name, local, a, b):
+        return local(a, b, None, None)
+
+    op.def_partition(
+        partition=_partition,
+        infer_sharding_from_operands=_infer,
+        propagate_user_sharding=_propagate_user,
+        sharding_rule=gemm.rule,
+        reduction_factors=gemm.contracted,
+    )
+    return op
+
+
+def partitioned_call(name: str, local: Local, a, b):
+    """local(a, b) under jit on any mesh with Auto axes: partitioned by GEMMS[name]'s rule."""
+    return _partitioned(name)(name, local, a, b)
+
+
+# --- Explicit axes: shard_map -----------------------------------------------------------
+
+
+def explicit_mesh(*arrays):
+    """The abstract mesh of the operands' types if it has an Explicit axis, else None."""
+    for a in arrays:
+        mesh = jax.typeof(a).sharding.mesh
+        if not mesh.empty and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+            return mesh
+    return None
+
+
+def explicit_call(name: str, local: Local, a, b, *, mesh, device, out_request: Any = None):
+    """local(a, b) on operands whose types carry Explicit shardings on `mesh`."""
+    gemm = GEMMS[name]
+    specs = [jax.typeof(v).sharding.spec for v in (a, b)]
+    d = decide(gemm, dict(mesh.shape), [a.shape, b.shape], specs, out_request)
+    a, b = (_reshard(v, to_pspec(s)) for v, s in zip((a, b), d.arg_specs))
+
+    def body(a, b):
+        if not d.reduces:
+            return local(a, b, device, None)
+        return reduce(local(a, b, device, jax.numpy.float32), d).astype(local.out_dtype)
+
+    in_specs = tuple(to_pspec(s) for s in d.arg_specs)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=to_pspec(d.out_spec))(a, b)
+
+
+def _reshard(v, spec: P):
+    if normalize(jax.typeof(v).sharding.spec, v.ndim) == normalize(spec, v.ndim):
+        return v
+    return jax.sharding.reshard(v, spec)
+
+
+def reshard_to(v, spec):
+    """v resharded to `spec` (its type's mesh, Explicit axes); v itself if it has it."""
+    return _reshard(v, spec if isinstance(spec, P) else P(*spec))

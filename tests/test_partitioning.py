@@ -1,0 +1,335 @@
+"""jit with sharded inputs on 8 fake CPU devices: the partitioning rule of every GEMM.
+
+Each case runs one compiled step (y and the vjp of a fixed cotangent) under Auto axes
+(custom_partitioning, Shardy) and under Explicit axes (jax.set_mesh, shard_map), checks
+values and gradients against the unsharded run, and reads the collectives of the
+compiled HLO: the reduction the math needs and no all-gather of x.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_cake as jc
+from jax_cake import partitioning
+from helpers import rand
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+_COLLECTIVE = re.compile(
+    r"= \(?([a-z0-9]+\[[0-9,]*\])[^=]*? (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\("
+)
+
+
+def collectives(text: str) -> list[tuple[str, str]]:
+    """(kind, result shape) of every non-scalar collective in compiled HLO text."""
+    found = [(m.group(2), m.group(1)) for m in map(_COLLECTIVE.search, text.splitlines()) if m]
+    return [(kind, shape) for kind, shape in found if not shape.endswith("[]")]
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in shape[shape.index("[") + 1 : -1].split(",") if d)
+
+
+def _mesh(shape, names, explicit):
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+
+
+def _step(op):
+    """(x, w, ct) -> (y, dx, dw): one forward and the vjp of the cotangent ct."""
+
+    def step(x, w, ct):
+        y, vjp = jax.vjp(op, x, w)
+        if partitioning.explicit_mesh(y) is not None:  # the cotangent has y's type
+            ct = jax.sharding.reshard(ct, jax.typeof(y).sharding.spec)
+        return (y, *vjp(ct.astype(y.dtype)))
+
+    return step
+
+
+def _run(op, mesh, x, w, ct, x_spec, w_spec, ct_spec=P()):
+    """The sharded step's outputs and compiled HLO text, plus the unsharded outputs.
+
+    ct (y's cotangent) comes sharded as y is in a model (by ct_spec). Under Auto axes the
+    outputs are asked for in those shardings (y as ct, dx as x, dw as w), as a training
+    step's optimizer update would; under Explicit axes the types carry them."""
+    named = lambda spec: NamedSharding(mesh, spec)
+    explicit = partitioning.explicit_mesh(jax.device_put(x, named(P()))) is not None
+    step = jax.jit(_step(op), out_shardings=None if explicit else tuple(map(named, (ct_spec, x_spec, w_spec))))
+    args = (
+        jax.device_put(x, NamedSharding(mesh, x_spec)),
+        jax.device_put(w, NamedSharding(mesh, w_spec)),
+        jax.device_put(ct, NamedSharding(mesh, ct_spec)),
+    )
+    with jax.set_mesh(mesh):
+        compiled = step.lower(*args).compile()
+        got = compiled(*args)
+    return got, compiled.as_text(), step(x, w, ct)
+
+
+def _close(got, want, tol):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want), np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def _check_values(got, want, w_dtype):
+    (y, dx, dw), (ry, rdx, rdw) = got, want
+    assert (y.dtype, dx.dtype, dw.dtype) == (ry.dtype, rdx.dtype, rdw.dtype)
+    _close(y, ry, 1e-2)
+    _close(dx, rdx, 1e-2)
+    _close(dw, rdw, 1e-5 if w_dtype == F32 else 1e-2)
+
+
+def _no_gather_of(calls, *shapes):
+    gathered = {_dims(s) for kind, s in calls if kind == "all-gather"}
+    for shape in shapes:
+        assert tuple(shape) not in gathered and (1, *shape) not in gathered, calls
+
+
+# --- dense_projection: DP, TP by column and by row, FSDP; Auto and Explicit ---------------
+
+T, K, O = 64, 32, 16
+DENSE_CASES = {
+    # name: (mesh shape, names, x, w and y specs, the expected collectives {kind: [shapes]})
+    "dp": ((8,), ("d",), P("d"), P(), P("d"), {"all-reduce": [(1, O, K)]}),  # dw
+    "tp_col": ((8,), ("d",), P(), P("d"), P(None, "d"), {"all-reduce": [(1, T, K)]}),  # dx
+    "tp_row": ((8,), ("d",), P(None, "d"), P(None, "d"), P(), {"all-reduce": [(1, T, O)]}),  # y
+    # w gathered (forward, backward), dw reduce-scattered
+    "fsdp": ((8,), ("d",), P("d"), P("d"), P("d"), {"all-gather": [(1, O, K)], "reduce-scatter": [(1, O // 8, K)]}),
+    # dw summed over dp, dx over tp
+    "dp_x_tp": (
+        (4, 2),
+        ("dp", "tp"),
+        P("dp"),
+        P("tp"),
+        P("dp", "tp"),
+        {"all-reduce": [(1, O // 2, K), (1, T // 4, K)]},
+    ),
+}
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize(
+    "case,w_dtype",
+    [(c, F32) for c in DENSE_CASES] + [("dp", BF16), ("fsdp", BF16), ("tp_row", BF16)],
+)
+def test_dense_projection_sharded_equals_unsharded(case, w_dtype, explicit):
+    shape, names, x_spec, w_spec, y_spec, expected = DENSE_CASES[case]
+    x, w, ct = rand(1, (T, K), BF16), rand(2, (O, K), w_dtype), rand(3, (T, O), F32)
+    got, text, want = _run(jc.dense_projection, _mesh(shape, names, explicit), x, w, ct, x_spec, w_spec, y_spec)
+    _check_values(got, want, w_dtype)
+    calls = collectives(text)
+    _no_gather_of(calls, (T, K), (T, O))
+    kinds = {}
+    for kind, s in calls:
+        kinds.setdefault(kind, set()).add(_dims(s))
+    assert set(kinds) == set(expected), calls
+    for kind, shapes in expected.items():
+        # XLA may keep a 1-sized leading axis or drop it
+        assert all(s in kinds[kind] or s[1:] in kinds[kind] for s in shapes), (kind, calls)
+    if explicit:  # each gradient's type carries its primal's sharding
+        assert partitioning.normalize(jax.typeof(got[1]).sharding.spec, 2) == partitioning.normalize(x_spec, 2)
+        assert partitioning.normalize(jax.typeof(got[2]).sharding.spec, 2) == partitioning.normalize(w_spec, 2)
+
+
+# --- batched_projection and router_logits ---------------------------------------------------
+
+BATCHED_CASES = {
+    "expert_parallel": (P("d"), P("d"), set()),  # B over devices: everything local
+    "dp_tokens": (P(None, "d"), P(), {"all-reduce"}),  # dw summed over the token shards
+}  # y is sharded as x
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("case", BATCHED_CASES)
+def test_batched_projection_sharded_equals_unsharded(case, explicit):
+    x_spec, w_spec, kinds = BATCHED_CASES[case]
+    x, w, ct = rand(4, (8, 32, K), BF16), rand(5, (8, O, K), F32), rand(6, (8, 32, O), F32)
+    got, text, want = _run(jc.batched_projection, _mesh((8,), ("d",), explicit), x, w, ct, x_spec, w_spec, x_spec)
+    _check_values(got, want, F32)
+    calls = collectives(text)
+    assert {k for k, _ in calls} == kinds, calls
+    if kinds:
+        assert (8, O, K) in {_dims(s) for _, s in calls}, calls
+
+
+ROUTER_CASES = {
+    "dp": (P("d"), P(), P("d"), (16, K)),  # dw [E, d] all-reduced
+    "expert_parallel": (P(), P("d"), P(None, "d"), (64, K)),  # E over devices: dx [T, d] all-reduced
+}
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("case", ROUTER_CASES)
+def test_router_logits_sharded_equals_unsharded(case, explicit):
+    x_spec, w_spec, y_spec, reduced = ROUTER_CASES[case]
+    x, w, ct = rand(7, (64, K), F32), 0.1 * rand(8, (16, K), F32), rand(9, (64, 16), F32)
+    (y, dx, dw), text, (ry, rdx, rdw) = _run(
+        jc.router_logits, _mesh((8,), ("d",), explicit), x, w, ct, x_spec, w_spec, y_spec
+    )
+    for got, want in ((y, ry), (dx, rdx), (dw, rdw)):
+        assert got.dtype == F32
+        _close(got, want, 1e-5)
+    calls = collectives(text)
+    assert [(k, _dims(s)) for k, s in calls] == [("all-reduce", reduced)], calls
+
+
+# --- out_sharding: a psum over d_in becomes a reduce-scatter ----------------------------------
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_out_sharding_turns_the_row_parallel_psum_into_a_reduce_scatter(explicit):
+    mesh = _mesh((8,), ("d",), explicit)
+    x, w = rand(10, (T, K), BF16), rand(11, (O, K), F32)
+    f = jax.jit(lambda x, w: jc.dense_projection(x, w, out_sharding=P("d")))
+    xs, ws = (jax.device_put(a, NamedSharding(mesh, P(None, "d"))) for a in (x, w))
+    with jax.set_mesh(mesh):
+        compiled = f.lower(xs, ws).compile()
+        y = compiled(xs, ws)
+    assert y.sharding.spec[0] == "d"
+    assert {k for k, _ in collectives(compiled.as_text())} == {"reduce-scatter"}, collectives(compiled.as_text())
+    _close(y, jc.dense_projection(x, w), 1e-2)
+
+
+def test_out_sharding_is_validated_and_named():
+    x, w = jax.ShapeDtypeStruct((T, K), BF16), jax.ShapeDtypeStruct((O, K), F32)
+    trace = lambda **kw: jax.jit(lambda x, w: jc.dense_projection(x, w, **kw)).trace(x, w)
+    with pytest.raises(TypeError, match="dense_projection: out_sharding must be"):
+        trace(out_sharding="d")
+    with pytest.raises(ValueError, match="out_sharding=.* no mesh is set"):
+        trace(out_sharding=P("d"))
+    mesh = _mesh((8,), ("d",), True)
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match="out_sharding=.* names mesh axis 'e'"):
+            trace(out_sharding=P("e"))
+        with pytest.raises(ValueError, match="out_sharding=.* more than the output's rank 2"):
+            trace(out_sharding=P(None, None, "d"))
+        with pytest.raises(ValueError, match="uses mesh axis 'd' twice"):
+            trace(out_sharding=P("d", "d"))
+    xb, wb = jax.ShapeDtypeStruct((2, T, K), BF16), jax.ShapeDtypeStruct((2, O, K), F32)
+    with pytest.raises(TypeError, match="batched_projection: out_sharding must be"):
+        jax.jit(lambda x, w: jc.batched_projection(x, w, out_sharding=1)).trace(xb, wb)
+
+
+# --- the plan is made per shard, in the partition callback -----------------------------------
+
+
+def test_partition_callback_plans_the_per_shard_shapes(monkeypatch):
+    from jax_cake import primitives
+
+    seen = []
+    real = primitives.make_plan
+    monkeypatch.setattr(primitives, "make_plan", lambda op, **kw: seen.append((op, kw["tokens"])) or real(op, **kw))
+    mesh = _mesh((8,), ("d",), False)
+    x, w = rand(12, (8 * 40, K), BF16), rand(13, (24, K), F32)
+    ct = rand(14, (8 * 40, 24), F32)
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in ((x, P("d")), (w, P()), (ct, P("d")))]
+    jax.jit(_step(jc.dense_projection)).lower(*args).compile()
+    assert {("fwd", 40), ("dgrad", 40), ("wgrad", 40)} <= set(seen), seen
+
+
+# --- the rule itself -----------------------------------------------------------------------------
+
+SIZES = {"d": 8, "e": 2}
+
+
+@pytest.mark.parametrize(
+    "gemm,specs,arg_specs,out_spec,psum",
+    [
+        # data parallel: tokens keep their axis; wgrad sums over it
+        ("fwd", (P(None, "d"), P()), (((), ("d",), ()), ((), (), ())), ((), ("d",), ()), ()),
+        ("wgrad", (P(None, "d"), P(None, "d")), (((), ("d",), ()), ((), ("d",), ())), ((), (), ()), ("d",)),
+        # FSDP: w's d_out shares x's token axis: w is gathered, x is not
+        ("fwd", (P(None, "d"), P(None, "d")), (((), ("d",), ()), ((), (), ())), ((), ("d",), ()), ()),
+        # x replicated, w sharded on d_in: x is sliced locally, the partial sums are added
+        ("fwd", (P(), P(None, None, "d")), (((), (), ("d",)), ((), (), ("d",))), ((), (), ()), ("d",)),
+        # 2 x 8 mesh: w's (e, d) d_out sharding keeps e only (d is x's)
+        ("fwd", (P(None, "d"), P(None, ("e", "d"))), (((), ("d",), ()), ((), ("e",), ())), ((), ("d",), ("e",)), ()),
+        # router, experts over e
+        ("router_dgrad", (P("d"), P("e")), ((("d",), ("e",)), (("e",), ())), (("d",), ()), ("e",)),
+    ],
+)
+def test_decide(gemm, specs, arg_specs, out_spec, psum):
+    g = partitioning.GEMMS[gemm]
+    shapes = [(2, 64, 32), (2, 16, 32)] if not gemm.startswith("router") else [(64, 16), (16, 32)]
+    if gemm == "wgrad":
+        shapes = [(2, 64, 16), (2, 64, 32)]
+    d = partitioning.decide(g, SIZES, shapes, specs)
+    assert (d.arg_specs, d.out_spec, d.psum_axes) == (arg_specs, out_spec, psum)
+
+
+def test_decide_gathers_an_uneven_factor_and_scatters_where_asked():
+    g = partitioning.GEMMS["wgrad"]
+    uneven = partitioning.decide(g, SIZES, [(1, 60, 16), (1, 60, 32)], (P(None, "d"), P(None, "d")))
+    assert uneven.arg_specs == (((), (), ()), ((), (), ())) and not uneven.reduces
+    fsdp = partitioning.decide(g, SIZES, [(1, 64, 16), (1, 64, 32)], (P(None, "d"), P(None, "d")), P(None, "d"))
+    assert (fsdp.scatter_dim, fsdp.scatter_axes, fsdp.psum_axes) == (1, ("d",), ())
+    assert fsdp.out_spec == ((), ("d",), ())
+
+
+def test_every_gemm_has_a_shardy_rule_with_its_contracted_factor():
+    rules = {name: (g.rule, g.contracted) for name, g in partitioning.GEMMS.items()}
+    assert rules == {
+        "fwd": ("b t k, b o k -> b t o", ("k",)),
+        "dgrad": ("b t o, b o k -> b t k", ("o",)),
+        "wgrad": ("b t o, b t k -> b o k", ("t",)),
+        "router_fwd": ("t k, e k -> t e", ("k",)),
+        "router_dgrad": ("t e, e k -> t k", ("e",)),
+        "router_wgrad": ("t e, t k -> e k", ("t",)),
+    }
+
+
+def test_gspmd_partitioner_runs_the_same_rule():
+    """With Shardy off, the GSPMD callbacks give the same data-parallel program."""
+    mesh = _mesh((8,), ("d",), False)
+    x, w = rand(14, (T, K), BF16), rand(15, (O, K), F32)
+    f = jax.jit(jax.grad(lambda x, w: jnp.sum(jc.dense_projection(x, w).astype(F32) ** 2), argnums=(0, 1)))
+    want = f(x, w)
+    args = (jax.device_put(x, NamedSharding(mesh, P("d"))), jax.device_put(w, NamedSharding(mesh, P())))
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        f = jax.jit(jax.grad(lambda x, w: jnp.sum(jc.dense_projection(x, w).astype(F32) ** 2), argnums=(0, 1)))
+        compiled = f.lower(*args).compile()
+        got = compiled(*args)
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", previous)
+    assert [(k, _dims(s)) for k, s in collectives(compiled.as_text())] == [("all-reduce", (1, O, K))]
+    _close(got[0], want[0], 1e-2)
+    _close(got[1], want[1], 1e-5)
+
+
+# --- README "Scaling" snippets ----------------------------------------------------------------
+
+
+def test_readme_scaling_jit_auto_and_explicit():
+    # --- snippet: jit with sharded inputs (Auto axes) ---
+    mesh = jax.make_mesh((8,), ("data",))
+    x = jax.device_put(jnp.ones((1024, 256), jnp.bfloat16), NamedSharding(mesh, P("data")))
+    w = jax.device_put(jnp.ones((512, 256), jnp.float32), NamedSharding(mesh, P()))
+
+    @jax.jit
+    def loss_and_grads(x, w):
+        loss = lambda x, w: jnp.sum(jc.dense_projection(x, w).astype(jnp.float32))
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    loss, (dx, dw) = loss_and_grads(x, w)  # per-device GEMMs, one all-reduce of dw
+    # --- end snippet ---
+    assert float(loss) == 1024 * 512 * 256 and dw.shape == w.shape
+
+    # --- snippet: Explicit axes ---
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones((1024, 256), jnp.bfloat16), P("data"))
+        w = jax.device_put(jnp.ones((512, 256), jnp.float32), P("data"))  # FSDP: w's rows too
+        y = jax.jit(jc.dense_projection)(x, w)  # w is gathered, x never
+        assert jax.typeof(y).sharding.spec == P("data", None)
+        y_by_column = jax.jit(lambda x, w: jc.dense_projection(x, w, out_sharding=P(None, "data")))(x, w)
+    # --- end snippet ---
+    assert y_by_column.sharding.spec == P(None, "data")
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_by_column, np.float32))
