@@ -214,7 +214,9 @@ def dot_general(
     arrays = hasattr(lhs, "dtype") and hasattr(rhs, "dtype") and hasattr(lhs, "shape") and hasattr(rhs, "shape")
     bf16_result = preferred_element_type is None or jnp.dtype(preferred_element_type) == _BF16
     if not (arrays and jnp.dtype(lhs.dtype) == _BF16 and jnp.dtype(rhs.dtype) in (_BF16, _F32) and bf16_result):
-        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding)
+        return lax.dot_general(
+            lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding
+        )
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     layout = _layout(lhs, rhs, dimension_numbers)
     routed = (

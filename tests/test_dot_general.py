@@ -57,7 +57,8 @@ CASES = {
 def _reference(x, w, dy, dimension_numbers):
     """float64 lax.dot_general of the same bf16 operands: value, dx, dw."""
     with jax.enable_x64(True):
-        y, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dimension_numbers), jnp.asarray(f64(x)), jnp.asarray(f64(w)))
+        operands = jnp.asarray(f64(x)), jnp.asarray(f64(w))
+        y, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dimension_numbers), *operands)
         return (np.asarray(y),) + tuple(np.asarray(g) for g in vjp(jnp.asarray(f64(dy))))
 
 
@@ -284,6 +285,7 @@ def test_promote_dtype_is_flax_elsewhere():
     for args, dtype in cases:
         expected = [a.dtype for a in linen_promote(*args, dtype=dtype)]
         assert [a.dtype for a in jc.promote_dtype(*args, dtype=dtype)] == expected, (args, dtype)
-        assert [a.dtype for a in jc.promote_dtype(args, dtype=dtype)] == [a.dtype for a in nnx_promote(args, dtype=dtype)]
+        expected = [a.dtype for a in nnx_promote(args, dtype=dtype)]
+        assert [a.dtype for a in jc.promote_dtype(args, dtype=dtype)] == expected, (args, dtype)
     with pytest.raises(ValueError, match="inexact"):
         jc.promote_dtype(i32, i32, i32, dtype=jnp.int32)
