@@ -2,8 +2,9 @@
 
 `plan()` is the entry point. It rules out the kernels where they cannot run (no CUDA GPU,
 another architecture, unaligned or empty shapes: the XLA path, with the reason), then
-picks the tile (utilization ranked by a per-tile prior), the wgrad algorithm (the
-`deterministic` flag, else the measured plan table of jax_cake.planner.tables), K splits,
+runs XLA's dot where the measured plan table (jax_cake.planner.tables) records it faster
+(fwd, dgrad, wgrad), then picks the tile (utilization ranked by a per-tile prior), the
+wgrad algorithm (the `deterministic` flag, else the plan table), K splits,
 split tail, cluster pairing, raster and schedule by the rules below. Pins set by
 `jax_cake.planner.force` (overrides.py) win over the rules. Why each threshold has its
 value, with the measurements behind it: docs/planner.md.
@@ -204,7 +205,7 @@ def _wgrad_plan(
     elif deterministic:
         why = "deterministic=True"
     else:
-        v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens)
+        v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens, batch=batch)
         algorithm, row = v.program, v.row
         why = (
             v.why
@@ -420,7 +421,7 @@ def plan(
             "XLA dot_general with the same semantics"
         )
         if op == "wgrad" and not deterministic and dev.sm_count is not None and tables.load(dev.arch) is not None:
-            v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens)
+            v = tables.verdict(dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens, batch=batch)
             reason += f". The {dev.arch} plan table's verdict for deterministic=False here: {v.program} ({v.why})"
         return _xla_plan(*args, reason)
     if min(batch, tokens, d_in, d_out) == 0:
@@ -434,6 +435,14 @@ def plan(
         )
     if dev.sm_count is None:
         return _xla_plan(*args, f"the SM count of {dev.kind} is unknown")
+
+    if op in _DENSE_OPS and forced("program") is None:  # a forced program (the benchmark's arms) wins
+        v = tables.verdict(
+            dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens, op=op, batch=batch, deterministic=deterministic
+        )
+        if v.program == "xla":  # measured, not a fallback: no warning
+            reason = f"{v.why}: XLA dot_general with the same semantics"
+            return Plan(**_plan_fields(*args, backend="xla"), reason=reason)
 
     base = _plan_fields(*args)
     if op == "wgrad":

@@ -1,11 +1,16 @@
-"""Plan tables: per-architecture data files of measured split-K verdicts.
+"""Plan tables: per-architecture data files of measured verdicts.
 
 A table (`tables/<arch>.json`) holds SM-count ranges; each range holds rows keyed by
-(d_in, d_out, out dtype) and a token range, with the program that wins there ("split"
-or "det"), the split program's tile/splits where recorded, token counts excluded from
-the row (the deterministic program won there), and where the verdict came from.
-Only `deterministic=False` consults them: `deterministic=True` always runs the
-deterministic program.
+(op, d_in, d_out, out dtype, batch) and a token range, with the program that wins there,
+token counts excluded from the row, and where the verdict came from:
+- "split" (wgrad only): the arrival-order split-K program, with its tile/splits where
+  recorded; only `deterministic=False` reads these rows.
+- "xla": XLA's own dot (the XLA path) was faster than jax_cake's program; read under both
+  values of `deterministic` (XLA's GEMMs are reproducible, docs/planner.md), for fwd,
+  dgrad and wgrad.
+- "det": the deterministic program (what no row means too).
+The first row (in file order) that matches, covers the token count and does not exclude
+it wins; no such row: the deterministic program.
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ _TABLE_DIR = Path(__file__).parent / "tables"
 class Row:
     d_in: int
     d_out: int
-    out: str
+    out: str  # the plan's out dtype: w's dtype for wgrad, bfloat16 for fwd and dgrad
     min_tokens: int
     max_tokens: int
-    program: str  # "split" or "det"
+    program: str  # "split", "det" or "xla"
     exclude_tokens: tuple[int, ...]
     source: str
     tile: tuple[int | None, ...] | None = None
@@ -35,6 +40,9 @@ class Row:
     reduction: str | None = None
     raster: str | None = None
     ctas: int | None = None
+    op: str = "wgrad"  # "fwd", "dgrad" or "wgrad" (absent in the JSON: wgrad)
+    batch: int = 1
+    ratio: float | None = None  # xla rows: the measured median time ratio XLA / jax_cake
 
     def covers(self, tokens: int) -> bool:
         return self.min_tokens <= tokens <= self.max_tokens
@@ -61,12 +69,13 @@ class Table:
 class Verdict:
     """What a table says about one point under deterministic=False."""
 
-    program: str  # "split" or "det"
+    program: str  # "split", "det" or "xla"
     row: Row | None
     why: str
 
 
-_VALID_PROGRAMS = ("split", "det")
+_VALID_PROGRAMS = ("split", "det", "xla")
+_VALID_OPS = ("fwd", "dgrad", "wgrad")
 
 
 def parse(data: dict) -> Table:
@@ -81,6 +90,11 @@ def parse(data: dict) -> Table:
                 )
             if row["out"] not in ("float32", "bfloat16"):
                 raise ValueError(f"plan table {data['arch']}: out {row['out']!r} is not float32 or bfloat16")
+            op = row.get("op", "wgrad")
+            if op not in _VALID_OPS:
+                raise ValueError(f"plan table {data['arch']}: op {op!r} is not one of {_VALID_OPS}")
+            if row["program"] == "split" and op != "wgrad":
+                raise ValueError(f"plan table {data['arch']}: a {op} row cannot run the split program (wgrad only)")
             rows.append(
                 Row(
                     d_in=int(row["d_in"]),
@@ -96,6 +110,9 @@ def parse(data: dict) -> Table:
                     reduction=row.get("reduction"),
                     raster=row.get("raster"),
                     ctas=row.get("ctas"),
+                    op=op,
+                    batch=int(row.get("batch", 1)),
+                    ratio=float(row["ratio"]) if row.get("ratio") is not None else None,
                 )
             )
         ranges.append(SmRange(int(r["min_sms"]), r.get("max_sms"), tuple(rows)))
@@ -137,23 +154,55 @@ def use_table(table: Table) -> Iterator[None]:
             _overrides[table.arch] = previous
 
 
-def verdict(arch: str, sm_count: int, d_in: int, d_out: int, out: str, tokens: int) -> Verdict:
-    """The table's program for one point; "det" when no row covers it."""
+def verdict(
+    arch: str,
+    sm_count: int,
+    d_in: int,
+    d_out: int,
+    out: str,
+    tokens: int,
+    *,
+    op: str = "wgrad",
+    batch: int = 1,
+    deterministic: bool = False,
+) -> Verdict:
+    """The table's program for one point; "det" when no row covers it.
+
+    deterministic=True skips split rows (it never runs the split program): only xla and
+    det rows speak for it.
+    """
     table = load(arch)
     if table is None:
         return Verdict("det", None, f"no plan table for {arch}")
+    excluded = None
     for sm_range in table.sm_ranges:
         if not sm_range.holds(sm_count):
             continue
         for row in sm_range.rows:
-            if (row.d_in, row.d_out, row.out) != (d_in, d_out, out) or not row.covers(tokens):
+            if (row.op, row.d_in, row.d_out, row.out, row.batch) != (op, d_in, d_out, out, batch):
                 continue
-            where = f"{arch} table, {sm_count} SMs, {d_in} -> {d_out} {out}, tokens {row.min_tokens}..{row.max_tokens}"
+            if not row.covers(tokens) or (deterministic and row.program == "split"):
+                continue
+            where = (
+                f"the {arch} plan table ({sm_count} SMs, {op} {d_in} -> {d_out} {out}"
+                + (f", batch {batch}" if batch != 1 else "")
+                + f", tokens {row.min_tokens}..{row.max_tokens})"
+            )
             if tokens in row.exclude_tokens:
-                return Verdict(
-                    "det",
-                    row,
-                    f"{where}: {tokens} tokens is excluded, the deterministic program won there ({row.source})",
-                )
+                excluded = excluded or (row, where)
+                continue
+            if row.program == "xla":
+                measured = f": median time ratio {row.ratio:.3f}" if row.ratio is not None else ""
+                why = f"{where} records XLA's dot faster here ({row.source}{measured})"
+                return Verdict("xla", row, why)
             return Verdict(row.program, row, f"{where}: {row.program} ({row.source})")
-    return Verdict("det", None, f"no {arch} table row for {sm_count} SMs, {d_in} -> {d_out} {out} at {tokens} tokens")
+    if excluded is not None:
+        row, where = excluded
+        return Verdict(
+            "det",
+            row,
+            f"{where}: {tokens} tokens is excluded, the deterministic program won there ({row.source})",
+        )
+    return Verdict(
+        "det", None, f"no {arch} table row for {sm_count} SMs, {op} {d_in} -> {d_out} {out} at {tokens} tokens"
+    )
