@@ -596,7 +596,7 @@ def measure_point(
         if key not in _compiled:
             _compiled[key] = compile_arm(a, op, steps, (buf, x, w, dy), point.family)
         compiled[a.name] = _compiled[key]
-    timer = DeviceTimer(buf, steps) if timer_kind == "device" else WallTimer(buf, steps)
+    timer = make_timer(timer_kind, buf, steps)
     for a in jax_arms:  # warm-up: graph instantiation, autotuning, lazy loading
         timer.buf = compiled[a.name](timer.buf, x, w, dy)[0]
     jax.block_until_ready(timer.buf)
@@ -608,16 +608,33 @@ def measure_point(
 
         return run
 
-    groups_out = {a.name: [] for a in jax_arms}
-    for g in range(groups):
-        order = [jax_arms[(g + i) % len(jax_arms)].name for i in range(len(jax_arms))]
-        for name, times in zip(order, timer.time_calls([call(n) for n in order], keep)):
-            groups_out[name].append(statistics.median(times) if times else None)
+    groups_out = paired_groups(timer, {a.name: call(a.name) for a in jax_arms}, groups, keep)
     if any(a.kind == "cublas" for a in arms):
         times = cublas_group_times(op, point, steps, groups, flush_mb)
         if times is not None:
             groups_out["cublas"] = times
     return groups_out
+
+
+def make_timer(timer_kind: str, buf, steps: int):
+    """The timer of --timer: the CUPTI device timeline ("device") or host wall time."""
+    return DeviceTimer(buf, steps) if timer_kind == "device" else WallTimer(buf, steps)
+
+
+def paired_groups(timer, calls: dict[str, Callable], groups: int, keep: Callable | None = None) -> dict:
+    """{name: per-group median step time in us} of calls[name](buf) -> buf (warmed up).
+
+    Group g runs every call once, the order rotated by g, in one timer batch, so group g
+    of one call pairs with group g of every other. A group none of whose steps was kept
+    is None.
+    """
+    names = list(calls)
+    out = {name: [] for name in names}
+    for g in range(groups):
+        order = [names[(g + i) % len(names)] for i in range(len(names))]
+        for name, times in zip(order, timer.time_calls([calls[n] for n in order], keep)):
+            out[name].append(statistics.median(times) if times else None)
+    return out
 
 
 def device_header(timer_kind: str) -> dict:

@@ -1,0 +1,591 @@
+"""Whole training steps, jax_cake against idiomatic XLA, under bench's protocol.
+
+    python -m jax_cake.tools.model_bench --md=out/model.md --csv=out/model.csv
+    python -m jax_cake.tools.model_bench --cases=skinny,router --runs=3   # a subset
+
+Every step is value_and_grad of a loss over FP32 master weights and the input x, then
+an Adam update of the weights; both arms of a case start from the same weights, Adam
+state and data (fixed seeds) and their first-step losses are compared. The XLA arm is
+what one writes without jax_cake: `jnp.dot(x, w.astype(bf16).T)` per weight (XLA merges
+dots sharing an operand as it likes) and `jax.checkpoint_policies.dots_saveable`; the
+jax_cake arm uses `dense_projection`, `fused_projections` where weights share an input
+and `jax_cake.remat.save_projections`.
+
+Cases (`--cases`; sizes are flags, defaults below):
+- skinny: 4 heads d -> 48, 64, 48, 64 sharing x [T = 16231, d = 4096]; two jax_cake
+  arms: four separate dense_projection calls (skinny/separate) and one
+  fused_projections (skinny/fused), both paired with the same XLA arm.
+- block, block_remat: a Llama-3-8B-shaped stack of --blocks = 2 pre-norm blocks at
+  T = 8192: RMSNorm, q/k/v 4096 -> 4096/1024/1024 (GQA), an elementwise stand-in for
+  attention (q times sigmoid(k) plus v, k and v repeated over the query groups), o
+  4096 -> 4096, residual add, RMSNorm, SwiGLU gate/up 4096 -> 14336, down 14336 -> 4096,
+  residual add; jax_cake fuses q/k/v and gate/up. block_remat checkpoints every block
+  (save_projections for jax_cake, dots_saveable for XLA).
+- mlp: the SwiGLU MLP alone, T = 8192, 4096 -> 14336 -> 4096 (gate/up fused).
+- router: DeepSeek-V3-shaped router logits x [16384, 7168] f32 . w [256, 7168]^T f32,
+  a top-8 softmax gating loss plus a z-loss; jax_cake.router_logits against jnp.dot
+  with precision=DotAlgorithmPreset.BF16_BF16_F32_X3.
+- cold: a fresh process per (run, arm) (no compilation cache): host wall time from the
+  spawn to the first result of the jitted step of case --cold_case (import, backend
+  start, trace, compile and run; jax_cake includes loading its library).
+
+Protocol (bench's machinery, jax_cake.tools.bench): one child process per (run, mode)
+(`bench.run_children`; --modes g = command buffers on, XLA's default, and e = off);
+inside a child, each arm is one executable of --steps unrolled (step, L2 flush) pairs
+(`bench.steps_program`), and the arms of a case run in --groups paired groups, the order
+rotated per group (`bench.paired_groups`), timed on the CUPTI device timeline
+(`bench.DeviceTimer`; host wall time without a GPU, said in the header). A group's time
+is the median of its steps; a run's, the median of its groups; the table shows the
+median over runs. The temp columns are the compiled single step's
+`memory_analysis().temp_size_in_bytes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+from absl import app, flags
+
+from jax_cake.tools import bench
+
+CASES = ("skinny", "block", "block_remat", "mlp", "router", "cold")
+TIMED_CASES = CASES[:-1]
+COLUMNS = ("step", "mode", "XLA ms", "jax_cake ms", "XLA/jax_cake", "loss rel diff", "XLA temp MiB", "jax_cake temp MiB")
+COLD_ENV = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
+
+FLAGS = flags.FLAGS
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    skinny_tokens: int = 16231
+    skinny_d: int = 4096
+    skinny_heads: tuple[int, ...] = (48, 64, 48, 64)
+    block_tokens: int = 8192
+    d_model: int = 4096
+    d_q: int = 4096
+    d_kv: int = 1024
+    d_ff: int = 14336
+    blocks: int = 2
+    mlp_tokens: int = 8192
+    router_tokens: int = 16384
+    router_d: int = 7168
+    experts: int = 256
+    top_k: int = 8
+
+
+# --- the models ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """How one arm projects: dense(x, w) -> y; fused(x, ws) -> (y_i); its remat policy."""
+
+    dense: Callable
+    fused: Callable
+    policy: Any
+
+
+def arm_ops(arm: str, deterministic: bool) -> Ops:
+    import jax
+    import jax.numpy as jnp
+
+    import jax_cake
+
+    if arm == "xla":
+        dense = lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16).T)
+        return Ops(dense, lambda x, ws: tuple(dense(x, w) for w in ws), jax.checkpoint_policies.dots_saveable)
+    dense = lambda x, w: jax_cake.dense_projection(x, w, deterministic=deterministic)
+    if arm == "separate":
+        fused = lambda x, ws: tuple(dense(x, w) for w in ws)
+    else:
+        fused = lambda x, ws: jax_cake.fused_projections(x, ws, deterministic=deterministic)
+    return Ops(dense, fused, jax_cake.remat.save_projections)
+
+
+def _f32(a):
+    import jax.numpy as jnp
+
+    return a.astype(jnp.float32)
+
+
+def _mean_square(y):
+    import jax.numpy as jnp
+
+    return jnp.mean(jnp.square(_f32(y)))
+
+
+def rms_norm(x, scale):
+    """RMSNorm with FP32 statistics; the result in x's dtype."""
+    import jax
+    import jax.numpy as jnp
+
+    x32 = _f32(x)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    return (x32 * scale).astype(x.dtype)
+
+
+def swiglu(ops: Ops, p, h):
+    import jax
+
+    gate, up = ops.fused(h, [p["wg"], p["wu"]])
+    return ops.dense((jax.nn.silu(_f32(gate)) * _f32(up)).astype(h.dtype), p["wd"])
+
+
+def block(ops: Ops, p, x):
+    """One pre-norm block on x [T, d] bf16 with an elementwise attention stand-in."""
+    import jax
+
+    h = rms_norm(x, p["attn_norm"])
+    q, k, v = ops.fused(h, [p["wq"], p["wk"], p["wv"]])
+    groups = q.shape[-1] // k.shape[-1]
+    k, v = (jax.numpy.tile(a, (1, groups)) for a in (k, v))  # GQA: kv heads serve `groups` query heads
+    attn = (_f32(q) * jax.nn.sigmoid(_f32(k)) + _f32(v)).astype(x.dtype)
+    x = x + ops.dense(attn, p["wo"])
+    return x + swiglu(ops, p, rms_norm(x, p["mlp_norm"]))
+
+
+def skinny_loss(ops: Ops):
+    return lambda params, x: sum(_mean_square(y) for y in ops.fused(x, list(params)))
+
+
+def block_loss(ops: Ops, remat: bool):
+    import jax
+
+    layer = lambda p, x: block(ops, p, x)
+    if remat:
+        layer = jax.checkpoint(layer, policy=ops.policy)
+
+    def loss(params, x):
+        for p in params:
+            x = layer(p, x)
+        return _mean_square(x)
+
+    return loss
+
+
+def mlp_loss(ops: Ops):
+    return lambda params, x: _mean_square(swiglu(ops, params, x))
+
+
+def router_loss(arm: str, top_k: int, deterministic: bool):
+    """Top-k softmax gates times fixed per-expert values, plus a z-loss on all logits."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_cake
+
+    def logits_of(x, w):
+        if arm == "xla":
+            return jnp.dot(x, w.T, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3)
+        return jax_cake.router_logits(x, w, deterministic=deterministic)
+
+    def loss(w, x):
+        logits = logits_of(x, w)
+        values, idx = jax.lax.top_k(logits, top_k)
+        gates = jax.nn.softmax(values, axis=-1)
+        expert_value = jnp.linspace(-1.0, 1.0, w.shape[0], dtype=jnp.float32)
+        z = jax.nn.logsumexp(logits, axis=-1)
+        return jnp.mean(jnp.sum(gates * expert_value[idx], axis=-1)) + 1e-3 * jnp.mean(z * z)
+
+    return loss
+
+
+def adam(params, grads, opt, lr=1e-4, b1=0.9, b2=0.999, eps=1e-8):
+    """One Adam update (the first: bias corrections of step 1) on FP32 masters."""
+    import jax
+
+    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, opt[0], grads)
+    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, opt[1], grads)
+    params = jax.tree.map(lambda p, m, v: p - lr * (m / (1 - b1)) / ((v / (1 - b2)) ** 0.5 + eps), params, m, v)
+    return params, (m, v)
+
+
+def train_step(loss_fn: Callable) -> Callable:
+    """(x, params, opt) -> (params, opt, loss, dx): bench.steps_program's (x, w, dy) slots."""
+    import jax
+
+    def step(x, params, opt):
+        loss, (grads, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, x)
+        params, opt = adam(params, grads, opt)
+        return params, opt, loss, dx
+
+    return step
+
+
+# --- the cases ------------------------------------------------------------------------------
+
+
+def case_label(name: str, s: Sizes) -> str:
+    if name == "skinny":
+        return f"skinny heads T={s.skinny_tokens} {s.skinny_d}->{','.join(map(str, s.skinny_heads))}"
+    if name in ("block", "block_remat"):
+        return f"{s.blocks} blocks T={s.block_tokens} d={s.d_model} q/k/v {s.d_q}/{s.d_kv}/{s.d_kv} d_ff={s.d_ff}" + (
+            ", remat per block" if name == "block_remat" else ""
+        )
+    if name == "mlp":
+        return f"SwiGLU MLP T={s.mlp_tokens} {s.d_model}->{s.d_ff}->{s.d_model}"
+    if name == "router":
+        return f"router T={s.router_tokens} {s.router_d}->{s.experts} top-{s.top_k}"
+    raise ValueError(f"case {name!r}: expected one of {TIMED_CASES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    label: str
+    arms: tuple[str, ...]  # "xla" first, then the jax_cake arms
+    inputs: Callable[[], tuple]  # () -> (x, params, opt)
+    loss: Callable[[str], Callable]  # arm -> loss(params, x)
+
+
+def _block_params(key, s: Sizes):
+    import jax
+    import jax.numpy as jnp
+
+    d = s.d_model
+    shapes = dict(wq=(s.d_q, d), wk=(s.d_kv, d), wv=(s.d_kv, d), wo=(d, s.d_q), wg=(s.d_ff, d), wu=(s.d_ff, d))
+    shapes["wd"] = (d, s.d_ff)
+    keys = jax.random.split(key, len(shapes))
+    p = {n: jax.random.normal(k, shape, jnp.float32) / shape[1] ** 0.5 for k, (n, shape) in zip(keys, shapes.items())}
+    p.update(attn_norm=jnp.ones((d,), jnp.float32), mlp_norm=jnp.ones((d,), jnp.float32))
+    return p
+
+
+def _with_opt(x, params):
+    import jax
+    import jax.numpy as jnp
+
+    return x, params, tuple(jax.tree.map(jnp.zeros_like, params) for _ in range(2))
+
+
+def make_case(name: str, s: Sizes, deterministic: bool) -> Case:
+    import jax
+    import jax.numpy as jnp
+
+    label = case_label(name, s)  # raises for an unknown case
+    key_x, key_w = jax.random.split(jax.random.key(0))
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    ops = lambda arm: arm_ops(arm, deterministic)
+    if name == "skinny":
+
+        def inputs():
+            x = jax.random.normal(key_x, (s.skinny_tokens, s.skinny_d), f32).astype(bf16)
+            keys = jax.random.split(key_w, len(s.skinny_heads))
+            ws = [jax.random.normal(k, (d, s.skinny_d), f32) / s.skinny_d**0.5 for k, d in zip(keys, s.skinny_heads)]
+            return _with_opt(x, ws)
+
+        return Case(name, label, ("xla", "separate", "fused"), inputs, lambda arm: skinny_loss(ops(arm)))
+    if name in ("block", "block_remat"):
+
+        def inputs():
+            x = jax.random.normal(key_x, (s.block_tokens, s.d_model), f32).astype(bf16)
+            return _with_opt(x, [_block_params(k, s) for k in jax.random.split(key_w, s.blocks)])
+
+        remat = name == "block_remat"
+        return Case(name, label, ("xla", "jax_cake"), inputs, lambda arm: block_loss(ops(arm), remat))
+    if name == "mlp":
+
+        def inputs():
+            x = jax.random.normal(key_x, (s.mlp_tokens, s.d_model), f32).astype(bf16)
+            p = _block_params(key_w, s)
+            return _with_opt(x, {n: p[n] for n in ("wg", "wu", "wd")})
+
+        return Case(name, label, ("xla", "jax_cake"), inputs, lambda arm: mlp_loss(ops(arm)))
+    if name == "router":
+
+        def inputs():
+            x = jax.random.normal(key_x, (s.router_tokens, s.router_d), f32)
+            return _with_opt(x, 0.02 * jax.random.normal(key_w, (s.experts, s.router_d), f32))
+
+        return Case(
+            name, label, ("xla", "jax_cake"), inputs, lambda arm: router_loss(arm, s.top_k, deterministic)
+        )
+    raise AssertionError(name)
+
+
+# --- a child: one (run, mode) ---------------------------------------------------------------
+
+
+def measure_case(case: Case, timer, steps: int, groups: int) -> dict[str, dict]:
+    """{arm: {"groups_us", "loss", "temp_bytes"}} of one case, its arms paired."""
+    import jax
+
+    x, params, opt = case.inputs()
+    compiled, out = {}, {}
+    for arm in case.arms:
+        step = train_step(case.loss(arm))
+        single = jax.jit(step).lower(x, params, opt).compile()
+        loss = float(single(x, params, opt)[2])
+        out[arm] = {"loss": loss, "temp_bytes": single.memory_analysis().temp_size_in_bytes}
+        del single
+        program = jax.jit(bench.steps_program(step, steps), donate_argnums=0)
+        compiled[arm] = program.lower(timer.buf, x, params, opt).compile()
+    for arm in case.arms:  # warm-up: graph instantiation, autotuning, lazy loading
+        timer.buf = compiled[arm](timer.buf, x, params, opt)[0]
+    jax.block_until_ready(timer.buf)
+    calls = {arm: (lambda buf, arm=arm: compiled[arm](buf, x, params, opt)[0]) for arm in case.arms}
+    for arm, times in bench.paired_groups(timer, calls, groups).items():
+        out[arm]["groups_us"] = times
+    return out
+
+
+def collect(
+    cases: Sequence[str], sizes: Sizes, *, mode: str, run: int, steps: int, groups: int, flush_mb: int, timer_kind: str,
+    deterministic: bool = True,
+) -> list[dict]:
+    """One sample per (case, arm) measured in this process."""
+    import jax.numpy as jnp
+
+    timer = bench.make_timer(timer_kind, jnp.zeros((flush_mb * 2**20 // 4,), jnp.uint32), steps)
+    samples, t0 = [], time.time()
+    for i, name in enumerate(cases):
+        print(f"[{mode} run {run}] {i + 1}/{len(cases)} {name} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+        case = make_case(name, sizes, deterministic)
+        for arm, result in measure_case(case, timer, steps, groups).items():
+            samples.append({"case": name, "label": case.label, "arm": arm, "mode": mode, "run": run, **result})
+    return samples
+
+
+def cold_child(case_name: str, arm: str, sizes: Sizes, t0: float, deterministic: bool = True) -> dict:
+    """The first step of a fresh process: seconds from t0 (the parent's spawn time) to
+    the step's result on the host."""
+    import jax
+
+    case = make_case(case_name, sizes, deterministic)
+    x, params, opt = case.inputs()
+    loss = float(jax.jit(train_step(case.loss(arm)))(x, params, opt)[2])
+    seconds = time.time() - t0
+    return {"seconds": seconds, "loss": loss, "header": bench.device_header("wall")}
+
+
+def run_cold(argv_flags: Sequence[str], case_name: str, runs: int) -> list[dict]:
+    """Cold-start samples: `runs` fresh processes per arm, the arm order alternating.
+    Each sample carries its process's device header."""
+    arms = ("xla", "jax_cake")
+    samples = []
+    env = dict(os.environ, **COLD_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [bench._REPO_ROOT, env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in range(runs):
+            for arm in arms if run % 2 == 0 else arms[::-1]:
+                out = os.path.join(tmp, f"cold_{arm}_{run}.json")
+                cmd = [sys.executable, "-m", "jax_cake.tools.model_bench", *argv_flags, f"--cold_child={arm}"]
+                cmd += [f"--cases={case_name}", f"--child_out={out}", f"--cold_t0={time.time()!r}"]
+                subprocess.run(cmd, env=env, check=True)
+                with open(out) as f:
+                    samples.append({"case": "cold", "arm": arm, "run": run, **json.load(f)})
+    return samples
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def _rel_diff(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
+def _median_of_runs(samples: Sequence[dict]) -> float | None:
+    per_run = [statistics.median(g for g in s["groups_us"] if g is not None) for s in samples if s.get("groups_us")]
+    return statistics.median(per_run) / 1e3 if per_run else None
+
+
+def table_rows(samples: Sequence[dict], cold_samples: Sequence[dict] = (), cold_label: str = "") -> list[dict]:
+    """One row per (case, jax_cake arm, mode) and one for the cold start."""
+    rows = []
+    cases = list(dict.fromkeys(s["case"] for s in samples))
+    modes = list(dict.fromkeys(s["mode"] for s in samples))
+    for mode in modes:
+        for case in cases:
+            mine = [s for s in samples if s["case"] == case and s["mode"] == mode]
+            by_arm = {arm: [s for s in mine if s["arm"] == arm] for arm in dict.fromkeys(s["arm"] for s in mine)}
+            xla = by_arm.get("xla", [])
+            for arm in (a for a in by_arm if a != "xla"):
+                jc = by_arm[arm]
+                xla_ms, jc_ms = _median_of_runs(xla), _median_of_runs(jc)
+                label = mine[0]["label"] + (f" ({arm})" if arm != "jax_cake" else "")
+                rows.append(
+                    {
+                        "step": label,
+                        "mode": mode,
+                        "XLA ms": xla_ms,
+                        "jax_cake ms": jc_ms,
+                        "XLA/jax_cake": xla_ms / jc_ms if xla_ms and jc_ms else None,
+                        "loss rel diff": _rel_diff(jc[0]["loss"], xla[0]["loss"]) if xla and jc else None,
+                        "XLA temp MiB": xla[0]["temp_bytes"] / 2**20 if xla else None,
+                        "jax_cake temp MiB": jc[0]["temp_bytes"] / 2**20 if jc else None,
+                    }
+                )
+    if cold_samples:
+        ms = {arm: statistics.median(1e3 * s["seconds"] for s in cold_samples if s["arm"] == arm) for arm in ("xla", "jax_cake")}
+        loss = {arm: next(s["loss"] for s in cold_samples if s["arm"] == arm) for arm in ("xla", "jax_cake")}
+        rows.append(
+            {
+                "step": f"cold first step, fresh process: {cold_label}",
+                "mode": "-",
+                "XLA ms": ms["xla"],
+                "jax_cake ms": ms["jax_cake"],
+                "XLA/jax_cake": ms["xla"] / ms["jax_cake"],
+                "loss rel diff": _rel_diff(loss["jax_cake"], loss["xla"]),
+                "XLA temp MiB": None,
+                "jax_cake temp MiB": None,
+            }
+        )
+    return rows
+
+
+def header_line(header: dict, command: str, protocol: dict) -> str:
+    return (
+        f"GPU {header['gpu']}, {header['sms'] or 'n/a'} SMs, driver {header['driver']}, jax {header['jax']}, "
+        f"{header['date']}; command: `{command}`; step times: {header['timer']}, ms, median over "
+        f"{protocol['runs']} runs of each run's median over {protocol['groups']} paired groups of {protocol['steps']} "
+        f"steps (L2 flushed before each); jax_cake deterministic={protocol['deterministic']}; ratio = XLA ms / "
+        "jax_cake ms (above 1: jax_cake faster); loss rel diff = |loss jax_cake - loss XLA| / |loss XLA| at the "
+        "first step; temp = compiled step's memory_analysis().temp_size_in_bytes"
+        + (
+            f"; cold: host wall time from process spawn to the first step's result, median over "
+            f"{protocol['cold_runs']} processes per arm"
+            if protocol.get("cold_runs")
+            else ""
+        )
+    )
+
+
+def markdown(header_text: str, rows: Sequence[dict]) -> str:
+    out = [header_text, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    out += ["| " + " | ".join(_fmt(c, r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def _fmt(column: str, v) -> str:
+    if column == "loss rel diff" and isinstance(v, float):
+        return f"{v:.1e}"
+    return bench._fmt(v)
+
+
+def write_csv(path: str, rows: Sequence[dict]) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({c: "" if r.get(c) is None else r[c] for c in COLUMNS})
+
+
+# --- entry point --------------------------------------------------------------------------------
+
+SIZE_FLAGS = tuple(f.name for f in dataclasses.fields(Sizes))
+PROTOCOL_FLAGS = ("groups", "steps", "flush_mb", "timer", "deterministic")
+
+
+def define_flags() -> None:
+    defaults = Sizes()
+    for name in SIZE_FLAGS:
+        value = getattr(defaults, name)
+        if isinstance(value, tuple):
+            flags.DEFINE_list(name, [str(v) for v in value], f"Size {name}.")
+        else:
+            flags.DEFINE_integer(name, value, f"Size {name}.")
+    flags.DEFINE_list("cases", list(CASES), f"Cases, from {CASES}.")
+    flags.DEFINE_string("cold_case", "block", f"The case whose first step the cold row times, from {TIMED_CASES}.")
+    flags.DEFINE_integer("cold_runs", 2, "Fresh processes per arm for the cold row.")
+    flags.DEFINE_list("modes", ["g"], "g = command buffers on (XLA's default), e = off.")
+    flags.DEFINE_integer("runs", 2, "Runs (one fresh process per run and mode).")
+    flags.DEFINE_integer("groups", 6, "Paired groups per run.")
+    flags.DEFINE_integer(
+        "steps", 1, "Timed steps per arm and group, unrolled in one executable (a step here is milliseconds long)."
+    )
+    flags.DEFINE_integer("flush_mb", 128, "L2 flush buffer, MiB (>= 2x L2).")
+    flags.DEFINE_enum("timer", None, ["device", "wall"], "Default: device on a GPU, wall otherwise.")
+    flags.DEFINE_bool("deterministic", True, "The jax_cake arms' deterministic flag (the library's default: True).")
+    flags.DEFINE_string("csv", None, "Write the table as CSV here.")
+    flags.DEFINE_string("md", None, "Write the markdown table here.")
+    flags.DEFINE_string("child_out", None, "Internal: run one child and write its samples here.")
+    flags.DEFINE_integer("run_index", 0, "Internal: the run a child measures.")
+    flags.DEFINE_string("cold_child", None, "Internal: time a cold first step of this arm (xla, jax_cake).")
+    flags.DEFINE_float("cold_t0", None, "Internal: the cold child's spawn time (time.time()).")
+
+
+def sizes_from_flags() -> Sizes:
+    values = {}
+    for name in SIZE_FLAGS:
+        v = getattr(FLAGS, name)
+        values[name] = tuple(int(x) for x in v) if isinstance(v, list) else v
+    s = Sizes(**values)
+    if s.d_q % s.d_kv:
+        raise app.UsageError(f"--d_q={s.d_q} must be a multiple of --d_kv={s.d_kv} (GQA)")
+    if s.top_k > s.experts:
+        raise app.UsageError(f"--top_k={s.top_k} must be at most --experts={s.experts}")
+    return s
+
+
+def main(argv):
+    del argv
+    sizes = sizes_from_flags()
+    cases = bench.selected("cases", CASES)
+    modes = bench.selected("modes", bench.MODES)
+    if FLAGS.cold_case not in TIMED_CASES:
+        raise app.UsageError(f"--cold_case: {FLAGS.cold_case!r} not in {list(TIMED_CASES)}")
+    if FLAGS.cold_child:  # one cold first step
+        result = cold_child(FLAGS.cold_case, FLAGS.cold_child, sizes, FLAGS.cold_t0, FLAGS.deterministic)
+        with open(FLAGS.child_out, "w") as f:
+            json.dump(result, f)
+        return
+    timed = [c for c in cases if c != "cold"]
+    if FLAGS.child_out:  # one (run, mode)
+        timer_kind = FLAGS.timer or bench.default_timer()
+        samples = collect(
+            timed,
+            sizes,
+            mode=modes[0],
+            run=FLAGS.run_index,
+            steps=FLAGS.steps,
+            groups=FLAGS.groups,
+            flush_mb=FLAGS.flush_mb,
+            timer_kind=timer_kind,
+            deterministic=FLAGS.deterministic,
+        )
+        bench.write_child_output(FLAGS.child_out, bench.device_header(timer_kind), samples)
+        return
+    names = [*SIZE_FLAGS, *PROTOCOL_FLAGS, "cases"]
+    header, samples = {}, []
+    if timed:
+        header, samples = bench.run_children("jax_cake.tools.model_bench", bench.child_argv(names), modes, FLAGS.runs)
+    cold = []
+    if "cold" in cases:
+        size_argv = bench.child_argv([*SIZE_FLAGS, "deterministic", "cold_case"])
+        cold = run_cold(size_argv, FLAGS.cold_case, FLAGS.cold_runs)
+    if not header:  # only the cold row: a cold child named the device (the parent starts no backend)
+        header = dict(cold[-1]["header"], timer="n/a (no timed cases)")
+    protocol = dict(
+        runs=FLAGS.runs,
+        groups=FLAGS.groups,
+        steps=FLAGS.steps,
+        deterministic=FLAGS.deterministic,
+        cold_runs=FLAGS.cold_runs if cold else 0,
+    )
+    command = " ".join(["python -m jax_cake.tools.model_bench", *sys.argv[1:]])
+    rows = table_rows(samples, cold, case_label(FLAGS.cold_case, sizes))
+    text = markdown(header_line(header, command, protocol), rows)
+    print(text)
+    if FLAGS.md:
+        with open(FLAGS.md, "w") as f:
+            f.write(text)
+    if FLAGS.csv:
+        write_csv(FLAGS.csv, rows)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

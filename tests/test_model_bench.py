@@ -1,0 +1,133 @@
+"""jax_cake.tools.model_bench on CPU at tiny sizes: every case runs both arms and reports
+matching losses; the table, CSV and header; the CLI end to end with the cold row."""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax
+import pytest
+
+from jax_cake.tools import bench, model_bench as mb
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = mb.Sizes(
+    skinny_tokens=37,
+    skinny_d=64,
+    skinny_heads=(8, 16, 8, 16),
+    block_tokens=32,
+    d_model=64,
+    d_q=64,
+    d_kv=16,
+    d_ff=128,
+    blocks=1,
+    mlp_tokens=32,
+    router_tokens=64,
+    router_d=64,
+    experts=16,
+    top_k=4,
+)
+TINY_FLAGS = [
+    f"--{name}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
+    for name, v in ((f, getattr(TINY, f)) for f in mb.SIZE_FLAGS)
+]
+
+
+def test_every_case_runs_both_arms_with_matching_losses():
+    samples = mb.collect(mb.TIMED_CASES, TINY, mode="g", run=0, steps=1, groups=2, flush_mb=1, timer_kind="wall")
+    arms = {(s["case"], s["arm"]) for s in samples}
+    assert arms == {("skinny", a) for a in ("xla", "separate", "fused")} | {
+        (c, a) for c in ("block", "block_remat", "mlp", "router") for a in ("xla", "jax_cake")
+    }
+    for s in samples:
+        assert len(s["groups_us"]) == 2 and all(g > 0 for g in s["groups_us"]), s
+        assert s["temp_bytes"] >= 0 and math.isfinite(s["loss"]), s
+    rows = mb.table_rows(samples)
+    assert [r["step"] for r in rows] == [
+        mb.case_label("skinny", TINY) + " (separate)",
+        mb.case_label("skinny", TINY) + " (fused)",
+        mb.case_label("block", TINY),
+        mb.case_label("block_remat", TINY),
+        mb.case_label("mlp", TINY),
+        mb.case_label("router", TINY),
+    ]
+    for r in rows:  # the same model, init and data: only the GEMMs' rounding differs
+        assert r["loss rel diff"] < 1e-2, r
+        assert r["XLA/jax_cake"] == pytest.approx(r["XLA ms"] / r["jax_cake ms"])
+
+
+def test_fused_and_separate_skinny_arms_compute_the_same_step():
+    case = mb.make_case("skinny", TINY, True)
+    x, params, opt = case.inputs()
+    sep, fused = (jax.jit(mb.train_step(case.loss(arm)))(x, params, opt) for arm in ("separate", "fused"))
+    assert float(sep[2]) == pytest.approx(float(fused[2]), rel=1e-2)
+    for a, b in zip(jax.tree.leaves(sep[1]), jax.tree.leaves(fused[1])):  # Adam moments from dw
+        assert a.dtype == b.dtype == jax.numpy.float32
+
+
+def _sample(case, arm, run, groups, loss=1.0, temp=2**20, mode="g"):
+    return dict(case=case, label=case, arm=arm, run=run, mode=mode, groups_us=groups, loss=loss, temp_bytes=temp)
+
+
+def test_rows_are_medians_over_runs_of_group_medians():
+    samples = [
+        _sample("mlp", "xla", 0, [3000.0, 1000.0, 2000.0], loss=2.0, temp=3 * 2**20),
+        _sample("mlp", "xla", 1, [4000.0, None, 4000.0], loss=2.0, temp=3 * 2**20),
+        _sample("mlp", "jax_cake", 0, [1000.0, 1000.0, 1000.0], loss=2.002),
+        _sample("mlp", "jax_cake", 1, [2000.0, 2000.0, 2000.0], loss=2.002),
+    ]
+    cold = [
+        dict(case="cold", arm="xla", run=0, seconds=10.0, loss=2.0),
+        dict(case="cold", arm="jax_cake", run=0, seconds=8.0, loss=2.002),
+        dict(case="cold", arm="xla", run=1, seconds=12.0, loss=2.0),
+        dict(case="cold", arm="jax_cake", run=1, seconds=10.0, loss=2.002),
+    ]
+    mlp, cold_row = mb.table_rows(samples, cold, "MLP")
+    assert mlp["XLA ms"] == pytest.approx(3.0)  # runs: median(1,2,3) = 2 and median(4,4) = 4
+    assert mlp["jax_cake ms"] == pytest.approx(1.5)
+    assert mlp["XLA/jax_cake"] == pytest.approx(2.0)
+    assert mlp["loss rel diff"] == pytest.approx(1e-3)
+    assert (mlp["XLA temp MiB"], mlp["jax_cake temp MiB"]) == (3.0, 1.0)
+    assert cold_row["step"] == "cold first step, fresh process: MLP"
+    assert (cold_row["XLA ms"], cold_row["jax_cake ms"]) == (11000.0, 9000.0)
+
+    header = dict(gpu="H200", sms=132, driver="1", jax="0.0", date="2026-01-01", timer=bench.DEVICE_LABEL)
+    protocol = dict(runs=2, groups=3, steps=1, deterministic=True, cold_runs=2)
+    text = mb.markdown(mb.header_line(header, "python -m jax_cake.tools.model_bench --cases=mlp", protocol), [mlp])
+    first = text.splitlines()[0]
+    for words in ("GPU H200, 132 SMs", "jax 0.0", "2026-01-01", "`python -m jax_cake.tools.model_bench --cases=mlp`"):
+        assert words in first
+    assert "| mlp | g | 3.000 | 1.500 | 2.000 | 1.0e-03 | 3.000 | 1.000 |" in text
+
+
+def test_cli_writes_markdown_and_csv_with_the_cold_row():
+    with tempfile.TemporaryDirectory() as tmp:
+        md, csv_path = os.path.join(tmp, "m.md"), os.path.join(tmp, "m.csv")
+        subprocess.run(
+            [sys.executable, "-m", "jax_cake.tools.model_bench", "--cases=router,cold", "--cold_case=router"]
+            + ["--runs=1", "--groups=1", "--cold_runs=1", "--flush_mb=1", f"--md={md}", f"--csv={csv_path}"]
+            + TINY_FLAGS,
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )
+        text = open(md).read()
+        with open(csv_path) as f:
+            rows = list(csv.DictReader(f))
+    first = text.splitlines()[0]
+    assert "host wall time (no GPU)" in first and f"jax {jax.__version__}" in first
+    assert "command: `python -m jax_cake.tools.model_bench --cases=router,cold" in first
+    assert "cold: host wall time from process spawn" in first
+    assert [r["step"] for r in rows] == [
+        mb.case_label("router", TINY),
+        "cold first step, fresh process: " + mb.case_label("router", TINY),
+    ]
+    assert list(rows[0]) == list(mb.COLUMNS)
+    for r in rows:
+        assert float(r["XLA ms"]) > 0 and float(r["jax_cake ms"]) > 0 and float(r["loss rel diff"]) < 1e-2
+    assert float(rows[0]["XLA temp MiB"]) >= 0 and rows[1]["XLA temp MiB"] == ""
