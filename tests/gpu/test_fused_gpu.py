@@ -169,6 +169,10 @@ def test_the_restack_check_sees_concatenates_of_the_outputs():
 
 @pytest.mark.gpu
 def test_fused_skinny_heads_step_is_three_custom_calls_and_never_restacks_the_outputs():
+    d_out = sum(HEADS)
+    for op in ("fwd", "dgrad", "wgrad"):  # the premise: the planner sends each summed GEMM to a kernel
+        plan = jc.plan(op, tokens=T, d_in=D_IN, d_out=d_out, out_dtype=F32 if op == "wgrad" else BF)
+        assert plan.uses_kernel, f"{op} of T={T} {D_IN}->{d_out} plans XLA, not a kernel: {jc.explain(plan)}"
     x, ws, cs = _inputs()
     text = _hlo(_fused_step, x, ws, cs)
     calls = jax_cake_calls(text)
