@@ -120,13 +120,24 @@ def _kn_projection_fwd(x3, w3, deterministic, w_dtype):
     return primitives.dgrad(x3, w_bf16, y_plan), (x3, w_bf16)
 
 
+def _as_primal_type(cotangent, primal):
+    """Under Explicit mesh axes a custom_vjp cotangent must carry its primal's sharding."""
+    sharding = jax.typeof(primal).sharding
+    mesh = sharding.mesh
+    if mesh.empty or not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return cotangent
+    if jax.typeof(cotangent).sharding.spec == sharding.spec:
+        return cotangent
+    return jax.sharding.reshard(cotangent, sharding.spec)
+
+
 def _kn_projection_bwd(deterministic, w_dtype, residuals, dy):
     x3, w_bf16 = residuals
     _, dx_plan, dw_plan = _kn_plans(x3, w_bf16, deterministic, w_dtype)
     dy = dy.astype(jnp.bfloat16)
     dx = primitives.fwd(dy, w_bf16, dx_plan)  # [1, T, K]
     dw = primitives.wgrad(x3, dy, dw_plan)  # [1, K, N] in w's dtype
-    return dx, dw
+    return _as_primal_type(dx, x3), _as_primal_type(dw, w_bf16)
 
 
 _kn_projection.defvjp(_kn_projection_fwd, _kn_projection_bwd)

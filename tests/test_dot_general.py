@@ -289,3 +289,31 @@ def test_promote_dtype_is_flax_elsewhere():
         assert [a.dtype for a in jc.promote_dtype(args, dtype=dtype)] == expected, (args, dtype)
     with pytest.raises(ValueError, match="inexact"):
         jc.promote_dtype(i32, i32, i32, dtype=jnp.int32)
+
+
+# --- sharded inputs (8 fake CPU devices) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("w_spec", [(), (None, "d"), ("d", None)], ids=["w_replicated", "w_by_n", "w_by_k"])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_sharded_tokens_match_the_unsharded_step(explicit, w_spec, layout):
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    dn = (((1,), (0 if layout == "kn" else 1,)), ((), ()))
+    x, g = rand(31, (64, 128), BF16), rand(33, (64, 32), BF16)
+    w = rand(32, (128, 32) if layout == "kn" else (32, 128), F32)
+
+    def step(x, w, g):
+        y, vjp = jax.vjp(lambda x, w: jc.dot_general(x, w, dn), x, w)
+        return (y,) + vjp(g)
+
+    expected = jax.jit(step)(x, w, g)
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(kind,))
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, NamedSharding(mesh, P(*s))) for a, s in ((x, ("d", None)), (w, w_spec), (g, ("d",)))]
+        got = jax.jit(step)(*args)
+    for name, a, b in zip(("y", "dx", "dw"), got, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert rel_err(a, f64(b)) < 1e-6, name
