@@ -10,7 +10,8 @@ Families (`--family`, one per invocation), each with its ops, arms and grid flag
 - dense: `dense_projection(x bf16 [T, d_in], w [d_out, d_in])`; ops fwd, dgrad, wgrad,
   bwd, 2fwd+bwd; grid --tokens x --d_in x --d_out x --out_dtype (w's dtype).
 - router: `router_logits(x f32 [T, d], w f32 [E, d])`; ops fwd, dgrad, wgrad, bwd,
-  fwd+bwd (value, dx and dw); grid --tokens (16384) x --d_in (d: 4096, 7168) x --experts (256); arms new,
+  fwd+bwd (value, dx and dw); grid --tokens (16384) x --d_in (d: 4096, 7168) x --experts (256;
+  `--grid=wide`: the MoE router widths 8, 16, 64, 128, 256, 384); arms new,
   xla_x3 = `jnp.dot(x, w.T, precision=DotAlgorithmPreset.BF16_BF16_F32_X3)`,
   xla_highest = the same with `Precision.HIGHEST` (no det/split: one program).
 - batched: `batched_projection(x bf16 [B, T, d_in], w bf16 [B, d_out, d_in])`; ops fwd,
@@ -18,7 +19,11 @@ Families (`--family`, one per invocation), each with its ops, arms and grid flag
   --tokens (4096); arms new, xla = `jnp.einsum("btk,bnk->btn", x, w)`, cublas =
   torch.bmm.
 
-Protocol (DESIGN.md "Benchmark protocol"):
+Grids (`--grid`, where --d_out / --experts are not given): `default` (the d_out above),
+`wide` (the widths where XLA's own dot is the bar: d_out 96, 128, 192, 224, 256, 320, 384
+and MLA's 576 and 1536; the router's E list above), `all` (both).
+
+Protocol (docs/benchmarks.md):
 - Processes. XLA reads XLA_FLAGS once, when the backend starts, so the parent never
   starts a backend: it runs one child process (`--child_out`) per (run, mode), with
   mode g = command buffers on (XLA's default) and mode e =
@@ -81,6 +86,15 @@ from absl import app, flags
 GRID_TOKENS = (16172, 16231, 16384)
 GRID_D_IN = (4096, 5120)
 GRID_D_OUT = (32, 48, 64, 512, 1024, 4096)
+# Where jax_cake lost most to XLA's dot, and MLA's 576 and 1536.
+GRID_D_OUT_WIDE = (96, 128, 192, 224, 256, 320, 384, 576, 1536)
+GRID_EXPERTS = (256,)
+GRID_EXPERTS_WIDE = (8, 16, 64, 128, 256, 384)  # MoE router widths, at d = 4096 and 7168
+GRIDS = {
+    "default": (GRID_D_OUT, GRID_EXPERTS),
+    "wide": (GRID_D_OUT_WIDE, GRID_EXPERTS_WIDE),
+    "all": (tuple(sorted(GRID_D_OUT + GRID_D_OUT_WIDE)), GRID_EXPERTS_WIDE),
+}
 OUT_DTYPES = ("float32", "bfloat16")
 OPS = ("fwd", "dgrad", "wgrad", "bwd", "2fwd+bwd")  # dense; op_fn also builds fwd+bwd
 MODES = ("g", "e")
@@ -105,7 +119,14 @@ def define_flags(arms_default: Sequence[str] = ARMS, with_ops: bool = True) -> N
     """The flags shared by bench and tune (tune has its own arms and fixed ops)."""
     flags.DEFINE_list("tokens", [str(t) for t in GRID_TOKENS], "Token counts T.")
     flags.DEFINE_list("d_in", [str(d) for d in GRID_D_IN], "Input widths d_in.")
-    flags.DEFINE_list("d_out", [str(d) for d in GRID_D_OUT], "Output widths d_out.")
+    flags.DEFINE_list("d_out", [str(d) for d in GRID_D_OUT], "Output widths d_out (default: --grid's).")
+    flags.DEFINE_enum(
+        "grid",
+        "default",
+        list(GRIDS),
+        "Named widths where --d_out (router: --experts) is not given: default, wide (d_out 96..384, 576, "
+        "1536; E 8..384), all.",
+    )
     flags.DEFINE_list("out_dtype", list(OUT_DTYPES), "Weight / wgrad output dtypes.")
     if with_ops:
         flags.DEFINE_list("ops", list(OPS), f"Ops, from {OPS} (dense; bench --family: the family's ops).")
@@ -113,7 +134,8 @@ def define_flags(arms_default: Sequence[str] = ARMS, with_ops: bool = True) -> N
     flags.DEFINE_list(
         "arms",
         list(arms_default),
-        "Arms: det[/tMxNxK][/pp|/tiles][/c1|/c2], split[/sN][/tMxNxK][/pp|/tiles][/c1|/c2], new, xla, cublas (dense).",
+        "Arms: det[/tMxNxK][/pp|/tiles][/c1|/c2], split[/sN][/tMxNxK][/pp|/tiles][/c1|/c2], new, xla[/path], cublas "
+        "(dense).",
     )
     flags.DEFINE_integer("runs", 3, "Runs (one fresh process per run and mode).")
     flags.DEFINE_integer("groups", 10, "Paired groups per run.")
@@ -221,12 +243,15 @@ class ArmSpec:
     tile: tuple[int, int, int] | None = None
     schedule: str | None = None
     cluster: tuple[int, int] | None = None
+    path: bool = False  # xla/path: jax_cake's own XLA path (the op under planner.force("xla"))
 
 
 def parse_arm(name: str) -> ArmSpec:
     kind, *opts = name.split("/")
+    if kind == "xla" and opts == ["path"]:
+        return ArmSpec(name, kind, path=True)
     if kind not in ALL_ARMS or (opts and kind not in ("split", "det")):
-        raise ValueError(f"arm {name!r}: expected one of {ALL_ARMS}, options only on split and det")
+        raise ValueError(f"arm {name!r}: expected one of {ALL_ARMS}, options only on split and det (and xla/path)")
     splits = tile = schedule = cluster = None
     for opt in opts:
         if opt in ("pp", "tiles"):
@@ -303,23 +328,28 @@ def jax_projection(arm: ArmSpec, family: str = "dense") -> Callable:
         precision = {"xla_x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3, "xla_highest": jax.lax.Precision.HIGHEST}
         return lambda x, w: jnp.dot(x, w.T, precision=precision[arm.kind])
     if family == "batched":
-        if arm.kind == "xla":
+        if arm.kind == "xla" and not arm.path:
             return lambda x, w: jnp.einsum("btk,bnk->btn", x, w)
         return lambda x, w: jax_cake.batched_projection(x, w, deterministic=arm.kind == "det")
-    if arm.kind == "xla":
+    if arm.kind == "xla" and not arm.path:
         return lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16).T)
     return lambda x, w: jax_cake.dense_projection(x, w, deterministic=arm.kind == "det")
 
 
 @contextlib.contextmanager
 def planning_for(arm: ArmSpec):
-    """The planner state an arm is traced under (split forces the split-K program; pp /
-    tiles the fwd/dgrad schedule, c1 / c2 their CTA pairing)."""
-    if arm.kind != "split" and arm.schedule is None and arm.cluster is None and arm.tile is None:
+    """The planner state an arm is traced under (det and split force their wgrad program,
+    so a plan table's xla rows never replace the kernels they time; pp / tiles the
+    fwd/dgrad schedule, c1 / c2 their CTA pairing; xla/path the XLA path)."""
+    if arm.kind not in ("det", "split") and not arm.path:
         yield
         return
     from jax_cake import planner
 
+    if arm.path:
+        with planner.force("xla"):
+            yield
+        return
     with planner.force(arm.kind, splits=arm.splits, tile=arm.tile, schedule=arm.schedule, cluster=arm.cluster):
         yield
 
@@ -922,6 +952,14 @@ SHARED_FLAGS = ("tokens", "d_in", "d_out", "out_dtype", "ops", "arms", "groups",
 FAMILY_FLAGS = ("family", "experts", "batch", "pairs")
 
 
+def apply_grid(name: str = "d_out") -> None:
+    """--grid's widths into --d_out (or the router's --experts) where that flag is not
+    given; children then get them explicitly."""
+    if not FLAGS[name].present:
+        d_out, experts = GRIDS[FLAGS.grid]
+        setattr(FLAGS, name, [str(v) for v in (experts if name == "experts" else d_out)])
+
+
 def family_points(family: str) -> list[Point]:
     tokens = list(map(int, FLAGS.tokens))
     if family == "router":
@@ -947,6 +985,8 @@ def main(argv):
     for name, value in {"ops": family.ops, "arms": family.arms, **family.defaults}.items():
         if not FLAGS[name].present:  # the family's default (a child gets every value explicitly)
             setattr(FLAGS, name, list(value))
+    if FLAGS.family != "batched":
+        apply_grid("experts" if FLAGS.family == "router" else "d_out")
     points = family_points(FLAGS.family)
     ops, modes = selected("ops", family.ops), selected("modes", MODES)
     arms = [parse_arm(a) for a in FLAGS.arms]
@@ -986,7 +1026,11 @@ def emit(text: str, rows: Sequence[dict], family: str) -> None:
 if __name__ == "__main__":
     define_flags()
     flags.DEFINE_enum("family", "dense", list(FAMILIES), "The op: dense_projection, router_logits, batched_projection.")
-    flags.DEFINE_list("experts", ["256"], "router: expert counts E (--d_in gives d; default 4096,7168, T 16384).")
+    flags.DEFINE_list(
+        "experts",
+        [str(e) for e in GRID_EXPERTS],
+        "router: expert counts E (--d_in gives d; default 4096,7168, T 16384; --grid=wide: 8..384).",
+    )
     flags.DEFINE_list("batch", ["16", "128"], "batched: batch sizes B (--tokens default 4096).")
     flags.DEFINE_list("pairs", ["128:512", "512:128"], "batched: d_in:d_out pairs.")
     flags.DEFINE_string("csv", None, "Write the table as CSV here.")

@@ -205,7 +205,8 @@ def test_fused_values_match_separate_calls_and_float64():
 
     x64 = np.asarray(x.astype(F32), F64)
     w64 = [np.asarray(w.astype(BF).astype(F32), F64) for w in ws]
-    c64 = [np.asarray(c, F64) for c in cs]
+    # The op's cotangents are y's dtype: bf16(c_i) is what the GEMMs multiply.
+    c64 = [np.asarray(c.astype(BF).astype(F32), F64) for c in cs]
     for y, y_sep, w in zip(ys, ys_sep, w64):
         assert y.dtype == BF
         assert _rel(y.astype(F32), y_sep.astype(F32)) < 4e-3  # a few bf16 roundings flipped at most
