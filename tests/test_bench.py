@@ -317,5 +317,45 @@ class ArmsAndReportTest(absltest.TestCase):
         self.assertIn("| H200 | 132 | 4096 -> 48 | FP32 | 16384 | wgrad | g | n/a | n/a | 40.00 | n/a | 80.00 |", text)
 
 
+class WideGridAndXlaPathTest(parameterized.TestCase):
+    def test_named_grids(self):
+        self.assertEqual(bench.GRIDS["default"], (bench.GRID_D_OUT, (256,)))
+        self.assertEqual(bench.GRID_D_OUT_WIDE, (96, 128, 192, 224, 256, 320, 384, 576, 1536))
+        self.assertEqual(bench.GRID_EXPERTS_WIDE, (8, 16, 64, 128, 256, 384))
+        self.assertEqual(set(bench.GRIDS["all"][0]), set(bench.GRID_D_OUT) | set(bench.GRID_D_OUT_WIDE))
+
+    @parameterized.named_parameters(
+        ("dense", ["--d_in=64", "--out_dtype=bfloat16"], "d_in -> d_out", bench.GRID_D_OUT_WIDE),
+        ("router", ["--family=router", "--d_in=64"], "d -> E", bench.GRID_EXPERTS_WIDE),
+    )
+    def test_wide_grid_on_the_command_line(self, argv, column, widths):
+        _, rows = run_cli(*argv, "--grid=wide", "--tokens=16", "--ops=fwd", "--arms=new", "--modes=g", "--groups=1")
+        self.assertEqual(sorted(r[column] for r in rows), sorted(f"64 -> {w}" for w in widths))
+
+    def test_xla_path_arm(self):
+        spec = bench.parse_arm("xla/path")
+        self.assertEqual((spec.kind, spec.path), ("xla", True))
+        with self.assertRaises(ValueError):
+            bench.parse_arm("xla/s4")
+
+    def test_det_arm_times_the_kernels_under_an_xla_row(self):
+        """det and split force their program, so a plan table's xla rows never replace the
+        kernels they time; new follows the table; xla/path is jax_cake's XLA path."""
+        from jax_cake.planner import tables
+
+        point = bench.Point(16384, 4096, 96, "bfloat16")
+        row = dict(op="fwd", d_in=4096, d_out=96, out="bfloat16", min_tokens=16384, max_tokens=16384, program="xla")
+        table = tables.parse({"arch": "sm_90a", "sm_ranges": [{"min_sms": 132, "max_sms": 132, "rows": [row]}]})
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in bench.make_inputs(point, flush_mb=1)]
+        calls = {}
+        for arm in ("det", "new", "xla/path"):
+            spec = bench.parse_arm(arm)
+            with tables.use_table(table), faked_device(), bench.planning_for(spec):
+                program = bench.steps_program(bench.op_fn("fwd", bench.jax_projection(spec)), 1)
+                text = jax.jit(program).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            calls[arm] = re.findall(r"@(jax_cake_\w+)", text)
+        self.assertEqual(calls, {"det": ["jax_cake_fwd"], "new": [], "xla/path": []})
+
+
 if __name__ == "__main__":
     absltest.main()

@@ -6,8 +6,10 @@ import sys
 from absl.testing import absltest, parameterized
 
 from jax_cake.tools import bench, plan_rule, tune
+import jax_cake as jc
 from jax_cake.planner import variants
 from jax_cake.planner import tables
+from helpers import H200
 
 SPLIT_A = {"program": "split", "tile": [64, 256, 64], "splits": 8, "reduction": "arrival"}
 SPLIT_B = {"program": "split", "tile": [128, 256, 64], "splits": 4, "reduction": "arrival"}
@@ -200,6 +202,124 @@ class TableTest(parameterized.TestCase):
         self.assertEqual(
             [(r["min_sms"], r["rows"]) for r in table["sm_ranges"]], [(114, ["keep"]), (132, [{"row": 1}])]
         )
+
+
+def xla_samples_for(op, pt, ratio, *, base="det", modes=plan_rule.MODES, runs=2, groups=8, first_run=0):
+    """Paired groups of `base` and XLA's dot (tune.XLA_ARM) at one cell, as a tune child writes them."""
+    out = []
+    for mode in modes:
+        for run in range(first_run, first_run + runs):
+            det = [100.0 * (1 + 0.01 * g) for g in range(groups)]
+            for name, times in ((base, det), (tune.XLA_ARM, [d * ratio for d in det])):
+                out.append({**pt.__dict__, "op": op, "mode": mode, "run": run, "arm": name, "groups_us": times})
+    return out
+
+
+def bf16_point(tokens, d_out=96):
+    return bench.Point(tokens, 4096, d_out, "bfloat16")
+
+
+class XlaRowsTest(parameterized.TestCase):
+    """XLA's dot as one more arm: verdicts -> xla rows -> what the planner reads."""
+
+    def read(self, rows, op, tokens, out="bfloat16", d_out=96, deterministic=True):
+        table = tables.parse(tune.build_table("sm_90a", 132, "test", rows))
+        with tables.use_table(table):
+            return tables.verdict(
+                "sm_90a", 132, 4096, d_out, out, tokens, op=op, deterministic=deterministic
+            ).program
+
+    def test_cells_time_fwd_and_dgrad_once_per_shape_on_the_bf16_weight(self):
+        points = bench.grid_points([16172, 16384], [4096], [96], ["float32", "bfloat16"])
+        cells = tune.xla_cells(points)
+        self.assertLen([c for c in cells if c[0] == "wgrad"], 4)
+        for op in ("fwd", "dgrad"):
+            self.assertEqual([p.out for o, p in cells if o == op], ["bfloat16", "bfloat16"])
+        only_fp32 = tune.xla_cells(bench.grid_points([16384], [4096], [96], ["float32"]), ["fwd"])
+        self.assertEqual([p.out for _, p in only_fp32], ["float32"])  # the row still says bfloat16
+
+    @parameterized.parameters("fwd", "dgrad", "wgrad")
+    def test_xla_row_where_xla_wins_in_every_run_of_both_modes(self, op):
+        pts = [bf16_point(16172), bf16_point(16231), bf16_point(16384)]
+        samples = (
+            xla_samples_for(op, pts[0], 0.93)
+            + xla_samples_for(op, pts[1], 0.995)  # under 1 % faster: not enough
+            + xla_samples_for(op, pts[2], 0.95)
+        )
+        choices = tune.choose_xla(samples, [(op, p) for p in pts])
+        self.assertEqual([c.beats_det for c in choices], [True, False, True])
+        (row,) = tune.xla_table_rows(choices, "2026-12-02")
+        self.assertEqual((row["op"], row["program"], row["out"]), (op, "xla", "bfloat16"))
+        self.assertEqual((row["min_tokens"], row["max_tokens"], row["exclude_tokens"]), (16172, 16384, [16231]))
+        self.assertEqual((row["ratio"], row["source"]), (0.95, "jax_cake.tools.tune 2026-12-02"))
+        self.assertIn("T=16172 xla: vs det a: g run 0 p=0.0039 (8/8 wins) r=0.930", row["evidence"])
+        self.assertIn("T=16231 jax_cake:", row["evidence"])
+        self.assertNotIn("b:", row["evidence"])  # (a) alone
+        got = [self.read([row], op, t, deterministic=d) for t in (16172, 16231, 16300, 16384) for d in (True, False)]
+        self.assertEqual(got, ["xla"] * 2 + ["det"] * 2 + ["xla"] * 4)
+        others = [o for o in tune.XLA_OPS if o != op]
+        self.assertEqual({self.read([row], o, 16384) for o in others}, {"det"})
+        with tables.use_table(tables.parse(tune.build_table("sm_90a", 132, "test", [row]))):
+            p = jc.plan(op, tokens=16384, d_in=4096, d_out=96, out_dtype="bfloat16", device=H200)
+        self.assertFalse(p.uses_kernel)
+        self.assertIn("XLA's dot faster here (jax_cake.tools.tune 2026-12-02: median time ratio 0.950)", p.reason)
+
+    @parameterized.named_parameters(
+        ("eager_loss", "e", 0, plan_rule.MODES),
+        ("graph_loss", "g", 0, plan_rule.MODES),
+        ("one_run_lost", "g", 1, plan_rule.MODES),
+        ("no_eager_data", None, 0, ("g",)),
+    )
+    def test_no_row_unless_both_modes_and_every_run_pass(self, lose_mode, lose_run, modes):
+        pt = bf16_point(16384)
+        samples = []
+        for mode in modes:
+            for run in range(2):
+                ratio = 1.02 if (mode, run) == (lose_mode, lose_run) else 0.90
+                samples += xla_samples_for("wgrad", pt, ratio, modes=(mode,), runs=1, first_run=run)
+        (choice,) = tune.choose_xla(samples, [("wgrad", pt)])
+        self.assertFalse(choice.beats_det)
+        self.assertEqual(tune.xla_table_rows([choice], "d"), [])
+
+    def test_ties_are_no_wins(self):
+        pt = bf16_point(16384)
+        (choice,) = tune.choose_xla(xla_samples_for("fwd", pt, 1.0), [("fwd", pt)])
+        self.assertFalse(choice.beats_det)
+        self.assertIn("(0/8 wins)", choice.evidence())
+
+    def test_fp32_and_bf16_wgrad_rows_are_apart(self):
+        f32, b16 = bench.Point(16384, 4096, 96, "float32"), bf16_point(16384)
+        samples = xla_samples_for("wgrad", f32, 0.9) + xla_samples_for("wgrad", b16, 1.05)
+        choices = tune.choose_xla(samples, [("wgrad", f32), ("wgrad", b16)])
+        rows = tune.xla_table_rows(choices, "d")
+        self.assertEqual([(r["op"], r["out"]) for r in rows], [("wgrad", "float32")])
+        self.assertEqual(self.read(rows, "wgrad", 16384, out="float32"), "xla")
+        self.assertEqual(self.read(rows, "wgrad", 16384, out="bfloat16"), "det")
+
+    @parameterized.named_parameters(
+        ("xla_beats_split_too", 0.90, "xla", "xla"),
+        ("xla_beats_det_only", 1.02, "split", "xla"),
+    )
+    def test_a_kept_split_program(self, xla_vs_split, det_false, det_true):
+        """XLA against the split arm a wgrad point keeps: beating it too, XLA takes the
+        point in both modes; beating only det, the split row comes first for
+        deterministic=False and the xla row serves deterministic=True."""
+        arm = "split/t64x256x64"
+        pt = point(16384)
+        full = samples_for(pt, arm)  # the full measurement keeps the split arm, and times XLA in its groups
+        full += [
+            {**s, "arm": tune.XLA_ARM, "groups_us": [g * xla_vs_split for g in s["groups_us"]]}
+            for s in full
+            if s["arm"] == arm and s["op"] == "wgrad" and "busy_sms" not in s
+        ]
+        choices = tune.choose(full, {pt.label: {arm: SPLIT_A}}, [arm])
+        self.assertEqual(choices[0].arm, arm)
+        xla = tune.choose_xla(xla_samples_for("wgrad", pt, 0.85), [("wgrad", pt)], choices, full)
+        self.assertTrue(xla[0].beats_det)
+        self.assertEqual(xla[0].beats_split, xla_vs_split < 0.99)
+        rows = tune.table_rows(tune.yield_to_xla(choices, xla)) + tune.xla_table_rows(xla, "d")
+        self.assertEqual(self.read(rows, "wgrad", 16384, out="float32", d_out=48, deterministic=False), det_false)
+        self.assertEqual(self.read(rows, "wgrad", 16384, out="float32", d_out=48, deterministic=True), det_true)
 
 
 class CommandLineTest(absltest.TestCase):

@@ -1,4 +1,4 @@
-"""The plan rule of DESIGN.md as pure functions on timings (microseconds).
+"""The plan rule (docs/planner.md) as pure functions on timings (microseconds).
 
 A point (arch, SM count, d_in, d_out, out dtype, T) keeps the split-K program only
 if all three conditions hold; otherwise it runs the deterministic program:
@@ -12,6 +12,10 @@ if all three conditions hold; otherwise it runs the deterministic program:
     (median over runs of each run's median) split/det <= 1.013.
 
 A condition with no data fails: without evidence the deterministic program stays.
+
+XLA's own dot (the XLA path) replaces jax_cake's program at a point and op (fwd, dgrad,
+wgrad) by (a) alone (`decide_xla`): every paired run of both modes, p < 0.05 and median
+ratio XLA/jax_cake < 0.99; PairedRun's `split` then holds XLA's times.
 
 Sign-test ties: a pair with split == det is no evidence that split is faster, so it
 counts as a non-win and stays in n (stricter than the textbook choice of dropping
@@ -91,7 +95,8 @@ class Verdict:
         parts = []
         for cond in ("a", "b", "c"):
             cells = [f"{c.cell} {c.detail}" + ("" if c.passed else " FAIL") for c in self.checks if c.condition == cond]
-            parts.append(f"{cond}: " + ", ".join(cells))
+            if cells:  # decide_xla's verdicts hold (a) only
+                parts.append(f"{cond}: " + ", ".join(cells))
         return "; ".join(parts)
 
 
@@ -168,3 +173,17 @@ def decide(
     """The whole rule for one point; see the module docstring for the inputs."""
     checks = tuple(check_op(op) + check_contention(contention) + check_steps(steps))
     return Verdict(keep_split=all(c.passed for c in checks), checks=checks)
+
+
+def decide_xla(op: Mapping[str, Sequence[PairedRun]]) -> Verdict:
+    """XLA's dot against jax_cake's program at one op: condition (a) alone, over {mode:
+    [PairedRun(jax_cake times, XLA times), ...]}. keep_split here means: XLA wins."""
+    checks = tuple(check_op(op))
+    return Verdict(keep_split=all(c.passed for c in checks), checks=checks)
+
+
+def worst_ratio(op: Mapping[str, Sequence[PairedRun]]) -> float | None:
+    """The highest per-run median paired ratio candidate/baseline over every run of every
+    mode (None without runs): the least favourable run, as a table row records it."""
+    ratios = [statistics.median(s / d for d, s in zip(r.det, r.split)) for runs in op.values() for r in runs]
+    return max(ratios) if ratios else None

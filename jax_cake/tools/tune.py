@@ -1,7 +1,19 @@
-"""Measures split-K candidates against the deterministic program and writes the plan table.
+"""Measures split-K candidates and XLA's dot against the deterministic program and writes the plan table.
 
     python -m jax_cake.tools.tune --tokens=16172,16231,16384 --d_in=4096 --d_out=48 --out_dtype=float32
     python -m jax_cake.tools.tune ... --write   # into jax_cake/planner/tables/<arch>.json
+    python -m jax_cake.tools.tune --grid=all ...  # the default widths and the wide ones (bench --grid)
+
+XLA's dot (`--xla`, default on): at every point, for fwd, dgrad and wgrad (`--xla_ops`;
+fwd and dgrad once per (T, d_in, d_out), on the BF16 weight, as their plans are), the
+`xla/path` arm (the op on jax_cake's own XLA path, what an xla row would run) is timed
+against det in the same paired groups. The screen times it in graph mode with the split
+candidates; the cells whose XLA passed (a) there get eager run 0, then both modes for
+the other runs (`--runs`), in one child per (run, mode) over all such cells. A cell where
+XLA passes (a) in every run of both modes (plan_rule.decide_xla), and at a wgrad point
+that keeps split also against that split program (timed with it in the full
+measurement), gets an xla row; where XLA beat det but not the kept split, the split row
+comes first and the xla row serves deterministic=True.
 
 Per point (T, d_in, d_out, out dtype) and candidate split program (`split/tMxNxK` per
 arrival-order wgrad tile of jax_cake.planner.variants, optionally `--splits` counts),
@@ -39,6 +51,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -49,6 +62,8 @@ from jax_cake.tools import cuda_driver
 from jax_cake.tools import plan_rule
 
 TUNE_OPS = ("wgrad",) + plan_rule.STEP_OPS
+XLA_OPS = ("fwd", "dgrad", "wgrad")
+XLA_ARM = "xla/path"  # the op on jax_cake's XLA path: what an xla row runs
 TABLE_DIR = Path(__file__).resolve().parent.parent / "planner" / "tables"
 FLAGS = flags.FLAGS
 
@@ -138,10 +153,46 @@ def candidate_plans(points: Sequence[bench.Point], arms: Sequence[bench.ArmSpec]
     return out
 
 
-def run_tune_child(points, arms, mode: str, run: int, out_path: str, ops: Sequence[str] = TUNE_OPS) -> None:
+def xla_cells(points: Sequence[bench.Point], ops: Sequence[str] = XLA_OPS) -> list[tuple[str, bench.Point]]:
+    """The (op, point) cells XLA's dot is timed at: wgrad at every point, fwd and dgrad
+    once per (T, d_in, d_out) (their plans' out dtype is BF16 whatever w's is), on the
+    BF16 point where the grid has one."""
+    cells = []
+    for op in ops:
+        if op == "wgrad":
+            cells += [(op, p) for p in points]
+            continue
+        seen = {}
+        for p in points:
+            key = (p.tokens, p.d_in, p.d_out)
+            if key not in seen or p.out == "bfloat16" and seen[key].out != "bfloat16":
+                seen[key] = p
+        cells += [(op, p) for p in seen.values()]
+    return cells
+
+
+def write_cells(path: str, cells: Sequence[tuple[str, bench.Point]]) -> None:
+    with open(path, "w") as f:
+        json.dump([[op, p.tokens, p.d_in, p.d_out, p.out] for op, p in cells], f)
+
+
+def read_cells(path: str) -> list[tuple[str, bench.Point]]:
+    with open(path) as f:
+        return [(op, bench.Point(t, i, o, dt)) for op, t, i, o, dt in json.load(f)]
+
+
+def run_tune_child(
+    points, arms, mode: str, run: int, out_path: str, ops: Sequence[str] = TUNE_OPS, cells=None
+) -> None:
+    """One (run, mode): every cell (op, point; default: points x ops) with the arms (split
+    arms only on wgrad and the steps), then condition (b) on the points."""
     timer_kind = FLAGS.timer or bench.default_timer()
     common = dict(steps=FLAGS.steps, groups=FLAGS.groups, flush_mb=FLAGS.flush_mb, timer_kind=timer_kind)
-    samples = bench.collect(points, ops, arms, mode, run, **common)
+    cells = cells if cells is not None else [(op, p) for p in points for op in ops]
+    samples = []
+    for op in dict.fromkeys(op for op, _ in cells):
+        op_arms = arms if op in TUNE_OPS else [a for a in arms if a.kind != "split"]
+        samples += bench.collect([p for o, p in cells if o == op], [op], op_arms, mode, run, **common)
     if FLAGS.contention != "none" and timer_kind != "device":
         print("condition (b) skipped: it needs the GPU's device timeline", file=sys.stderr)
     elif FLAGS.contention != "none":
@@ -150,7 +201,9 @@ def run_tune_child(points, arms, mode: str, run: int, out_path: str, ops: Sequen
             slowest = max(
                 statistics.median(g for g in s["groups_us"] if g is not None)
                 for s in samples
-                if s["op"] == "wgrad" and bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"]) == point
+                if s["op"] == "wgrad"
+                and s["arm"] == "det"
+                and bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"]) == point
             )
             ns = int(2 * FLAGS.steps * (slowest + 100) * 1e3)  # covers a whole call: steps x (op + flush)
             for sms in map(int, FLAGS.busy_sms):
@@ -322,6 +375,139 @@ def table_rows(choices: Sequence[Choice]) -> list[dict]:
     return rows
 
 
+def paired_op_runs(
+    samples: Sequence[dict], op: str, point: bench.Point, base: str, cand: str
+) -> dict[str, list[plan_rule.PairedRun]]:
+    """{mode: [PairedRun(base times, cand times) per run]} of one op at one point, from
+    the samples without a busy kernel."""
+    times = {}
+    for s in samples:
+        if s.get("busy_sms") is None and s["op"] == op and s["arm"] in (base, cand):
+            if bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"]) == point:
+                times[(s["mode"], s["run"], s["arm"])] = s["groups_us"]
+    runs = {}
+    for (mode, run, arm), groups in sorted(times.items()):
+        if arm == base and (mode, run, cand) in times:
+            paired = _pair(groups, times[(mode, run, cand)])
+            if paired is not None:
+                runs.setdefault(mode, []).append(paired)
+    return runs
+
+
+def _screen_passed(samples: Sequence[dict], op: str, point: bench.Point) -> bool:
+    """Whether XLA passed (a) against det in the screen's graph-mode run at one cell."""
+    runs = paired_op_runs(samples, op, point, "det", XLA_ARM).get("g", [])
+    return bool(runs) and plan_rule.check_op_run("g", 0, runs[0]).passed
+
+
+def _runs_so_far(samples: Sequence[dict], op: str, point: bench.Point) -> list[plan_rule.Check]:
+    """(a) for XLA against det in every run measured so far (a missing mode is no failure yet)."""
+    runs = paired_op_runs(samples, op, point, "det", XLA_ARM)
+    return [plan_rule.check_op_run(mode, i, r) for mode, rs in runs.items() for i, r in enumerate(rs)]
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaChoice:
+    """XLA's dot against jax_cake at one (op, point): the verdict against det and, at a
+    wgrad point that keeps split, against that split arm."""
+
+    op: str
+    point: bench.Point
+    verdict: plan_rule.Verdict  # XLA vs det
+    ratio: float | None  # XLA/det, the highest per-run median paired ratio
+    split_arm: str | None = None
+    split_verdict: plan_rule.Verdict | None = None  # XLA vs split_arm
+
+    @property
+    def beats_det(self) -> bool:
+        return self.verdict.keep_split
+
+    @property
+    def beats_split(self) -> bool:
+        return self.split_arm is not None and self.split_verdict is not None and self.split_verdict.keep_split
+
+    @property
+    def row_out(self) -> str:
+        """The plan's out dtype the row is keyed by: w's for wgrad, BF16 for fwd/dgrad."""
+        return self.point.out if self.op == "wgrad" else "bfloat16"
+
+    def evidence(self) -> str:
+        text = f"vs det {self.verdict.evidence()}"
+        if self.split_arm is not None:
+            versus = self.split_verdict.evidence() if self.split_verdict else "no paired runs"
+            text += f"; vs {self.split_arm} {versus}"
+        return text
+
+
+def choose_xla(
+    xla_samples: Sequence[dict],
+    cells: Sequence[tuple[str, bench.Point]],
+    choices: Sequence[Choice] = (),
+    split_samples: Sequence[dict] = (),
+) -> list[XlaChoice]:
+    """Per cell, plan_rule.decide_xla of XLA against det (xla_samples: the screen's and the
+    follow-up runs) and, where `choices` keep a split arm at a wgrad point, against it
+    (split_samples: the full measurement, which times XLA with the split arms)."""
+    split_of = {c.point: c.arm for c in choices if c.arm is not None}
+    out = []
+    for op, point in cells:
+        runs = paired_op_runs(xla_samples, op, point, "det", XLA_ARM)
+        arm = split_of.get(point) if op == "wgrad" else None
+        split_verdict = None
+        if arm is not None:
+            split_runs = paired_op_runs(split_samples, "wgrad", point, arm, XLA_ARM)
+            split_verdict = plan_rule.decide_xla(split_runs)
+        out.append(XlaChoice(op, point, plan_rule.decide_xla(runs), plan_rule.worst_ratio(runs), arm, split_verdict))
+    return out
+
+
+def yield_to_xla(choices: Sequence[Choice], xla: Sequence[XlaChoice]) -> list[Choice]:
+    """The split choices with the points where XLA beat the kept split arm too turned
+    deterministic (their T is then excluded from the split row; the xla row covers it)."""
+    beaten = {x.point for x in xla if x.op == "wgrad" and x.beats_det and x.beats_split}
+    return [
+        Choice(c.point, None, None, f"XLA beat {c.arm}: {c.evidence}") if c.point in beaten else c for c in choices
+    ]
+
+
+def xla_table_rows(xla: Sequence[XlaChoice], date: str) -> list[dict]:
+    """Plan-table xla rows, one per (op, d_in, d_out, out) where XLA beat det at some T:
+    from the lowest to the highest such T, the measured T in between where it did not
+    excluded. They go after the split rows (a split row first serves deterministic=False)."""
+    rows = []
+    keys = sorted(
+        {(x.op, x.point.d_in, x.point.d_out, x.row_out) for x in xla}, key=lambda k: (XLA_OPS.index(k[0]),) + k[1:]
+    )
+    for op, d_in, d_out, out in keys:
+        mine = sorted(
+            (x for x in xla if (x.op, x.point.d_in, x.point.d_out, x.row_out) == (op, d_in, d_out, out)),
+            key=lambda x: x.point.tokens,
+        )
+        winners = [x for x in mine if x.beats_det]
+        if not winners:
+            continue
+        lo, hi = winners[0].point.tokens, winners[-1].point.tokens
+        inside = [x for x in mine if lo <= x.point.tokens <= hi]
+        rows.append(
+            {
+                "op": op,
+                "d_in": d_in,
+                "d_out": d_out,
+                "out": out,
+                "min_tokens": lo,
+                "max_tokens": hi,
+                "program": "xla",
+                "exclude_tokens": sorted(x.point.tokens for x in inside if x not in winners),
+                "ratio": round(max(x.ratio for x in winners), 4),
+                "source": f"jax_cake.tools.tune {date}",
+                "evidence": " | ".join(
+                    f"T={x.point.tokens} {'xla' if x.beats_det else 'jax_cake'}: {x.evidence()}" for x in inside
+                ),
+            }
+        )
+    return rows
+
+
 def build_table(arch: str, sms: int, source: str, rows: Sequence[dict], existing: Mapping | None = None) -> dict:
     """The table JSON: `existing` with its range for exactly `sms` SMs replaced by `rows`."""
     ranges = [r for r in (existing or {}).get("sm_ranges", []) if (r["min_sms"], r.get("max_sms")) != (sms, sms)]
@@ -335,53 +521,93 @@ def build_table(arch: str, sms: int, source: str, rows: Sequence[dict], existing
 
 def main(argv):
     del argv
+    bench.apply_grid("d_out")
     points = bench.grid_points(
         map(int, FLAGS.tokens),
         map(int, FLAGS.d_in),
         map(int, FLAGS.d_out),
         bench.selected("out_dtype", bench.OUT_DTYPES),
     )
-    candidates = FLAGS.arms or candidate_arms(list(map(int, FLAGS.splits)))
-    arms = [bench.parse_arm(a) for a in ["det", *candidates]]
-    if any(a.kind != "split" for a in arms[1:]):
-        raise app.UsageError("--arms: tune compares split candidates (split[/sN][/tMxNxK]) against det")
+    arm_names = FLAGS.arms or candidate_arms(list(map(int, FLAGS.splits)))
+    arms = [bench.parse_arm(a) for a in ["det", *arm_names]]
+    if any(a.kind != "split" and a.name != XLA_ARM for a in arms[1:]):
+        raise app.UsageError(
+            f"--arms: tune compares split candidates (split[/sN][/tMxNxK]) and {XLA_ARM} against det"
+        )
+    candidates = [a.name for a in arms[1:] if a.kind == "split"]
     modes = bench.selected("modes", bench.MODES)
     if FLAGS.child_out:
-        run_tune_child(points, arms, modes[0], FLAGS.run_index, FLAGS.child_out, FLAGS.child_ops)
+        cells = read_cells(FLAGS.child_cells) if FLAGS.child_cells else None
+        run_tune_child(points, arms, modes[0], FLAGS.run_index, FLAGS.child_out, FLAGS.child_ops, cells)
         return
+    xla_ops = [op for op in FLAGS.xla_ops if op in XLA_OPS] if FLAGS.xla else []
+    cells = xla_cells(points, xla_ops)
+    xla = [XLA_ARM] if cells else []
     timing = bench.child_argv(("groups", "steps", "flush_mb", "timer"))
     grid = bench.child_argv(("tokens", "d_in", "d_out", "out_dtype"))
     full = bench.child_argv(("busy_sms", "contention"))
-    if FLAGS.screen:
-        screen_argv = grid + timing + [f"--arms={','.join(candidates)}", "--contention=none", "--child_ops=wgrad"]
-        header, screen_samples = bench.run_children("jax_cake.tools.tune", screen_argv, ["g"], 1)
-        survivors, screened = screen_survivors(screen_samples, candidates)
-        print(
-            f"screen: {sum(map(len, survivors.values()))} of {len(survivors) * len(candidates)} "
-            "(point, candidate) pairs passed (a) in graph mode",
-            file=sys.stderr,
-        )
-        samples = []
-        for point, cands in survivors.items():
-            if cands:
-                one_point = [
-                    f"--tokens={point.tokens}",
-                    f"--d_in={point.d_in}",
-                    f"--d_out={point.d_out}",
-                    f"--out_dtype={point.out}",
-                ]
-                _, got = bench.run_children(
-                    "jax_cake.tools.tune", one_point + timing + full + [f"--arms={','.join(cands)}"], modes, FLAGS.runs
-                )
-                samples += got
-    else:
-        header, samples = bench.run_children(
-            "jax_cake.tools.tune", grid + timing + full + [f"--arms={','.join(candidates)}"], modes, FLAGS.runs
-        )
-        screened = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cells_file = str(Path(tmp) / "cells.json")
+        if FLAGS.screen:
+            # wgrad at every point with det, the split candidates and XLA; fwd/dgrad cells with det and XLA
+            write_cells(cells_file, [("wgrad", p) for p in points] + [c for c in cells if c[0] != "wgrad"])
+            screen_argv = grid + timing + [
+                f"--arms={','.join(candidates + xla)}",
+                "--contention=none",
+                f"--child_cells={cells_file}",
+            ]
+            header, screen_samples = bench.run_children("jax_cake.tools.tune", screen_argv, ["g"], 1)
+            survivors, screened = screen_survivors(screen_samples, candidates)
+            print(
+                f"screen: {sum(map(len, survivors.values()))} of {len(survivors) * len(candidates)} "
+                "(point, candidate) pairs passed (a) in graph mode",
+                file=sys.stderr,
+            )
+            samples = []
+            for point, cands in survivors.items():
+                if cands:
+                    one_point = [
+                        f"--tokens={point.tokens}",
+                        f"--d_in={point.d_in}",
+                        f"--d_out={point.d_out}",
+                        f"--out_dtype={point.out}",
+                    ]
+                    argv = one_point + timing + full + [f"--arms={','.join(cands + xla)}"]
+                    _, got = bench.run_children("jax_cake.tools.tune", argv, modes, FLAGS.runs)
+                    samples += got
+            xla_samples = list(screen_samples)
+            alive = [c for c in cells if _screen_passed(screen_samples, *c)]
+            print(
+                f"screen: XLA passed (a) in graph mode at {len(alive)} of {len(cells)} (op, point) cells",
+                file=sys.stderr,
+            )
+            follow = [(["e"], 1, 0)] + ([(modes, FLAGS.runs - 1, 1)] if FLAGS.runs > 1 else [])
+            if "e" not in modes:
+                follow = [(modes, FLAGS.runs - 1, 1)] if FLAGS.runs > 1 else []
+        else:
+            argv = grid + timing + full + [f"--arms={','.join(candidates + xla)}"]
+            header, samples = bench.run_children("jax_cake.tools.tune", argv, modes, FLAGS.runs)
+            screened, xla_samples, alive, follow = {}, [], list(cells), [(modes, FLAGS.runs, 0)]
+        for follow_modes, runs, first_run in follow:  # XLA's cells: the remaining runs of the rule
+            if not alive or runs < 1:
+                break
+            write_cells(cells_file, alive)
+            argv = grid + timing + [f"--arms={XLA_ARM}", "--contention=none", f"--child_cells={cells_file}"]
+            h, got = bench.run_children("jax_cake.tools.tune", argv, follow_modes, runs)
+            header = header or h
+            for s in got:
+                s["run"] += first_run
+            xla_samples += got
+            alive = [c for c in alive if all(ch.passed for ch in _runs_so_far(xla_samples, *c))]
     choices = choose(samples, header["plans"], candidates, screened)
+    xla_choices = choose_xla(xla_samples, cells, choices, samples)
+    choices = yield_to_xla(choices, xla_choices)
     for c in choices:
         print(f"{c.point.label}: {c.arm or 'det'}\n  {c.evidence}", file=sys.stderr)
+    for x in xla_choices:
+        won = "XLA" if x.beats_det and (x.split_arm is None or x.beats_split) else "jax_cake"
+        ratio = "n/a" if x.ratio is None else f"{x.ratio:.3f}"
+        print(f"{x.op} {x.point.label}: {won} (XLA/det worst run r={ratio})\n  {x.evidence()}", file=sys.stderr)
     if not header["sms"]:
         if FLAGS.write:
             raise app.UsageError("--write needs a GPU measurement (the children saw no SM count)")
@@ -392,11 +618,13 @@ def main(argv):
     source = (
         f"jax_cake.tools.tune {header['date']} on NVIDIA {header['gpu']} ({header['sms']} SMs), jax {header['jax']}, "
         f"{header['timer']}, {FLAGS.runs} runs x {FLAGS.groups} groups x {FLAGS.steps} steps, {len(points)} points"
-        + (" (screened: wgrad in graph mode first, one run)" if FLAGS.screen else "")
+        + (" (screened: wgrad and XLA's cells in graph mode first, one run)" if FLAGS.screen else "")
+        + (f", XLA's dot at {len(cells)} (op, point) cells" if cells else "")
     )
     path = Path(FLAGS.table or TABLE_DIR / f"{arch}.json")
     existing = json.loads(path.read_text()) if path.exists() else None
-    table = build_table(arch, header["sms"], source, table_rows(choices), existing)
+    rows = table_rows(choices) + xla_table_rows(xla_choices, header["date"])
+    table = build_table(arch, header["sms"], source, rows, existing)
     text = json.dumps(table, indent=1) + "\n"
     if FLAGS.write:
         path.write_text(text)
@@ -420,4 +648,7 @@ if __name__ == "__main__":
         "the full measurement (a candidate failing it fails the rule).",
     )
     flags.DEFINE_list("child_ops", list(TUNE_OPS), "Internal: the ops a child times.")
+    flags.DEFINE_string("child_cells", None, "Internal: a JSON list of (op, T, d_in, d_out, out) cells a child times.")
+    flags.DEFINE_bool("xla", True, f"Time XLA's dot ({XLA_ARM}) against det too and write xla rows where it wins.")
+    flags.DEFINE_list("xla_ops", list(XLA_OPS), "The ops XLA's dot is timed at (fwd, dgrad, wgrad).")
     app.run(main)
