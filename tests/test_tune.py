@@ -322,6 +322,19 @@ class XlaRowsTest(parameterized.TestCase):
         self.assertEqual(self.read(rows, "wgrad", 16384, out="float32", d_out=48, deterministic=True), det_true)
 
 
+class KeepRowsTest(absltest.TestCase):
+    def test_rows_of_unmeasured_shapes_stay(self):
+        old_xla = {"op": "fwd", "d_in": 4096, "d_out": 96, "out": "bfloat16", "program": "xla"}
+        old_split = {"d_in": 5120, "d_out": 48, "out": "float32", "program": "split"}
+        remeasured = {"op": "fwd", "d_in": 5120, "d_out": 96, "out": "bfloat16", "program": "xla"}
+        rng = {"min_sms": 132, "max_sms": 132, "rows": [old_xla, old_split, remeasured]}
+        existing = {"arch": "sm_90a", "sm_ranges": [rng]}
+        measured = {tune.row_key(remeasured), tune.row_key(old_split)}
+        table = tune.build_table("sm_90a", 132, "new", [{"new": 1}], existing, measured)
+        self.assertEqual(table["sm_ranges"][0]["rows"], [old_xla, {"new": 1}])
+        self.assertEqual(tune.build_table("sm_90a", 132, "new", [], existing)["sm_ranges"][0]["rows"], [])
+
+
 class CommandLineTest(absltest.TestCase):
     def test_screened_run_on_cpu_prints_verdicts_and_writes_nothing(self):
         proc = subprocess.run(

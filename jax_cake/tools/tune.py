@@ -508,10 +508,28 @@ def xla_table_rows(xla: Sequence[XlaChoice], date: str) -> list[dict]:
     return rows
 
 
-def build_table(arch: str, sms: int, source: str, rows: Sequence[dict], existing: Mapping | None = None) -> dict:
-    """The table JSON: `existing` with its range for exactly `sms` SMs replaced by `rows`."""
+def row_key(row: Mapping) -> tuple:
+    """What a row is about: (op, d_in, d_out, out, batch)."""
+    return (row.get("op", "wgrad"), row["d_in"], row["d_out"], row["out"], row.get("batch", 1))
+
+
+def build_table(
+    arch: str,
+    sms: int,
+    source: str,
+    rows: Sequence[dict],
+    existing: Mapping | None = None,
+    measured: set | None = None,
+) -> dict:
+    """The table JSON: `existing` with its range for exactly `sms` SMs replaced by `rows`;
+    with `measured` (row keys, `row_key`), that range's rows of other keys stay, first."""
     ranges = [r for r in (existing or {}).get("sm_ranges", []) if (r["min_sms"], r.get("max_sms")) != (sms, sms)]
-    ranges.append({"min_sms": sms, "max_sms": sms, "rows": list(rows)})
+    kept = []
+    if measured is not None:
+        for r in (existing or {}).get("sm_ranges", []):
+            if (r["min_sms"], r.get("max_sms")) == (sms, sms):
+                kept = [row for row in r["rows"] if row_key(row) not in measured]
+    ranges.append({"min_sms": sms, "max_sms": sms, "rows": kept + list(rows)})
     ranges.sort(key=lambda r: r["min_sms"])
     return {"arch": arch, "source": source, "sm_ranges": ranges}
 
@@ -624,7 +642,13 @@ def main(argv):
     path = Path(FLAGS.table or TABLE_DIR / f"{arch}.json")
     existing = json.loads(path.read_text()) if path.exists() else None
     rows = table_rows(choices) + xla_table_rows(xla_choices, header["date"])
-    table = build_table(arch, header["sms"], source, rows, existing)
+    measured = None
+    if FLAGS.keep_rows:  # the keys this run measured: split rows of every point, xla rows of every cell
+        measured = {("wgrad", p.d_in, p.d_out, p.out, 1) for p in points}
+        measured |= {(op, p.d_in, p.d_out, p.out if op == "wgrad" else "bfloat16", 1) for op, p in cells}
+        if existing is not None and existing.get("source") and existing["source"] != source:
+            source = f"{source}; rows of other shapes kept from: {existing['source']}"
+    table = build_table(arch, header["sms"], source, rows, existing, measured)
     text = json.dumps(table, indent=1) + "\n"
     if FLAGS.write:
         path.write_text(text)
@@ -641,6 +665,11 @@ if __name__ == "__main__":
     flags.DEFINE_string("arch", None, "Table architecture (default: from the GPU, sm_90a on an H200).")
     flags.DEFINE_string("table", None, "Table path (default jax_cake/planner/tables/<arch>.json).")
     flags.DEFINE_bool("write", False, "Write the table file; otherwise print it.")
+    flags.DEFINE_bool(
+        "keep_rows",
+        False,
+        "Keep the table's rows (of this SM count) for shapes this run did not measure: a grid tuned in parts.",
+    )
     flags.DEFINE_bool(
         "screen",
         True,
