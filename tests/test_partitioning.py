@@ -302,34 +302,3 @@ def test_gspmd_partitioner_runs_the_same_rule():
     assert [(k, _dims(s)) for k, s in collectives(compiled.as_text())] == [("all-reduce", (1, O, K))]
     _close(got[0], want[0], 1e-2)
     _close(got[1], want[1], 1e-5)
-
-
-# --- README "Scaling" snippets ----------------------------------------------------------------
-
-
-def test_readme_scaling_jit_auto_and_explicit():
-    # --- snippet: jit with sharded inputs (Auto axes) ---
-    mesh = jax.make_mesh((8,), ("data",))
-    x = jax.device_put(jnp.ones((1024, 256), jnp.bfloat16), NamedSharding(mesh, P("data")))
-    w = jax.device_put(jnp.ones((512, 256), jnp.float32), NamedSharding(mesh, P()))
-
-    @jax.jit
-    def loss_and_grads(x, w):
-        loss = lambda x, w: jnp.sum(jc.dense_projection(x, w).astype(jnp.float32))
-        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
-
-    loss, (dx, dw) = loss_and_grads(x, w)  # per-device GEMMs, one all-reduce of dw
-    # --- end snippet ---
-    assert float(loss) == 1024 * 512 * 256 and dw.shape == w.shape
-
-    # --- snippet: Explicit axes ---
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-    with jax.set_mesh(mesh):
-        x = jax.device_put(jnp.ones((1024, 256), jnp.bfloat16), P("data"))
-        w = jax.device_put(jnp.ones((512, 256), jnp.float32), P("data"))  # FSDP: w's rows too
-        y = jax.jit(jc.dense_projection)(x, w)  # w is gathered, x never
-        assert jax.typeof(y).sharding.spec == P("data", None)
-        y_by_column = jax.jit(lambda x, w: jc.dense_projection(x, w, out_sharding=P(None, "data")))(x, w)
-    # --- end snippet ---
-    assert y_by_column.sharding.spec == P(None, "data")
-    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_by_column, np.float32))

@@ -156,15 +156,3 @@ def test_vmap_of_the_router_lowers_without_a_loop():
     assert len(_calls(text, "router_dgrad")) == 1
     # per-entry router weight gradients have no batched router program: XLA, batched
     assert not _calls(text, "router_wgrad") and "dot_general" in text
-
-
-def test_readme_scaling_vmap():
-    # --- snippet: vmap ---
-    xs = jnp.ones((4, 128, 256), jnp.bfloat16)  # 4 sequences of 128 tokens
-    w = jnp.ones((512, 256), jnp.float32)
-    ys = jax.vmap(jc.dense_projection, in_axes=(0, None))(xs, w)  # one GEMM over 4 * 128 tokens
-    ws = jnp.ones((4, 512, 256), jnp.float32)
-    ys_per_w = jax.vmap(jc.dense_projection)(xs, ws)  # the batched program, one launch
-    # --- end snippet ---
-    assert ys.shape == ys_per_w.shape == (4, 128, 512)
-    _equal(ys, ys_per_w)
