@@ -16,9 +16,7 @@ CPU (the XLA reference path) and on a supported GPU (the kernels):
 """
 
 import math
-import pathlib
 import statistics
-import sys
 import time
 
 from absl import app, flags
@@ -26,11 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    import jax_cake
-except ModuleNotFoundError:  # run from a source checkout without `pip install -e .`
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    import jax_cake
+import jax_cake
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 30, "Training steps (the first one includes compilation).")

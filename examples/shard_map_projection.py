@@ -16,8 +16,6 @@ On CPU it runs on 8 fake devices; on GPUs it uses all of them (a mesh of 1 works
 """
 
 import os
-import pathlib
-import sys
 
 # Eight fake CPU devices, set before jax starts. The flag only shapes the host (CPU)
 # platform, so it changes nothing when a GPU is the default backend; a device count
@@ -30,11 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-try:
-    import jax_cake  # noqa: E402
-except ModuleNotFoundError:  # run from a source checkout without `pip install -e .`
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    import jax_cake  # noqa: E402
+import jax_cake  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("tokens", 256, "Tokens T; a multiple of the device count.")

@@ -18,20 +18,14 @@ Runs on CPU (XLA fallback) and on a supported GPU (AOT kernels):
 
 import functools
 import math
-import pathlib
 import statistics
-import sys
 import time
 
 from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
 
-try:
-    import jax_cake
-except ModuleNotFoundError:  # run from a source checkout without `pip install -e .`
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    import jax_cake
+import jax_cake
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 100, "Training steps (the first one includes compilation).")
