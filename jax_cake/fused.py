@@ -9,11 +9,15 @@ With D = sum_i d_out_i and W = the weights' bf16 casts stacked along d_out ([D, 
   of an FP32 master to bf16 is a pass XLA runs anyway, and the stacking happens inside
   that same fusion (it writes W instead of the separate casts: no extra bytes).
 - backward: dy = the dy_i side by side ([T, D], bf16). dx is ONE dgrad GEMM dy @ W over
-  K = D (one FP32 sum, rounded once: no per-weight partial dx and no adds), and the
-  weight gradient is ONE wgrad GEMM dy.T @ x (x read once) whose [D, d_in] result is
-  split into the dw_i by rows. The wgrad writes FP32 when any w_i is FP32 (an FP32
-  master gets its gradient straight from the accumulator; a bf16 w_i gets that FP32 sum
-  rounded once) and bf16 when every w_i is bf16.
+  K = D (one FP32 sum, rounded once: no per-weight partial dx and no adds). Where some
+  d_out_i is narrow (memory bound: skinny heads, MLA ranks), the weight gradient is ONE
+  wgrad GEMM dy.T @ x (x read once) whose [D, d_in] result is split into the dw_i by
+  rows; it writes FP32 when any w_i is FP32 (an FP32 master gets its gradient straight
+  from the accumulator; a bf16 w_i gets that FP32 sum rounded once) and bf16 when every
+  w_i is bf16. Where every d_out_i is at least WIDE_D_OUT (compute bound: reading x once
+  per weight costs little next to the FLOPs), each dw_i is its own wgrad GEMM written
+  straight into dw_i's buffer in w_i's dtype: one wgrad over D would write a [D, d_in]
+  buffer that the split then copies (2 x 470 MB at gate/up 4096 -> 2 x 14336, FP32).
 
 The three plans are made from the summed shape (tokens T, d_in, d_out = D). Everything
 else is as in `jax_cake.dense_projection`: trace-time validation naming the argument,
@@ -35,8 +39,12 @@ import jax.numpy as jnp
 from jax_cake import api
 from jax_cake import primitives
 from jax_cake import remat
+from jax_cake.planner import device as device_lib
+from jax_cake.planner import plan as make_plan
 
 _BF16 = jnp.bfloat16
+# From this d_out up a wgrad is compute bound (docs/planner.md): one wgrad per weight.
+WIDE_D_OUT = 512
 
 
 def _stack_bf16(ws):
@@ -60,6 +68,22 @@ def _fused_plans(x3, w_cat, deterministic: bool, w_dtypes: tuple[str, ...]):
     return api._plans(x3, w_cat[None], deterministic, _wgrad_dtype(w_dtypes))
 
 
+def _wgrad_plan(x3, w_cat, d_out: int, deterministic: bool, out_dtype: str):
+    """The plan of one weight's own wgrad (tokens and d_in from x3, the device as the
+    fused call's)."""
+    b, t, d_in = x3.shape
+    return make_plan(
+        "wgrad",
+        tokens=t,
+        d_in=d_in,
+        d_out=d_out,
+        batch=b,
+        out_dtype=out_dtype,
+        deterministic=deterministic,
+        device=device_lib.current(x3, w_cat),
+    )
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _fused(x3, ws, deterministic: bool, w_dtypes: tuple[str, ...]):
     return _fused_fwd(x3, ws, deterministic, w_dtypes)[0]
@@ -77,6 +101,13 @@ def _fused_bwd(deterministic, w_dtypes, residuals, dys):
     _, dgrad_plan, wgrad_plan = _fused_plans(x3, w_cat, deterministic, w_dtypes)
     dy = jnp.concatenate([d.astype(_BF16) for d in dys], axis=-1)
     dx = primitives.dgrad(dy, w_cat[None], dgrad_plan)
+    if min(d.shape[-1] for d in dys) >= WIDE_D_OUT:
+        dws = []
+        for d, dtype in zip(dys, w_dtypes):
+            dws.append(
+                primitives.wgrad(d.astype(_BF16), x3, _wgrad_plan(x3, w_cat, d.shape[-1], deterministic, dtype))[0]
+            )
+        return dx, tuple(dws)
     dw = primitives.wgrad(dy, x3, wgrad_plan)[0]  # [D, d_in] in the plan's out dtype
     dws, start = [], 0
     for d, dtype in zip(dys, w_dtypes):

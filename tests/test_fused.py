@@ -247,6 +247,26 @@ def test_cuda_lowering_is_one_custom_call_per_gemm_with_the_summed_plans():
     assert re.search(rf"\bsplits = {plan.splits} : i64", wgrad[0])
 
 
+def test_wide_weights_take_one_wgrad_each_into_their_own_dtype():
+    """gate/up-like widths (every d_out_i >= WIDE_D_OUT): one fwd and one dgrad over D, and
+    each dw_i its own wgrad in w_i's dtype (no [D, d_in] buffer split afterwards)."""
+    t, d_in, d_outs = 1024, 512, (1024, 512)
+    ws = [_s((d_outs[0], d_in), F32), _s((d_outs[1], d_in), BF)]
+    text = _cuda_text(_skinny_step, _s((t, d_in), BF), ws)
+    fwd, dgrad, wgrad = (_calls(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
+    assert (len(fwd), len(dgrad), len(wgrad)) == (1, 1, 2), text
+    assert f"-> tensor<1x{t}x1536xbf16>" in fwd[0] and f"(tensor<1x{t}x1536xbf16>, " in dgrad[0]
+    assert "-> (tensor<1x1024x512xf32>," in wgrad[0] or "-> (tensor<1x1024x512xf32>," in wgrad[1]
+    assert any("-> (tensor<1x512x512xbf16>," in line for line in wgrad)
+    # Values: each dw_i is the same GEMM as dense_projection's, so bitwise equal to it.
+    x, ws, dys = _inputs(5, (256,), d_in, d_outs, (F32, BF))
+    _, dx, dws = _value_and_vjp(_fused(), x, ws, dys)
+    _, _, dws_sep = _value_and_vjp(_separate(), x, ws, dys)
+    for dw, dw_sep in zip(dws, dws_sep):
+        assert dw.dtype == dw_sep.dtype
+        np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(dw_sep, np.float32))
+
+
 def test_cuda_lowering_all_bf16_weights_take_a_bf16_wgrad():
     ws = [_s((d, 256), BF) for d in (64, 128)]
     wgrad = _calls(_cuda_text(_skinny_step, _s((512, 256), BF), ws), "jax_cake_wgrad")
