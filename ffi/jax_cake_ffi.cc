@@ -1,5 +1,5 @@
 // XLA FFI handlers of jax_cake: jax_cake_fwd, jax_cake_dgrad, jax_cake_wgrad,
-// jax_cake_wgrad_accumulate.
+// jax_cake_wgrad_accumulate, jax_cake_fwd_residual.
 //
 // The contract (operands, attributes, workspace) is docs/FFI_CONTRACT.md. Each handler
 // maps its buffers onto one GEMM C[M, N] = sum_k A[m, k] B[n, k] (batch L), picks the
@@ -396,6 +396,49 @@ ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, f
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------ residual add
+// y[B, T, d_out] = r + x[B, T, d_in] . w[B, d_out, d_in]^T, in place: y is r's buffer
+// (input_output_aliases {2: 0}); if XLA ever hands two buffers, r is copied into y first
+// (same result, one extra pass). One pass over K on the bf16 reduce-add fwd variant of
+// the tile: each finished tile is rounded to bf16 and TMA reduce-added into r, so
+// y = bf16(r + bf16(acc)), one add per element (bitwise reproducible). No memset.
+ffi::Error FwdResidualImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                           ffi::Buffer<ffi::BF16> r, ffi::Result<ffi::Buffer<ffi::BF16>> y, int64_t tile_m,
+                           int64_t tile_n, int64_t tile_k, int64_t cluster_m, int64_t cluster_n, int64_t splits,
+                           int64_t reduction, int64_t raster, int64_t schedule) {
+  const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
+  const std::string who = kFwdResidualTarget;
+  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
+  JC_RETURN_IF_ERROR(CheckCommonAttrs(kFwdResidualTarget, at));
+  if (schedule != kScheduleTiles || splits != 1 || reduction != kReductionNone)
+    return ffi::Error::InvalidArgument(who + ": schedule must be " + std::to_string(kScheduleTiles) +
+                                       ", splits 1 and reduction " + std::to_string(kReductionNone));
+  JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3("r", r.dimensions()));
+  Shapes s;
+  if (!s.Bind(x.dimensions(), "BTI") || !s.Bind(w.dimensions(), "BOI") || !s.Bind(r.dimensions(), "BTO") ||
+      !s.Bind(y->dimensions(), "BTO"))
+    return ffi::Error::InvalidArgument(who + ": shapes must be x[B,T,d_in], w[B,d_out,d_in], r and y[B,T,d_out]");
+  const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
+  JC_RETURN_IF_ERROR(CheckWidths(kFwdResidualTarget, d_in, d_out));
+  const VariantKey key = at.Key("fwd", kBf16, true, kScheduleTiles);
+  const Variant* v = FindVariant(key);
+  if (!v) return NoVariant(key);
+  if (y->untyped_data() != r.untyped_data()) {
+    cudaError_t err =
+        cudaMemcpyAsync(y->untyped_data(), r.untyped_data(), r.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("cudaMemcpyAsync", err));
+  }
+  GemmArgs g;
+  g.a = KMajor(x.untyped_data(), T, d_in, B);
+  g.b = KMajor(w.untyped_data(), d_out, d_in, B);
+  g.c = KMajor(y->untyped_data(), T, d_out, B);
+  g.splits = 1;
+  g.raster = static_cast<int32_t>(raster);
+  return Launch(v, g, stream);
+}
+
 }  // namespace
 }  // namespace jax_cake
 
@@ -443,6 +486,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_WGRAD_ACCUMULATE_HANDLER, jax_cake::Wgrad
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::U8>>() JC_GEMM_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_FWD_RESIDUAL_HANDLER, jax_cake::FwdResidualImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS,
                               {ffi::Traits::kCmdBufferCompatible});
 
 // ---------------------------------------------------------------- plain C entry points

@@ -49,6 +49,8 @@ DGRAD_TARGET = "jax_cake_dgrad"
 WGRAD_TARGET = "jax_cake_wgrad"
 # dw = acc + dy^T x in place (acc aliased to dw): gradient accumulation across micro-batches.
 WGRAD_ACCUMULATE_TARGET = "jax_cake_wgrad_accumulate"
+# y = r + x w^T in place (r aliased to y): the residual add in the forward GEMM's epilogue.
+FWD_RESIDUAL_TARGET = "jax_cake_fwd_residual"
 ROUTER_FWD_TARGET = "jax_cake_router_fwd"
 ROUTER_DGRAD_TARGET = "jax_cake_router_dgrad"
 ROUTER_WGRAD_TARGET = "jax_cake_router_wgrad"
@@ -58,6 +60,7 @@ TARGETS = (
     DGRAD_TARGET,
     WGRAD_TARGET,
     WGRAD_ACCUMULATE_TARGET,
+    FWD_RESIDUAL_TARGET,
     ROUTER_FWD_TARGET,
     ROUTER_DGRAD_TARGET,
     ROUTER_WGRAD_TARGET,
