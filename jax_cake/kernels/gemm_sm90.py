@@ -21,6 +21,12 @@ separate pass sums it in split order (bitwise reproducible). With splits == 1, C
 output itself. Reduce-add variants instead TMA-add every split into batch l of C
 (arrival order).
 
+Residual add (fwd, `store="add"`, bf16 C): C holds the residual r on entry and each
+finished tile is TMA reduce-added into it (cp.reduce.async.bulk.tensor .add on a bf16
+tensor map), so C = bf16(r + bf16(acc)): the tile is rounded to bf16 in shared memory
+(as for a plain store), then the TMA unit adds it to r with one more round to nearest.
+One pass over K, so every element gets exactly one add: bitwise reproducible.
+
 FP32 wgrad (long K = T) uses two-level accumulation (`promote`): wgmma accumulates
 _PROMOTE_EVERY K tiles from zero, then that partial is added to the running fp32
 accumulator. The error of one wgmma chain grows about linearly with its length (about
@@ -120,8 +126,12 @@ class GemmSm90(GemmSm90Base):
             raise ValueError(f"cluster must be (1, 1) or (2, 1), got {variant.cluster}")
         if variant.store not in ("plain", "add"):
             raise ValueError(f"store must be 'plain' or 'add', got {variant.store!r}")
-        if variant.store == "add" and variant.out_dtype != "float32":
-            raise ValueError("store='add' needs float32 output")
+        if variant.store == "add" and variant.out_dtype != "float32" and variant.program != "fwd":
+            # bf16 reduce-add is the forward's residual add (one add per element, no split);
+            # split-K partials must be summed in fp32.
+            raise ValueError("store='add' needs float32 output (bfloat16: fwd only, the residual add)")
+        if variant.store == "add" and variant.program == "fwd" and variant.schedule != "tiles":
+            raise ValueError("a fwd store='add' (residual add) variant needs schedule='tiles'")
         if variant.schedule not in ("tiles", "split_tail", "pingpong"):
             raise ValueError(f"schedule must be 'tiles', 'split_tail' or 'pingpong', got {variant.schedule!r}")
         if variant.schedule == "pingpong" and (

@@ -56,8 +56,10 @@ class GemmVariant:
     cluster_n: int = 1
     out_dtype: str = "bfloat16"
     # "plain": TMA store of the tile into batch (split * L + l) of C.
-    # "add": TMA reduce-add (fp32) of the tile into batch l of C; every split adds
-    # into the same tile in arrival order (reduction=2, not bitwise reproducible).
+    # "add": TMA reduce-add of the tile into batch l of C. wgrad (fp32): every split adds
+    # into the same tile in arrival order (reduction=2, not bitwise reproducible). fwd
+    # (bf16): the residual add, C = bf16(r + bf16(acc)) with C holding r on entry
+    # (jax_cake_fwd_residual; one pass over K, one add per element).
     store: str = "plain"
     # "tiles": each CTA walks whole tiles (or splits of them). "split_tail": whole waves of
     # tiles, then the last partial wave's tiles cut into `splits` K pieces that the kernel
@@ -170,6 +172,11 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # wgrad arrival-order split-K (reduction=2): fp32 reduce-add into dw or workspace
     GemmVariant("wgrad", 64, 128, out_dtype="float32", store="add"),
     GemmVariant("wgrad", 128, 128, out_dtype="float32", store="add"),
+    # fwd residual add (jax_cake_fwd_residual): y = r + x w^T, each bf16 tile reduce-added
+    # (TMA) into r's buffer, aliased to y. The fwd tiles of the plain list, cluster 1x1.
+    GemmVariant("fwd", 128, 256, store="add"),
+    GemmVariant("fwd", 128, 128, store="add"),
+    GemmVariant("fwd", 128, 64, store="add"),
 )
 
 
@@ -202,7 +209,17 @@ def supports(
     """Whether the native library can run this (program, tile, cluster, dtype, split-K,
     schedule; a split tail's schedule follows from reduction 3). accumulate: as
     jax_cake_wgrad_accumulate (fp32 dw += the gradient in place): one pass on the fp32
-    reduce-add variant, or ordered split-K partials summed into dw."""
+    reduce-add variant, or ordered split-K partials summed into dw; for fwd, as
+    jax_cake_fwd_residual (y = r + x w^T in r's buffer): one pass on the bf16 reduce-add
+    variant."""
+    if accumulate and program == "fwd":
+        return (
+            out_dtype == "bfloat16"
+            and schedule == "tiles"
+            and splits == 1
+            and reduction == REDUCTION_NONE
+            and find_variant(program, tile, cluster, "bfloat16", "add") is not None
+        )
     if accumulate:
         if program != "wgrad" or out_dtype != "float32" or schedule != "tiles":
             return False

@@ -36,9 +36,14 @@ class GemmCase:
     cluster: tuple[int, int] = (1, 1)
     schedule: str = "tiles"  # "tiles" or "pingpong" (a split tail follows from reduction 3)
     slow: bool = dataclasses.field(default=False, compare=False)
+    # fwd only: jax_cake_fwd_residual, y = r + x w^T added by the kernel into r's buffer
+    # (the bf16 reduce-add variant of the tile; tests/gpu/test_residual_gpu.py runs these).
+    residual: bool = False
 
     @property
     def target(self) -> str:
+        if self.residual:
+            return contract.FWD_RESIDUAL_TARGET
         return {"fwd": contract.FWD_TARGET, "dgrad": contract.DGRAD_TARGET, "wgrad": contract.WGRAD_TARGET}[self.program]
 
     @property
@@ -48,7 +53,7 @@ class GemmCase:
     @property
     def id(self) -> str:
         B, T, d_in, d_out = self.shape
-        parts = [self.program]
+        parts = [self.program + ("_residual" if self.residual else "")]
         if self.program == "wgrad":
             parts.append({"bfloat16": "bf16", "float32": "f32"}[self.out_dtype])
         parts.append(f"{self.tile[0]}x{self.tile[1]}")
@@ -64,6 +69,8 @@ class GemmCase:
 
     def variant(self) -> variants.GemmVariant | None:
         """The compiled program this call runs (None: no such program)."""
+        if self.residual:
+            return variants.find_variant("fwd", self.tile, self.cluster, "bfloat16", "add", self.schedule)
         if self.program != "wgrad":
             return variants.find_variant(self.program, self.tile, self.cluster, "bfloat16", schedule=self.schedule)
         if self.reduction == contract.REDUCTION_ORDERED:  # fp32 partials, then the ordered reduce
@@ -262,6 +269,25 @@ def _clusters():
 
 
 CLUSTERS = _clusters()
+
+def _residual():
+    """The residual add (jax_cake_fwd_residual) on every reduce-add fwd tile: one row, K
+    below one tile, ragged M / N edges, batches, both rasters, and the down projection
+    of a Llama-3-8B-shaped block (8192 x 14336 -> 4096)."""
+    tiles = [v.tile for v in variants.VARIANTS if v.program == "fwd" and v.store == "add"]
+    cases = []
+    for shape in ((1, 1, 4096, 32), (1, 37, 136, 64), (1, 777, 1032, 200), (2, 300, 520, 264), (3, 129, 264, 72)):
+        for t in tiles:
+            for raster in (0, 1):
+                cases.append(GemmCase("fwd", shape, t, raster=raster, residual=True))
+    for t in tiles:
+        cases.append(GemmCase("fwd", (1, 8192, 14336, 4096), t, raster=1, residual=True))
+    return cases
+
+
+# Checked against float64 r + x w^T by tests/gpu/test_residual_gpu.py (their input r is
+# not poisoned memory, so they are not among the cases below).
+RESIDUAL_CASES = _residual()
 
 # Every case checked against float64, each once (the groups overlap in places).
 ALL_VALUE_CASES = _dedup(TINY + SANITY + TILES + SEED_GRID + SPLIT_TAIL + PROMOTE_TO_OUTPUT + PINGPONG + CLUSTERS)

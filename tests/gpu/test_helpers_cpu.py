@@ -162,10 +162,19 @@ def test_every_case_names_a_compiled_program():
         assert router_variants.supports(c.program, h.ROUTER_TILE, c.splits, red), c.id
 
 
+def test_residual_cases_name_compiled_reduce_add_programs():
+    assert cases.RESIDUAL_CASES
+    for c in cases.RESIDUAL_CASES:
+        assert c.residual and c.program == "fwd" and c.target == contract.FWD_RESIDUAL_TARGET, c.id
+        assert c.variant() is not None and c.variant().store == "add", c.id
+        assert variants.supports("fwd", c.tile, c.cluster, "bfloat16", 1, 0, accumulate=True), c.id
+    assert all(not c.residual for c in _all_gemm_cases())
+
+
 def test_cases_cover_every_compiled_program():
     """Every entry of VARIANTS and router_variants.VARIANTS is checked against float64
     (so a newly compiled variant without a GPU test fails here, on CPU)."""
-    covered = {c.variant().name for c in cases.ALL_VALUE_CASES}
+    covered = {c.variant().name for c in cases.ALL_VALUE_CASES + cases.RESIDUAL_CASES}
     assert covered == {v.name for v in variants.VARIANTS}, sorted({v.name for v in variants.VARIANTS} - covered)
     covered = {c.variant().name for c in cases.ROUTER_CASES}
     assert covered == {v.name for v in router_variants.VARIANTS}
