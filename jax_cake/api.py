@@ -183,7 +183,7 @@ def _apply_out_sharding(y, checked):
     return jax.lax.with_sharding_constraint(y, out_sharding)
 
 
-def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None, out_sharding=None):
+def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None, out_sharding=None, residual=None):
     """y = x @ w.T with BF16 operands and FP32 accumulation.
 
     Args:
@@ -207,11 +207,24 @@ def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None,
         use that mesh axis. Given, y is resharded to it (Explicit axes) or constrained to
         it (Auto axes), and a reduction over a sharded d_in becomes a reduce-scatter where
         the asked-for sharding allows one.
+      residual: keyword-only, None (default) or a bfloat16 array of y's shape [...,
+        d_out]: returns residual + x @ w.T, the add made by the forward kernel in the
+        residual's buffer (no separate pass; in place under jit where the residual is
+        donated or an intermediate), as XLA fuses `r + jnp.dot(x, w.T)`. Values:
+        bf16(residual + bf16(x @ w.T)), those of `residual + dense_projection(x, w)`;
+        the residual's gradient is dy. With grad_accumulator or out_sharding the add is
+        a separate pass (same values). See jax_cake.residual.
 
     Returns:
       y: [..., d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.
     """
     fn = "dense_projection"
+    if residual is not None:  # the residual add in the forward kernel
+        from jax_cake import residual as residual_lib
+
+        return residual_lib.dense_projection(
+            x, w, residual, deterministic=deterministic, grad_accumulator=grad_accumulator, out_sharding=out_sharding
+        )
     if grad_accumulator is not None:  # gradient accumulation in the wgrad kernel
         from jax_cake import accumulate
 
@@ -239,7 +252,7 @@ def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None,
     return remat.name_output(y)
 
 
-def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=None, out_sharding=None):
+def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=None, out_sharding=None, residual=None):
     """y[b] = x[b] @ w[b].T for every batch entry b (e.g. MLA head rows), one launch.
 
     Args:
@@ -249,11 +262,19 @@ def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=Non
       grad_accumulator: keyword-only, None or a float32 [B, d_out, d_in] running sum of
         w's gradient, as in dense_projection.
       out_sharding: keyword-only, the sharding of y, as in dense_projection.
+      residual: keyword-only, None or a bfloat16 [B, T, d_out] array added to y by the
+        forward kernel, as in dense_projection.
 
     Returns:
       y: [B, T, d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.
     """
     fn = "batched_projection"
+    if residual is not None:  # the residual add in the forward kernel
+        from jax_cake import residual as residual_lib
+
+        return residual_lib.batched_projection(
+            x, w, residual, deterministic=deterministic, grad_accumulator=grad_accumulator, out_sharding=out_sharding
+        )
     if grad_accumulator is not None:  # gradient accumulation in the wgrad kernel
         from jax_cake import accumulate
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax_cake import batching, partitioning, reference
 from jax_cake.contract import (  # the FFI target names, defined once
     DGRAD_TARGET,
+    FWD_RESIDUAL_TARGET,  # noqa: F401 (its call is made in jax_cake.residual)
     FWD_TARGET,
     ROUTER_DGRAD_TARGET,
     ROUTER_FWD_TARGET,
@@ -292,6 +293,15 @@ def _public(op: str, a, b, plan: Plan, deterministic, out_sharding):
 def fwd(x, w, plan: Plan, *, out_sharding=None):
     """y[B, T, d_out] bf16 = x[B, T, d_in] . w[B, d_out, d_in]^T (bf16 operands)."""
     return _public("fwd", x, w, plan, True, out_sharding)
+
+
+def fwd_residual(x, w, r, plan: Plan):
+    """y[B, T, d_out] bf16 = bf16(r + bf16(x[B, T, d_in] . w[B, d_out, d_in]^T)): the
+    forward with the residual r[B, T, d_out] added by the kernel in r's buffer (the plan
+    from jax_cake.planner.residual.plan_residual). See jax_cake.residual.fwd_residual."""
+    from jax_cake import residual  # it builds on this module
+
+    return residual.fwd_residual(x, w, r, plan)
 
 
 def dgrad(dy, w, plan: Plan, *, out_sharding=None):

@@ -57,10 +57,11 @@ class Plan:
     def program(self) -> str | None:
         """The kernel program the FFI handler runs, as the variant tables name it: "fwd",
         "dgrad" or "wgrad" (of the router's family for the router ops; "wgrad" for
-        "wgrad_accumulate"); None on the XLA path."""
+        "wgrad_accumulate", "fwd" for "fwd_residual"); None on the XLA path."""
         if not self.uses_kernel:
             return None
-        return "wgrad" if self.op == "wgrad_accumulate" else self.op.removeprefix("router_")
+        fused = {"wgrad_accumulate": "wgrad", "fwd_residual": "fwd"}
+        return fused.get(self.op, self.op.removeprefix("router_"))
 
     @property
     def deterministic(self) -> bool:
