@@ -248,18 +248,20 @@ class XlaRowsTest(parameterized.TestCase):
         )
         choices = tune.choose_xla(samples, [(op, p) for p in pts])
         self.assertEqual([c.beats_det for c in choices], [True, False, True])
-        (row,) = tune.xla_table_rows(choices, "2026-12-02")
+        rows = tune.xla_table_rows(choices, "2026-12-02")
+        # One row per measured winning T: XLA's speed depends on T's alignment, so a win
+        # at 16172 and 16384 says nothing about 16300.
+        self.assertEqual([(r["min_tokens"], r["max_tokens"]) for r in rows], [(16172, 16172), (16384, 16384)])
+        row = rows[1]
         self.assertEqual((row["op"], row["program"], row["out"]), (op, "xla", "bfloat16"))
-        self.assertEqual((row["min_tokens"], row["max_tokens"], row["exclude_tokens"]), (16172, 16384, [16231]))
         self.assertEqual((row["ratio"], row["source"]), (0.95, "jax_cake.tools.tune 2026-12-02"))
-        self.assertIn("T=16172 xla: vs det a: g run 0 p=0.0039 (8/8 wins) r=0.930", row["evidence"])
-        self.assertIn("T=16231 jax_cake:", row["evidence"])
+        self.assertIn("T=16172 xla: vs det a: g run 0 p=0.0039 (8/8 wins) r=0.930", rows[0]["evidence"])
         self.assertNotIn("b:", row["evidence"])  # (a) alone
-        got = [self.read([row], op, t, deterministic=d) for t in (16172, 16231, 16300, 16384) for d in (True, False)]
-        self.assertEqual(got, ["xla"] * 2 + ["det"] * 2 + ["xla"] * 4)
+        got = [self.read(rows, op, t, deterministic=d) for t in (16172, 16231, 16300, 16384) for d in (True, False)]
+        self.assertEqual(got, ["xla"] * 2 + ["det"] * 4 + ["xla"] * 2)
         others = [o for o in tune.XLA_OPS if o != op]
-        self.assertEqual({self.read([row], o, 16384) for o in others}, {"det"})
-        with tables.use_table(tables.parse(tune.build_table("sm_90a", 132, "test", [row]))):
+        self.assertEqual({self.read(rows, o, 16384) for o in others}, {"det"})
+        with tables.use_table(tables.parse(tune.build_table("sm_90a", 132, "test", rows))):
             p = jc.plan(op, tokens=16384, d_in=4096, d_out=96, out_dtype="bfloat16", device=H200)
         self.assertFalse(p.uses_kernel)
         self.assertIn("XLA's dot faster here (jax_cake.tools.tune 2026-12-02: median time ratio 0.950)", p.reason)

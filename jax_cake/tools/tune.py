@@ -471,38 +471,30 @@ def yield_to_xla(choices: Sequence[Choice], xla: Sequence[XlaChoice]) -> list[Ch
 
 
 def xla_table_rows(xla: Sequence[XlaChoice], date: str) -> list[dict]:
-    """Plan-table xla rows, one per (op, d_in, d_out, out) where XLA beat det at some T:
-    from the lowest to the highest such T, the measured T in between where it did not
-    excluded. They go after the split rows (a split row first serves deterministic=False)."""
+    """Plan-table xla rows, one per (op, d_in, d_out, out, T) where XLA beat det: each
+    covers only its measured token count. XLA's own speed depends on T's alignment (its
+    FP32 wgrad at 4096 -> 48 takes 3x longer at T = 16172 than at 16384), so a win at two
+    token counts says nothing about the ones between. They go after the split rows (a
+    split row first serves deterministic=False)."""
     rows = []
-    keys = sorted(
-        {(x.op, x.point.d_in, x.point.d_out, x.row_out) for x in xla}, key=lambda k: (XLA_OPS.index(k[0]),) + k[1:]
+    winners = sorted(
+        (x for x in xla if x.beats_det),
+        key=lambda x: (XLA_OPS.index(x.op), x.point.d_in, x.point.d_out, x.row_out, x.point.tokens),
     )
-    for op, d_in, d_out, out in keys:
-        mine = sorted(
-            (x for x in xla if (x.op, x.point.d_in, x.point.d_out, x.row_out) == (op, d_in, d_out, out)),
-            key=lambda x: x.point.tokens,
-        )
-        winners = [x for x in mine if x.beats_det]
-        if not winners:
-            continue
-        lo, hi = winners[0].point.tokens, winners[-1].point.tokens
-        inside = [x for x in mine if lo <= x.point.tokens <= hi]
+    for x in winners:
         rows.append(
             {
-                "op": op,
-                "d_in": d_in,
-                "d_out": d_out,
-                "out": out,
-                "min_tokens": lo,
-                "max_tokens": hi,
+                "op": x.op,
+                "d_in": x.point.d_in,
+                "d_out": x.point.d_out,
+                "out": x.row_out,
+                "min_tokens": x.point.tokens,
+                "max_tokens": x.point.tokens,
                 "program": "xla",
-                "exclude_tokens": sorted(x.point.tokens for x in inside if x not in winners),
-                "ratio": round(max(x.ratio for x in winners), 4),
+                "exclude_tokens": [],
+                "ratio": round(x.ratio, 4),
                 "source": f"jax_cake.tools.tune {date}",
-                "evidence": " | ".join(
-                    f"T={x.point.tokens} {'xla' if x.beats_det else 'jax_cake'}: {x.evidence()}" for x in inside
-                ),
+                "evidence": f"T={x.point.tokens} xla: {x.evidence()}",
             }
         )
     return rows
