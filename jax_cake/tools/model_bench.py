@@ -87,10 +87,12 @@ class Sizes:
 
 @dataclasses.dataclass(frozen=True)
 class Ops:
-    """How one arm projects: dense(x, w) -> y; fused(x, ws) -> (y_i); its remat policy."""
+    """How one arm projects: dense(x, w) -> y; fused(x, ws) -> (y_i); residual(r, x, w) ->
+    r + x w^T; its remat policy."""
 
     dense: Callable
     fused: Callable
+    residual: Callable
     policy: Any
 
 
@@ -102,13 +104,15 @@ def arm_ops(arm: str, deterministic: bool) -> Ops:
 
     if arm == "xla":
         dense = lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16).T)
-        return Ops(dense, lambda x, ws: tuple(dense(x, w) for w in ws), jax.checkpoint_policies.dots_saveable)
+        fused = lambda x, ws: tuple(dense(x, w) for w in ws)
+        return Ops(dense, fused, lambda r, x, w: r + dense(x, w), jax.checkpoint_policies.dots_saveable)
     dense = lambda x, w: jax_cake.dense_projection(x, w, deterministic=deterministic)
     if arm == "separate":
         fused = lambda x, ws: tuple(dense(x, w) for w in ws)
     else:
         fused = lambda x, ws: jax_cake.fused_projections(x, ws, deterministic=deterministic)
-    return Ops(dense, fused, jax_cake.remat.save_projections)
+    residual = lambda r, x, w: jax_cake.dense_projection(x, w, residual=r, deterministic=deterministic)
+    return Ops(dense, fused, residual, jax_cake.remat.save_projections)
 
 
 def _f32(a):
@@ -133,11 +137,13 @@ def rms_norm(x, scale):
     return (x32 * scale).astype(x.dtype)
 
 
-def swiglu(ops: Ops, p, h):
+def swiglu(ops: Ops, p, h, residual=None):
+    """down(silu(gate) * up), added to `residual` where given (the block's skip path)."""
     import jax
 
     gate, up = ops.fused(h, [p["wg"], p["wu"]])
-    return ops.dense((jax.nn.silu(_f32(gate)) * _f32(up)).astype(h.dtype), p["wd"])
+    act = (jax.nn.silu(_f32(gate)) * _f32(up)).astype(h.dtype)
+    return ops.dense(act, p["wd"]) if residual is None else ops.residual(residual, act, p["wd"])
 
 
 def block(ops: Ops, p, x):
@@ -149,8 +155,8 @@ def block(ops: Ops, p, x):
     groups = q.shape[-1] // k.shape[-1]
     k, v = (jax.numpy.tile(a, (1, groups)) for a in (k, v))  # GQA: kv heads serve `groups` query heads
     attn = (_f32(q) * jax.nn.sigmoid(_f32(k)) + _f32(v)).astype(x.dtype)
-    x = x + ops.dense(attn, p["wo"])
-    return x + swiglu(ops, p, rms_norm(x, p["mlp_norm"]))
+    x = ops.residual(x, attn, p["wo"])
+    return swiglu(ops, p, rms_norm(x, p["mlp_norm"]), residual=x)
 
 
 def skinny_loss(ops: Ops):
