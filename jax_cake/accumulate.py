@@ -86,19 +86,13 @@ def wgrad_accumulate(dy, x, acc, plan: Plan):
         return acc + reference.wgrad(dy, x, "float32")
 
     def cuda(dy, x, acc):
-        prefix = primitives._target_prefix.get()
-        if primitives._gpu_present() and not prefix:
-            from jax_cake import native  # only a GPU process needs the library
-
-            native.ensure_registered()
         results = (
             primitives._result_type(acc, (b, d_out, d_in), jnp.float32),
             primitives._result_type(acc, (plan.workspace_bytes,), jnp.uint8, keep_batch_spec=False),
         )
-        call = jax.ffi.ffi_call(
-            prefix + WGRAD_ACCUMULATE_TARGET, results, vmap_method="sequential", input_output_aliases={2: 0}
+        new_sum, _workspace = primitives.ffi_call(
+            WGRAD_ACCUMULATE_TARGET, plan, results, dy, x, acc, input_output_aliases={2: 0}
         )
-        new_sum, _workspace = call(dy, x, acc, **plan.ffi_attributes())
         return new_sum
 
     return primitives._dispatch(plan, ref, cuda, dy, x, acc)

@@ -25,7 +25,6 @@ from jax_cake.contract import (  # the FFI target names, defined once
     ROUTER_DGRAD_TARGET,
     ROUTER_FWD_TARGET,
     ROUTER_WGRAD_TARGET,
-    WGRAD_ACCUMULATE_TARGET,  # noqa: F401 (its primitive is still to come)
     WGRAD_TARGET,
 )
 from jax_cake.planner import router_variants  # plain data, no cutlass
@@ -73,7 +72,10 @@ def _result_type(operand, shape, dtype, keep_batch_spec: bool = True):
     return aval.update(shape=shape, dtype=jnp.dtype(dtype), sharding=sharding)
 
 
-def _ffi(target: str, plan: Plan, results, *operands):
+def ffi_call(target: str, plan: Plan, results, *operands, input_output_aliases=None):
+    """One custom call of `target` with the plan as attributes: registers the library's
+    targets first (GPU processes), names `<prefix><target>` under `targets_from`, and
+    aliases operands to results where asked (a buffer the kernel adds into)."""
     prefix = _target_prefix.get()
     if _gpu_present() and not prefix:
         from jax_cake import native  # only a GPU process needs the library
@@ -85,7 +87,8 @@ def _ffi(target: str, plan: Plan, results, *operands):
     # vmap_method=None: batching the custom call itself is an error. Every primitive below
     # has a custom_vmap rule (jax_cake.batching) that maps a vmapped batch onto the
     # kernels' token or batch axis, so a vmap never reaches this call (no sequential loop).
-    return jax.ffi.ffi_call(prefix + target, results, vmap_method=None)(*operands, **attributes)
+    call = jax.ffi.ffi_call(prefix + target, results, vmap_method=None, input_output_aliases=input_output_aliases)
+    return call(*operands, **attributes)
 
 
 def _dispatch(plan: Plan, ref_fn, cuda_fn, *operands):
@@ -102,7 +105,7 @@ def _fwd(x, w, plan: Plan):
     d_out = w.shape[1]
 
     def cuda(x, w):
-        return _ffi(FWD_TARGET, plan, _result_type(x, (b, t, d_out), jnp.bfloat16), x, w)
+        return ffi_call(FWD_TARGET, plan, _result_type(x, (b, t, d_out), jnp.bfloat16), x, w)
 
     return _dispatch(plan, reference.fwd, cuda, x, w)
 
@@ -112,7 +115,7 @@ def _dgrad(dy, w, plan: Plan):
     d_in = w.shape[2]
 
     def cuda(dy, w):
-        return _ffi(DGRAD_TARGET, plan, _result_type(dy, (b, t, d_in), jnp.bfloat16), dy, w)
+        return ffi_call(DGRAD_TARGET, plan, _result_type(dy, (b, t, d_in), jnp.bfloat16), dy, w)
 
     return _dispatch(plan, reference.dgrad, cuda, dy, w)
 
@@ -129,7 +132,7 @@ def _wgrad(dy, x, plan: Plan):
             _result_type(dy, (b, d_out, d_in), plan.out_dtype),
             _result_type(dy, (plan.workspace_bytes,), jnp.uint8, keep_batch_spec=False),
         )
-        dw, _workspace = _ffi(WGRAD_TARGET, plan, results, dy, x)
+        dw, _workspace = ffi_call(WGRAD_TARGET, plan, results, dy, x)
         return dw
 
     return _dispatch(plan, ref, cuda, dy, x)
@@ -152,7 +155,7 @@ def router_ffi_operands(program: str, a, b) -> list:
 def _router_fwd(x, w, plan: Plan):
     def cuda(x, w):
         result = _result_type(x, (x.shape[0], w.shape[0]), jnp.float32)
-        return _ffi(ROUTER_FWD_TARGET, plan, result, *router_ffi_operands("fwd", x, w))
+        return ffi_call(ROUTER_FWD_TARGET, plan, result, *router_ffi_operands("fwd", x, w))
 
     return _dispatch(plan, reference.router_fwd, cuda, x, w)
 
@@ -160,7 +163,7 @@ def _router_fwd(x, w, plan: Plan):
 def _router_dgrad(g, w, plan: Plan):
     def cuda(g, w):
         result = _result_type(g, (g.shape[0], w.shape[1]), jnp.float32)
-        return _ffi(ROUTER_DGRAD_TARGET, plan, result, *router_ffi_operands("dgrad", g, w))
+        return ffi_call(ROUTER_DGRAD_TARGET, plan, result, *router_ffi_operands("dgrad", g, w))
 
     return _dispatch(plan, reference.router_dgrad, cuda, g, w)
 
@@ -171,7 +174,7 @@ def _router_wgrad(g, x, plan: Plan):
             _result_type(g, (g.shape[1], x.shape[1]), jnp.float32, keep_batch_spec=False),
             _result_type(g, (plan.workspace_bytes,), jnp.uint8, keep_batch_spec=False),
         )
-        dw, _workspace = _ffi(ROUTER_WGRAD_TARGET, plan, results, *router_ffi_operands("wgrad", g, x))
+        dw, _workspace = ffi_call(ROUTER_WGRAD_TARGET, plan, results, *router_ffi_operands("wgrad", g, x))
         return dw
 
     return _dispatch(plan, reference.router_wgrad, cuda, g, x)

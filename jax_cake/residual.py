@@ -81,15 +81,9 @@ def _direct(x, w, r, plan: Plan):
         return add_residual(r, reference.fwd(x, w))
 
     def cuda(x, w, r):
-        prefix = primitives._target_prefix.get()
-        if primitives._gpu_present() and not prefix:
-            from jax_cake import native  # only a GPU process needs the library
-
-            native.ensure_registered()
         result = primitives._result_type(r, (b, t, d_out), _BF16)
-        # vmap_method=None: the custom_vmap rule below folds a vmapped axis away first.
-        call = jax.ffi.ffi_call(prefix + FWD_RESIDUAL_TARGET, result, vmap_method=None, input_output_aliases={2: 0})
-        return call(x, w, r, **plan.ffi_attributes())
+        # The custom_vmap rule below folds a vmapped axis away before this call.
+        return primitives.ffi_call(FWD_RESIDUAL_TARGET, plan, result, x, w, r, input_output_aliases={2: 0})
 
     return primitives._dispatch(plan, ref, cuda, x, w, r)
 
