@@ -53,7 +53,8 @@ does not fit here. On CPU the times are host wall time (fake devices, not a GPU 
 
 --overlap chooses XLA scheduling options (latency-hiding scheduler, async / pipelined
 collectives); each choice runs in a child process with its XLA_FLAGS, and the table
-records the choice per row.
+records the choice per row. --deadline_s starts no case after that many seconds (shared
+between the choices) and lists the cases it skipped; --md is rewritten after each choice.
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ flags.DEFINE_integer("reps", 20, "Timed steps per arm (median).")
 flags.DEFINE_bool("check_grads", True, "Compare gradients with the one-device step.")
 flags.DEFINE_bool("time", True, "Time the steps (off: checks only).")
 flags.DEFINE_bool("deterministic", True, "jax_cake's deterministic flag.")
+flags.DEFINE_float(
+    "deadline_s", 0, "Start no case after this many seconds (0: none); skipped cases are listed. Spread over --overlap."
+)
 flags.DEFINE_string("md", None, "Also write the header, checks and table (markdown) to this file.")
 flags.DEFINE_string("rows_json", None, "(internal) a child writes its rows and checks here.")
 
@@ -482,6 +486,13 @@ def validate(n: int) -> None:
         raise app.UsageError(f"token counts {sorted(tokens)} must differ from the weight widths {sorted(widths)}")
 
 
+_START = time.monotonic()
+
+
+def past_deadline() -> bool:
+    return FLAGS.deadline_s > 0 and time.monotonic() - _START > FLAGS.deadline_s
+
+
 def run_cases(n: int) -> list[dict]:
     devices = jax.devices()
     mesh_auto = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Auto,))
@@ -500,6 +511,9 @@ def run_cases(n: int) -> list[dict]:
             x = jax.random.normal(kx, (t_global, d), F32).astype(BF16)
             t = jax.random.normal(kt, (t_global, d), F32)
 
+            if past_deadline():
+                report(f"{model}/*/{sharding}/skipped", None, f"--deadline_s={FLAGS.deadline_s:g} passed")
+                continue
             refs = {}
             # the same step on one device (XLA's too under tp, where it shows the bf16 re-rounding),
             # and the float32 truth both are measured against where activations re-round
@@ -536,6 +550,9 @@ def run_cases(n: int) -> list[dict]:
             for mode in FLAGS.modes:
                 mesh = mesh_explicit if mode == "explicit" else mesh_auto
                 case = f"{model}/{mode}/{sharding}"
+                if past_deadline():
+                    report(f"{case}/skipped", None, f"--deadline_s={FLAGS.deadline_s:g} passed")
+                    continue
                 compiled, args, calls_of = {}, None, {}
                 with jax.set_mesh(mesh):
                     for arm in ("jax_cake", "xla"):
@@ -653,8 +670,13 @@ def run_children(emit_partial: Callable) -> tuple[dict, list[dict], list[dict]]:
     each child, so a run cut short keeps the choices it finished."""
     info, rows, checks = {"n": "?", "kind": "?", "platform": "?"}, [], []
     # absl's argv has lost the flags: pass the command line's on (as --flag=value)
-    passthrough = [a for a in sys.argv[1:] if not a.startswith(("--overlap", "--md", "--rows_json"))]
-    for choice in FLAGS.overlap:
+    passthrough = [a for a in sys.argv[1:] if not a.startswith(("--overlap", "--md", "--rows_json", "--deadline_s"))]
+    start = time.monotonic()
+    for i, choice in enumerate(FLAGS.overlap):
+        deadline = []
+        if FLAGS.deadline_s > 0:  # an equal share of what is left, minus a start-up
+            left = FLAGS.deadline_s - (time.monotonic() - start)
+            deadline = [f"--deadline_s={max(left / (len(FLAGS.overlap) - i) - 10, 1):.0f}"]
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             path = f.name
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {OVERLAP[choice]}".strip())
@@ -664,6 +686,7 @@ def run_children(emit_partial: Callable) -> tuple[dict, list[dict], list[dict]]:
             "-m",
             "jax_cake.tools.multi_gpu_check",
             *passthrough,
+            *deadline,
             f"--overlap={choice}",
             f"--rows_json={path}",
         ]
