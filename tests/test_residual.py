@@ -15,7 +15,22 @@ from helpers import faked_device, rand
 import jax_cake as jc
 from jax_cake import primitives, residual
 from jax_cake.planner import variants
+from jax_cake.planner import residual as residual_planner
 from jax_cake.planner.residual import plan_residual
+
+
+@pytest.fixture(autouse=True)
+def fused_kernels_on(monkeypatch):
+    """These tests check the fused path as it runs when enabled (the planner holds it back
+    until the GPU check passes at every shape; test_held_back_kernels_plan_fwd_and_an_add)."""
+    monkeypatch.setattr(residual_planner, "RESIDUAL_KERNELS_ENABLED", True)
+
+
+def test_held_back_kernels_plan_fwd_and_an_add(monkeypatch):
+    monkeypatch.setattr(residual_planner, "RESIDUAL_KERNELS_ENABLED", False)
+    with faked_device():
+        p = plan_residual(tokens=8192, d_in=14336, d_out=4096)
+    assert p.op == "fwd" and p.uses_kernel and "held back" in p.reason
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 

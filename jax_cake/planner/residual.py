@@ -29,6 +29,12 @@ from jax_cake.planner.overrides import forced
 from jax_cake.planner.plan_type import Plan
 
 OP = "fwd_residual"
+# The fused residual kernels run only once their values are shown on a GPU at the shapes
+# they are for. On the H200 (2026-12-01) they passed at small and ragged shapes but not at
+# T = 8192, 14336 -> 4096 (the down projection), not yet understood: until then the op
+# runs the forward and a separate add (tests/gpu/test_residual_gpu.py checks the kernels
+# directly either way).
+RESIDUAL_KERNELS_ENABLED = False
 
 
 @functools.cache
@@ -49,6 +55,9 @@ def plan_residual(*, tokens: int, d_in: int, d_out: int, batch: int = 1, device:
     base = choose.plan("fwd", tokens=tokens, d_in=d_in, d_out=d_out, batch=batch, device=device)
     if not base.uses_kernel:
         return base
+    if not RESIDUAL_KERNELS_ENABLED:
+        held = "the fused residual kernels are held back (RESIDUAL_KERNELS_ENABLED)"
+        return dataclasses.replace(base, reason=f"{base.reason}; then a separate add of the residual ({held})")
     ranked = choose._ranked_tiles("fwd", batch, base.m, base.n, base.sm_count, "bfloat16")
     pinned = forced("tile")
     if pinned is not None:

@@ -37,11 +37,15 @@ def _dense_refs(x, w, dy):
 
 @pytest.mark.parametrize("cfg", [pytest.param(c, id=c.id) for c in h.DENSE_CASES])
 def test_dense_projection(cfg):
-    """jit(vjp(dense_projection)): three custom calls, y / dx / dw against float64, dw in w's dtype."""
+    """jit(vjp(dense_projection)): one custom call per GEMM the planner gives a kernel (a
+    plan-table xla row sends a GEMM to XLA's dot), y / dx / dw against float64, dw in w's dtype."""
     x, w, dy = h.dense_inputs(cfg)
     step = h.dense_step(cfg.det)
     text = step.lower(x, w, dy).as_text()
-    assert [h.custom_calls(text, f"jax_cake_{op}") for op in OPS] == [1, 1, 1]
+    sizes = dict(tokens=cfg.T, d_in=cfg.d_in, d_out=cfg.d_out)
+    out = {"fwd": "bfloat16", "dgrad": "bfloat16", "wgrad": cfg.w_dtype}
+    planned = [int(jax_cake.plan(op, **sizes, out_dtype=out[op], deterministic=cfg.det).uses_kernel) for op in OPS]
+    assert [h.custom_calls(text, f"jax_cake_{op}") for op in OPS] == planned
     y, dx, dw = step(x, w, dy)
     assert dw.dtype == jnp.dtype(cfg.w_dtype)
     dw_tol = h.F32_TOL if cfg.w_dtype == "float32" else h.BF16_TOL
