@@ -93,27 +93,29 @@ def _fused_fwd(x3, ws, deterministic, w_dtypes):
     w_cat = _stack_bf16(ws)
     fwd_plan, _, _ = _fused_plans(x3, w_cat, deterministic, w_dtypes)
     y = primitives.fwd(x3, w_cat[None], fwd_plan)
-    return _split_columns(y, tuple(w.shape[0] for w in ws)), (x3, w_cat)
+    # ws themselves ride along only for their sharding types (the parameters, no copy).
+    return _split_columns(y, tuple(w.shape[0] for w in ws)), (x3, w_cat, ws)
 
 
 def _fused_bwd(deterministic, w_dtypes, residuals, dys):
-    x3, w_cat = residuals
+    x3, w_cat, ws = residuals
     _, dgrad_plan, wgrad_plan = _fused_plans(x3, w_cat, deterministic, w_dtypes)
     dy = jnp.concatenate([d.astype(_BF16) for d in dys], axis=-1)
     dx = primitives.dgrad(dy, w_cat[None], dgrad_plan)
     if min(d.shape[-1] for d in dys) >= WIDE_D_OUT:
-        dws = []
+        dws = [
+            primitives.wgrad(d.astype(_BF16), x3, _wgrad_plan(x3, w_cat, d.shape[-1], deterministic, dtype))[0]
+            for d, dtype in zip(dys, w_dtypes)
+        ]
+    else:
+        dw = primitives.wgrad(dy, x3, wgrad_plan)[0]  # [D, d_in] in the plan's out dtype
+        dws, start = [], 0
         for d, dtype in zip(dys, w_dtypes):
-            dws.append(
-                primitives.wgrad(d.astype(_BF16), x3, _wgrad_plan(x3, w_cat, d.shape[-1], deterministic, dtype))[0]
-            )
-        return dx, tuple(dws)
-    dw = primitives.wgrad(dy, x3, wgrad_plan)[0]  # [D, d_in] in the plan's out dtype
-    dws, start = [], 0
-    for d, dtype in zip(dys, w_dtypes):
-        width = d.shape[-1]
-        dws.append(jax.lax.slice_in_dim(dw, start, start + width, axis=0).astype(dtype))
-        start += width
+            width = d.shape[-1]
+            dws.append(jax.lax.slice_in_dim(dw, start, start + width, axis=0).astype(dtype))
+            start += width
+    # Under Explicit axes each cotangent must carry its primal's sharding type.
+    dx, *dws = api._as_primal_types((dx, *dws), (x3, *ws))
     return dx, tuple(dws)
 
 

@@ -301,3 +301,21 @@ def test_data_parallel_shard_map_matches_unsharded(w_dtype):
     # dw: per-shard FP32 partial sums, reduced across shards in another order.
     for dw, ref in zip(dws, ref_dws):
         assert rel_err(dw, f64(ref)) < (1e-5 if w_dtype == F32 else 1e-2)
+
+
+def test_fsdp_weights_under_explicit_axes():
+    """Weights sharded on d_out over an Explicit mesh (FSDP): the gradients come back with
+    their weights' sharding types, and equal the unsharded step."""
+    from jax.sharding import AxisType, PartitionSpec as P
+
+    x, ws, dys = _inputs(7, (64,), 32, (16, 24), (F32, F32))
+    want = _value_and_vjp(_fused(), x, ws, dys)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, P("data"))
+        wss = [jax.device_put(w, P("data")) for w in ws]
+        dyss = tuple(jax.device_put(d, P("data")) for d in dys)
+        got = jax.jit(lambda x, ws, dys: _value_and_vjp(_fused(), x, ws, dys))(xs, wss, dyss)
+        assert [jax.typeof(dw).sharding.spec for dw in got[2]] == [P("data", None)] * 2
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(a, f64(b)) < 1e-6
