@@ -39,10 +39,6 @@ Checks (PASS/FAIL lines; exit status 1 if any fails):
   where a weight width equals a token count). XLA's arm is listed (INFO), not failed:
   it is the reference, not the code under test.
 
-Under explicit fsdp, jax_cake's arm reshards the fused weights to P() before
-fused_projections (its custom_vjp fails jax's type check on d_out-sharded weights under
-Explicit axes); its dense projections take the sharded weights (the rule gathers them).
-
 Times: per-device step time of both arms, and of one device running the same
 per-device shapes (dp/fsdp: the local tokens and whole weights; tp: all tokens and one
 device's weight slices). On GPU these are wall times of one step
@@ -140,7 +136,6 @@ class Ops:
     gather: Callable = lambda w: w  # a weight before use (FSDP under shard_map: all_gather)
     reduce: Callable = lambda y: y  # after a row-parallel projection (tp under shard_map: psum)
     act: Any = BF16  # the activations' dtype (float32 only in the float32 truth)
-    fused_gather: Callable = lambda w: w  # a weight before fused_projections
 
 
 def truth_ops() -> Ops:
@@ -168,11 +163,8 @@ def make_ops(arm: str, mode: str, sharding: str, det: bool) -> Ops:
     if mode == "shard_map" and sharding == "tp":
         ops = dataclasses.replace(ops, reduce=lambda y: jax.lax.psum(y, AXIS))
     if mode == "explicit" and sharding == "fsdp":
-        gathered = lambda w: jax.sharding.reshard(w, P())
-        if arm == "xla":
-            ops = dataclasses.replace(ops, gather=gathered)
-        else:  # fused_projections' custom_vjp fails its type check on d_out-sharded weights
-            ops = dataclasses.replace(ops, fused_gather=gathered)  # under Explicit axes
+        if arm == "xla":  # jax_cake's sharding rule gathers the weights itself
+            ops = dataclasses.replace(ops, gather=lambda w: jax.sharding.reshard(w, P()))
     return ops
 
 
@@ -222,14 +214,14 @@ def llama_apply(params, x, ops: Ops, dims: Dims):
     t, g = x.shape[0], dims.groups
     for blk in params["blocks"]:
         h = _norm(x, ops.act)
-        ws = [ops.fused_gather(ops.gather(w)) for w in blk["qkv"]]
+        ws = [ops.gather(w) for w in blk["qkv"]]
         q, k, v = _split(ops.fused(h, ws), (dims.q, dims.kv, dims.kv), g)
         kv = (jax.nn.sigmoid(k.astype(F32)) * v.astype(F32))[:, :, None, :]  # the attention stand-in
         a = q.astype(F32).reshape(t, g, dims.q // dims.kv, dims.kv // g) * kv
         a = a.astype(ops.act).reshape(t, dims.q)
         x = x + ops.reduce(ops.proj(a, ops.gather(blk["o"]), "row" if dims.tp else "full"))
         h = _norm(x, ops.act)
-        ws = [ops.fused_gather(ops.gather(w)) for w in blk["gu"]]
+        ws = [ops.gather(w) for w in blk["gu"]]
         gate, up = _split(ops.fused(h, ws), (dims.ff, dims.ff), g)
         m = (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(ops.act).reshape(t, dims.ff)
         x = x + ops.reduce(ops.proj(m, ops.gather(blk["down"]), "row" if dims.tp else "full"))
