@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_cake import primitives, remat
-from jax_cake.api import dense_projection
+from jax_cake.api import _to_common_varying, dense_projection
 from jax_cake.planner import plan as make_plan
 
 _BF16 = jnp.dtype(jnp.bfloat16)
@@ -58,6 +58,7 @@ __all__ = ["dot_general", "promote_dtype"]
 
 
 # --- planning and shard_map support ----------------------------------------------------
+# (inside shard_map the operands go through jax_cake.api's _to_common_varying)
 
 
 def _device(*arrays):
@@ -68,28 +69,6 @@ def _device(*arrays):
         return device_lib.current(*arrays)
     except (ImportError, AttributeError):  # planner reorganized: let plan() look it up
         return None
-
-
-def _varying_axes(a) -> frozenset:
-    mat = getattr(jax.typeof(a), "mat", None)
-    return frozenset(getattr(mat, "varying", ()) or ())
-
-
-def _to_common_varying(*arrays):
-    """Inside shard_map: every operand varying over the union of the manual axes.
-
-    A replicated weight next to sharded activations would otherwise get a cotangent
-    whose manual axes do not match it; pcast's transpose sums the weight gradient over
-    the added axes (the data-parallel reduction), as in jax_cake.api.
-    """
-    union = frozenset().union(*(_varying_axes(a) for a in arrays))
-    if not union:
-        return arrays
-    out = []
-    for a in arrays:
-        missing = tuple(sorted(union - _varying_axes(a)))
-        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-    return tuple(out)
 
 
 # --- the Flax layout: x[T, K] . w_kn[K, N] on the existing GEMMs ------------------------
