@@ -36,8 +36,6 @@ here): one FP32 add of the finished micro-batch gradient per element.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -162,24 +160,10 @@ def _common_varying(fn: str, x3, w3, acc3):
 def dense_projection(x, w, grad_accumulator, *, deterministic: bool = True):
     """`jax_cake.dense_projection(x, w, grad_accumulator=...)` (see its docstring)."""
     fn = "dense_projection"
-    api._check_deterministic(fn, deterministic)
-    api._check_array(fn, "x", x)
-    api._check_array(fn, "w", w)
-    api._check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
-    api._check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
-    if x.ndim < 1:
-        raise ValueError(f"{fn}: x must have rank >= 1 ([..., d_in]), got a scalar")
-    api._check_rank(fn, "w", w, 2, "[d_out, d_in]")
-    if x.shape[-1] != w.shape[1]:
-        raise ValueError(
-            f"{fn}: x's last dimension (d_in={x.shape[-1]}) must equal w.shape[1] (d_in={w.shape[1]}); "
-            "w is [d_out, d_in]"
-        )
+    api._check_dense_operands(fn, x, w, deterministic)
     _check_accumulator(fn, grad_accumulator, w)
     lead = x.shape[:-1]
-    x3 = jnp.reshape(x, (1, math.prod(lead), x.shape[-1]))
-    # Reshapes, not [None]: the transpose of a reshape is a reshape (no reduce over dw).
-    w3 = jnp.reshape(w, (1,) + w.shape)
+    x3, w3 = api._batch_of_one(x, w)
     acc3 = jnp.reshape(grad_accumulator, (1,) + w.shape)
     x3, w3, acc3 = _common_varying(fn, x3, w3, acc3)
     y3 = _accumulating_projection(x3, w3, acc3)
@@ -189,21 +173,7 @@ def dense_projection(x, w, grad_accumulator, *, deterministic: bool = True):
 def batched_projection(x, w, grad_accumulator, *, deterministic: bool = True):
     """`jax_cake.batched_projection(x, w, grad_accumulator=...)` (see its docstring)."""
     fn = "batched_projection"
-    api._check_deterministic(fn, deterministic)
-    api._check_array(fn, "x", x)
-    api._check_array(fn, "w", w)
-    api._check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
-    api._check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
-    api._check_rank(fn, "x", x, 3, "[B, T, d_in]")
-    api._check_rank(fn, "w", w, 3, "[B, d_out, d_in]")
-    if x.shape[0] != w.shape[0]:
-        raise ValueError(
-            f"{fn}: x and w must have the same batch size B, got x.shape[0]={x.shape[0]} and w.shape[0]={w.shape[0]}"
-        )
-    if x.shape[2] != w.shape[2]:
-        raise ValueError(
-            f"{fn}: x.shape[2] (d_in={x.shape[2]}) must equal w.shape[2] (d_in={w.shape[2]}); w is [B, d_out, d_in]"
-        )
+    api._check_batched_operands(fn, x, w, deterministic)
     _check_accumulator(fn, grad_accumulator, w)
     x, w, acc = _common_varying(fn, x, w, grad_accumulator)
     return remat.name_output(_accumulating_projection(x, w, acc))

@@ -49,6 +49,55 @@ def _check_deterministic(fn: str, deterministic: Any) -> bool:
     return bool(deterministic)
 
 
+def _check_dense_operands(fn: str, x, w, deterministic: Any) -> bool:
+    """dense_projection's checks of deterministic, x [..., d_in] bf16 and w [d_out, d_in]
+    bf16 or f32 (also run by jax_cake.accumulate and jax_cake.residual); returns
+    deterministic as a bool."""
+    deterministic = _check_deterministic(fn, deterministic)
+    _check_array(fn, "x", x)
+    _check_array(fn, "w", w)
+    _check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
+    _check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
+    if x.ndim < 1:
+        raise ValueError(f"{fn}: x must have rank >= 1 ([..., d_in]), got a scalar")
+    _check_rank(fn, "w", w, 2, "[d_out, d_in]")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"{fn}: x's last dimension (d_in={x.shape[-1]}) must equal w.shape[1] (d_in={w.shape[1]}); w is [d_out, d_in]"
+        )
+    return deterministic
+
+
+def _check_batched_operands(fn: str, x, w, deterministic: Any) -> bool:
+    """batched_projection's checks of deterministic, x [B, T, d_in] bf16 and w
+    [B, d_out, d_in] bf16 or f32 (also run by jax_cake.accumulate and
+    jax_cake.residual); returns deterministic as a bool."""
+    deterministic = _check_deterministic(fn, deterministic)
+    _check_array(fn, "x", x)
+    _check_array(fn, "w", w)
+    _check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
+    _check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
+    _check_rank(fn, "x", x, 3, "[B, T, d_in]")
+    _check_rank(fn, "w", w, 3, "[B, d_out, d_in]")
+    if x.shape[0] != w.shape[0]:
+        raise ValueError(
+            f"{fn}: x and w must have the same batch size B, got x.shape[0]={x.shape[0]} and w.shape[0]={w.shape[0]}"
+        )
+    if x.shape[2] != w.shape[2]:
+        raise ValueError(
+            f"{fn}: x.shape[2] (d_in={x.shape[2]}) must equal w.shape[2] (d_in={w.shape[2]}); w is [B, d_out, d_in]"
+        )
+    return deterministic
+
+
+def _batch_of_one(x, w):
+    """(x [..., d_in], w [d_out, d_in]) -> (x3 [1, T, d_in], w3 [1, d_out, d_in]) for a
+    batched core (jax_cake.accumulate, jax_cake.residual). Reshapes, not [None]: the
+    transpose of a reshape is a reshape (no reduce over dw)."""
+    x3 = jnp.reshape(x, (1, math.prod(x.shape[:-1]), x.shape[-1]))
+    return x3, jnp.reshape(w, (1,) + w.shape)
+
+
 # --- shard_map support --------------------------------------------------------------
 
 
@@ -229,18 +278,7 @@ def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None,
         from jax_cake import accumulate
 
         return accumulate.dense_projection(x, w, grad_accumulator, deterministic=deterministic)
-    deterministic = _check_deterministic(fn, deterministic)
-    _check_array(fn, "x", x)
-    _check_array(fn, "w", w)
-    _check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
-    _check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
-    if x.ndim < 1:
-        raise ValueError(f"{fn}: x must have rank >= 1 ([..., d_in]), got a scalar")
-    _check_rank(fn, "w", w, 2, "[d_out, d_in]")
-    if x.shape[-1] != w.shape[1]:
-        raise ValueError(
-            f"{fn}: x's last dimension (d_in={x.shape[-1]}) must equal w.shape[1] (d_in={w.shape[1]}); w is [d_out, d_in]"
-        )
+    deterministic = _check_dense_operands(fn, x, w, deterministic)
     out = _check_out_sharding(fn, out_sharding, x.ndim)
     lead = x.shape[:-1]
     x3 = jnp.reshape(x, (1, math.prod(lead), x.shape[-1]))
@@ -279,21 +317,7 @@ def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=Non
         from jax_cake import accumulate
 
         return accumulate.batched_projection(x, w, grad_accumulator, deterministic=deterministic)
-    deterministic = _check_deterministic(fn, deterministic)
-    _check_array(fn, "x", x)
-    _check_array(fn, "w", w)
-    _check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
-    _check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
-    _check_rank(fn, "x", x, 3, "[B, T, d_in]")
-    _check_rank(fn, "w", w, 3, "[B, d_out, d_in]")
-    if x.shape[0] != w.shape[0]:
-        raise ValueError(
-            f"{fn}: x and w must have the same batch size B, got x.shape[0]={x.shape[0]} and w.shape[0]={w.shape[0]}"
-        )
-    if x.shape[2] != w.shape[2]:
-        raise ValueError(
-            f"{fn}: x.shape[2] (d_in={x.shape[2]}) must equal w.shape[2] (d_in={w.shape[2]}); w is [B, d_out, d_in]"
-        )
+    deterministic = _check_batched_operands(fn, x, w, deterministic)
     out = _check_out_sharding(fn, out_sharding, 3)
     x, w = _to_common_varying(x, w)
     y = _projection(x, w, deterministic, jnp.dtype(w.dtype).name, out[0] if out is not None else None)

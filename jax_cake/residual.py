@@ -196,19 +196,7 @@ def _check_residual(fn: str, r, y_shape) -> None:
 def dense_projection(x, w, residual, *, deterministic=True, grad_accumulator=None, out_sharding=None):
     """`jax_cake.dense_projection(x, w, residual=...)` (see its docstring)."""
     fn = "dense_projection"
-    deterministic = api._check_deterministic(fn, deterministic)
-    api._check_array(fn, "x", x)
-    api._check_array(fn, "w", w)
-    api._check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
-    api._check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
-    if x.ndim < 1:
-        raise ValueError(f"{fn}: x must have rank >= 1 ([..., d_in]), got a scalar")
-    api._check_rank(fn, "w", w, 2, "[d_out, d_in]")
-    if x.shape[-1] != w.shape[1]:
-        raise ValueError(
-            f"{fn}: x's last dimension (d_in={x.shape[-1]}) must equal w.shape[1] (d_in={w.shape[1]}); "
-            "w is [d_out, d_in]"
-        )
+    deterministic = api._check_dense_operands(fn, x, w, deterministic)
     lead = x.shape[:-1]
     _check_residual(fn, residual, lead + (w.shape[0],))
     if grad_accumulator is not None or out_sharding is not None:  # not fused with these: a separate add
@@ -216,10 +204,8 @@ def dense_projection(x, w, residual, *, deterministic=True, grad_accumulator=Non
             x, w, deterministic=deterministic, grad_accumulator=grad_accumulator, out_sharding=out_sharding
         )
         return remat.name_output(add_residual(residual, y))
-    x3 = jnp.reshape(x, (1, math.prod(lead), x.shape[-1]))
+    x3, w3 = api._batch_of_one(x, w)
     r3 = jnp.reshape(residual, (1, math.prod(lead), w.shape[0]))
-    # Reshapes, not [None]: the transpose of a reshape is a reshape (no reduce over dw).
-    w3 = jnp.reshape(w, (1,) + w.shape)
     x3, w3, r3 = api._to_common_varying(x3, w3, r3)
     y3 = _residual_projection(x3, w3, r3, deterministic, jnp.dtype(w.dtype).name)
     return remat.name_output(jnp.reshape(y3, lead + (w.shape[0],)))
@@ -228,21 +214,7 @@ def dense_projection(x, w, residual, *, deterministic=True, grad_accumulator=Non
 def batched_projection(x, w, residual, *, deterministic=True, grad_accumulator=None, out_sharding=None):
     """`jax_cake.batched_projection(x, w, residual=...)` (see its docstring)."""
     fn = "batched_projection"
-    deterministic = api._check_deterministic(fn, deterministic)
-    api._check_array(fn, "x", x)
-    api._check_array(fn, "w", w)
-    api._check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
-    api._check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
-    api._check_rank(fn, "x", x, 3, "[B, T, d_in]")
-    api._check_rank(fn, "w", w, 3, "[B, d_out, d_in]")
-    if x.shape[0] != w.shape[0]:
-        raise ValueError(
-            f"{fn}: x and w must have the same batch size B, got x.shape[0]={x.shape[0]} and w.shape[0]={w.shape[0]}"
-        )
-    if x.shape[2] != w.shape[2]:
-        raise ValueError(
-            f"{fn}: x.shape[2] (d_in={x.shape[2]}) must equal w.shape[2] (d_in={w.shape[2]}); w is [B, d_out, d_in]"
-        )
+    deterministic = api._check_batched_operands(fn, x, w, deterministic)
     _check_residual(fn, residual, (x.shape[0], x.shape[1], w.shape[1]))
     if grad_accumulator is not None or out_sharding is not None:  # not fused with these: a separate add
         y = api.batched_projection(
