@@ -82,16 +82,12 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
             how = f"{splits} K splits into the workspace, their split-order sum added into the running sum by one pass"
         else:
             how = "one pass over K, each finished FP32 tile reduce-added (TMA) into the running sum, no memset"
-        return dataclasses.replace(
-            base,
-            op=OP,
-            algorithm="det",
-            tile=tile,
-            cluster=(1, 1),
+        return base.with_add_in_kernel(
+            OP,
+            tile,
             splits=splits,
             reduction=reduction,
             raster="m",
-            schedule="tiles",
             workspace_bytes=variants.workspace_bytes(splits, code, batch, m, n, "float32"),
             reason=f"gradient accumulation in the wgrad kernel, bitwise reproducible: {how}; {tile_note}",
         )

@@ -63,6 +63,35 @@ class Plan:
         fused = {"wgrad_accumulate": "wgrad", "fwd_residual": "fwd"}
         return fused.get(self.op, self.op.removeprefix("router_"))
 
+    def with_add_in_kernel(
+        self,
+        op: str,
+        tile,
+        *,
+        reason: str,
+        splits: int = 1,
+        reduction: str = "none",
+        workspace_bytes: int = 0,
+        **changes,
+    ) -> Plan:
+        """This kernel plan turned into op's ("wgrad_accumulate", "fwd_residual": the GEMM
+        adds into an existing buffer in the kernel, jax_cake.planner.accumulate and
+        .residual): a fixed-order ("det") program on `tile`, cluster 1x1, the tiles
+        schedule; `changes` are further fields to replace."""
+        return dataclasses.replace(
+            self,
+            op=op,
+            algorithm="det",
+            tile=tile,
+            cluster=(1, 1),
+            splits=splits,
+            reduction=reduction,
+            schedule="tiles",
+            workspace_bytes=workspace_bytes,
+            reason=reason,
+            **changes,
+        )
+
     @property
     def deterministic(self) -> bool:
         return self.reduction != "arrival"

@@ -65,16 +65,9 @@ def plan_residual(*, tokens: int, d_in: int, d_out: int, batch: int = 1, device:
     for tile, tile_note in ranked:
         if not variants.supports("fwd", tile, (1, 1), "bfloat16", 1, contract.REDUCTION_NONE, accumulate=True):
             continue
-        return dataclasses.replace(
-            base,
-            op=OP,
-            algorithm="det",
-            tile=tile,
-            cluster=(1, 1),
-            splits=1,
-            reduction="none",
-            schedule="tiles",
-            workspace_bytes=0,
+        return base.with_add_in_kernel(
+            OP,
+            tile,
             reason=(
                 f"residual add in the forward kernel: one pass over K={base.k}, each finished tile rounded to bf16 "
                 f"and reduce-added (TMA) into the residual's buffer, tiles walk along {base.raster} first: {tile_note}"
