@@ -893,23 +893,24 @@ def write_csv(path: str, rows: Sequence[dict], family: str = "dense") -> None:
 # --- entry point -------------------------------------------------------------------------------
 
 
+def parse_csv_value(v: str):
+    """A CSV cell as write_csv wrote it: "" -> None, else an int, a float or the string."""
+    if v == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
+
+
 def read_csv_rows(paths: Sequence[str]) -> list[dict]:
     """The rows of CSV files written by --csv, in file order, numbers parsed back."""
-
-    def parse(v: str):
-        if v == "":
-            return None
-        for kind in (int, float):
-            try:
-                return kind(v)
-            except ValueError:
-                pass
-        return v
-
     rows = []
     for path in paths:
         with open(path, newline="") as f:
-            rows += [{k: parse(v) for k, v in r.items()} for r in csv.DictReader(f)]
+            rows += [{k: parse_csv_value(v) for k, v in r.items()} for r in csv.DictReader(f)]
     return rows
 
 

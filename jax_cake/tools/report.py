@@ -57,22 +57,11 @@ FLAGS = flags.FLAGS
 # --- reading -------------------------------------------------------------------------------
 
 
-def _parse(v: str):
-    if v == "":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(v)
-        except ValueError:
-            pass
-    return v
-
-
 def read_rows(path: str) -> list[dict]:
     """A CSV's rows, numbers parsed back (as bench.read_csv_rows); `.gz` files are decompressed."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", newline="") as f:
-        return [{k: _parse(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        return [{k: bench.parse_csv_value(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
 def family_of(columns: Iterable[str]) -> str:
