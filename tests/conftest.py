@@ -28,3 +28,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel_rules_only():
+    """The planner's kernel rules without the shipped sm_90a table's measured rows (its xla
+    rows send some points to XLA's dot): for tests of what the kernels' rules pick."""
+    from jax_cake.planner import tables
+
+    with tables.use_table(tables.parse({"arch": "sm_90a", "source": "no rows", "sm_ranges": []})):
+        yield

@@ -37,7 +37,7 @@ def _train_step(deterministic=True):
 
 @pytest.mark.parametrize("t,d_in,d_out", [(16172, 4096, 48), (16231, 5120, 512), (16384, 4096, 4096), (37, 64, 32)])
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
-def test_step_lowers_to_one_custom_call_per_gemm_with_the_plan(t, d_in, d_out, w_dtype):
+def test_step_lowers_to_one_custom_call_per_gemm_with_the_plan(t, d_in, d_out, w_dtype, kernel_rules_only):
     text = _cuda_text(_train_step(), _spec((t, d_in), jnp.bfloat16), _spec((d_out, d_in), w_dtype))
     fwd, dgrad, wgrad = (_calls(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
     assert (len(fwd), len(dgrad), len(wgrad)) == (1, 1, 1), text
@@ -142,9 +142,9 @@ def test_router_step_lowers_to_the_three_router_custom_calls(monkeypatch):
 
 def test_every_lowered_target_is_registered_and_built():
     """The custom calls the primitives emit are the ones native.py registers and the build exports."""
-    from jax_cake import build, contract, native, primitives
+    from jax_cake import accumulate, build, contract, native, primitives, residual
 
-    used = {v for k, v in vars(primitives).items() if k.endswith("_TARGET")}
+    used = {v for mod in (primitives, accumulate, residual) for k, v in vars(mod).items() if k.endswith("_TARGET")}
     assert used == set(native.TARGETS) == set(contract.TARGETS)
     assert {contract.handler_symbol(t) for t in contract.TARGETS} == set(build.HANDLER_SYMBOLS)
 

@@ -16,14 +16,6 @@ from jax_cake.planner.variants import split_tail_slots
 from helpers import H200, faked_device
 
 
-@pytest.fixture
-def kernel_rules_only():
-    """The kernels' own rules, without the shipped sm_90a table's measured rows: its xla
-    rows send some of the points these tests check to XLA's dot."""
-    with tables.use_table(tables.parse({"arch": "sm_90a", "source": "no rows", "sm_ranges": []})):
-        yield
-
-
 def _r200(sms):
     return DeviceInfo("cuda", "NVIDIA R200", "sm_107a", sms)
 
