@@ -1,7 +1,7 @@
 // XLA FFI handlers of jax_cake: jax_cake_fwd, jax_cake_dgrad, jax_cake_wgrad,
 // jax_cake_wgrad_accumulate, jax_cake_fwd_residual.
 //
-// The contract (operands, attributes, workspace) is docs/FFI_CONTRACT.md. Each handler
+// The contract (operands, attributes, workspace) is docs/ffi_contract.md. Each handler
 // maps its buffers onto one GEMM C[M, N] = sum_k A[m, k] B[n, k] (batch L), picks the
 // AOT-compiled CuTe DSL variant named by the tile/cluster attributes, and launches it
 // on XLA's stream. Handlers are command-buffer (CUDA graph) compatible: they only
@@ -91,7 +91,7 @@ ffi::Error NoVariant(const VariantKey& k) {
   return ffi::Error::InvalidArgument(buf);
 }
 
-// The handler's view of its attributes (docs/FFI_CONTRACT.md).
+// The handler's view of its attributes (docs/ffi_contract.md).
 struct Attrs {
   int64_t tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule;
 

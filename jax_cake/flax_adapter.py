@@ -34,7 +34,7 @@ The Flax layout [d_in, d_out] runs without a transpose of the weight: with
 w_kn = [K, N] (N contiguous), y = x w_kn is the dgrad GEMM (dgrad(dy=x, w=w_kn)), the
 input gradient dy w_kn^T is the fwd GEMM (fwd(x=dy, w=w_kn)), and the weight gradient
 x^T dy, in w_kn's layout, is the wgrad GEMM with its operands swapped
-(wgrad(dy=x, x=dy)); see docs/FFI_CONTRACT.md for the three GEMMs.
+(wgrad(dy=x, x=dy)); see docs/ffi_contract.md for the three GEMMs.
 """
 
 from __future__ import annotations

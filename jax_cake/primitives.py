@@ -32,7 +32,7 @@ from jax_cake.planner import Plan
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import plan as make_plan
 
-# The router handlers take no cluster or raster attributes (docs/FFI_CONTRACT.md).
+# The router handlers take no cluster or raster attributes (docs/ffi_contract.md).
 _ROUTER_ATTRIBUTES = ("tile_m", "tile_n", "tile_k", "splits", "reduction")
 
 # Prefix of the FFI target names the custom calls name: "" is the default library; another

@@ -6,7 +6,7 @@ output dtype at the end; the router splits each FP32 operand into hi + lo BF16 p
 accumulates hi*hi + hi*lo + lo*hi in FP32 (BF16x3).
 
 All GEMMs take a leading batch dimension: x [B, T, d_in], w [B, d_out, d_in],
-dy [B, T, d_out] (docs/FFI_CONTRACT.md).
+dy [B, T, d_out] (docs/ffi_contract.md).
 """
 
 from __future__ import annotations

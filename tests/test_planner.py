@@ -116,7 +116,7 @@ def test_router_variants_put_the_on_chip_split_operand_in_registers():
 
 def test_batched_fwd_with_128_outputs_runs_128_wide_tiles():
     """512 -> 128 (MLA head rows): a 128 x 128 fwd tile covers N = 128 whole; 128 x 64 tiles
-    ran 228 us against 178 at B = 128, T = 4096 on the H200 (docs/BENCHMARKS.md)."""
+    ran 228 us against 178 at B = 128, T = 4096 on the H200 (docs/benchmarks.md)."""
     p = jc.plan("fwd", tokens=4096, d_in=512, d_out=128, batch=128, device=H200)
     assert p.uses_kernel and p.tile == (128, 128, 64)
     p = jc.plan("fwd", tokens=16384, d_in=4096, d_out=4096, device=H200)

@@ -2,7 +2,7 @@
 
 `plan_accumulate` returns a Plan with op "wgrad_accumulate" where the library can add
 the micro-batch's weight gradient into the running sum inside the wgrad kernel
-(jax_cake_wgrad_accumulate, docs/FFI_CONTRACT.md):
+(jax_cake_wgrad_accumulate, docs/ffi_contract.md):
   - one pass over K on the fp32 reduce-add variant of the tile, with no memset: each
     element of the sum gets one fp32 add of its finished tile total;
   - or, where whole tiles leave SMs idle (skinny d_out), ordered K splits into the

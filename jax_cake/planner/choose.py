@@ -77,7 +77,7 @@ _RIDGE_FLOP_PER_BYTE = 184
 # A compute-bound deterministic wgrad adds ordered K splits until its CTAs fill this much
 # of their last wave (`_det_splits`).
 _WAVE_FILL = 0.9
-# The router kernels run only once their accuracy is shown on a GPU (gpu_check's
+# The router kernels run only once their accuracy is shown on a GPU (the GPU tests'
 # router checks exercise them directly either way); they meet the 5e-6 target on the
 # H200 (docs/planner.md).
 ROUTER_KERNELS_ENABLED = True

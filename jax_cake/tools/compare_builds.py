@@ -15,7 +15,7 @@ medians. Each row also compares every build's outputs with the first build's: bi
 equal, or the largest difference relative to the largest output.
 
 Points are T:d_in:d_out (batched: B:T:d_in:d_out; router: T:d:E). Not the benchmark
-protocol of DESIGN.md (one run, one mode): a screen for changes, whose results then go
+protocol of docs/benchmarks.md (one run, one mode): a screen for changes, whose results then go
 through `python -m jax_cake.tools.bench`.
 """
 

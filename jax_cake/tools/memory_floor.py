@@ -16,7 +16,7 @@ over 128 MiB, as jax_cake.tools.bench), CUDA events, median over launches. b > a
 a values repeated along b; b <= a: the row read in full and b values written. These are
 plain kernels, so a practical floor rather than a proof (a GEMM's TMA path can beat the
 narrowest cases); the table says how far each memory-bound target and kernel is from what
-the memory delivers under the same protocol (docs/BENCHMARKS.md).
+the memory delivers under the same protocol (docs/benchmarks.md).
 
 Needs a GPU and nvcc (the kernels are compiled at run time for the device's arch).
 """
