@@ -1024,6 +1024,107 @@ def emit(text: str, rows: Sequence[dict], family: str) -> None:
         write_csv(FLAGS.csv, rows, family)
 
 
+# --- paired-arm benches (accumulate_bench, residual_bench) -----------------------------
+# One op on --tokens x --d_in x --d_out, each arm a steps program (buf, *args) -> (buf, ...);
+# this module's protocol (children per run and mode, paired groups, L2 flushes).
+
+ARM_BENCH_FLAGS = ("tokens", "d_in", "d_out", "arms", "groups", "steps", "flush_mb", "timer")
+
+
+def define_arm_bench_flags(arms: Sequence[str], tokens: Sequence[str], d_in: Sequence[str], d_out: Sequence[str]):
+    """define_flags (no --ops) with these defaults, and --md."""
+    define_flags(arms_default=arms, with_ops=False)
+    FLAGS.set_default("tokens", list(tokens))
+    FLAGS.set_default("d_in", list(d_in))
+    FLAGS.set_default("d_out", list(d_out))
+    flags.DEFINE_string("md", None, "Write the markdown table here.")
+
+
+def arm_bench_points(out_dtype: str) -> list[Point]:
+    return [Point(int(t), int(i), int(o), out_dtype) for i in FLAGS.d_in for o in FLAGS.d_out for t in FLAGS.tokens]
+
+
+def measure_arms(programs: dict[str, Callable], buf, args: Sequence, timer_kind: str) -> dict[str, list[float]]:
+    """{arm: per-group median step time in us} of programs[arm](buf, *args) -> (buf, ...),
+    each compiled with buf donated and warmed up, the arms interleaved in paired groups."""
+    import jax
+
+    compiled = {arm: jax.jit(p, donate_argnums=0).lower(buf, *args).compile() for arm, p in programs.items()}
+    timer = make_timer(timer_kind, buf, FLAGS.steps)
+    for program in compiled.values():  # warm-up
+        timer.buf = program(timer.buf, *args)[0]
+    jax.block_until_ready(timer.buf)
+
+    def call(program):
+        return lambda b: program(b, *args)[0]
+
+    return paired_groups(timer, {arm: call(p) for arm, p in compiled.items()}, FLAGS.groups)
+
+
+def arm_bench_child(op: str, points: Sequence[Point], measure: Callable, label_suffix: str = "") -> None:
+    """One (run, mode) child: measure(point, timer_kind) -> {arm: groups_us} per point,
+    the samples written to --child_out."""
+    timer_kind = FLAGS.timer or default_timer()
+    mode, samples = FLAGS.modes[0], []
+    for point in points:
+        print(f"[{mode} run {FLAGS.run_index}] {point.label}{label_suffix}", file=sys.stderr, flush=True)
+        for arm, groups_us in measure(point, timer_kind).items():
+            samples.append(
+                {
+                    **dataclasses.asdict(point),
+                    "op": op,
+                    "mode": mode,
+                    "run": FLAGS.run_index,
+                    "arm": arm,
+                    "groups_us": groups_us,
+                }
+            )
+    write_child_output(FLAGS.child_out, device_header(timer_kind), samples)
+
+
+def arm_bench_markdown(
+    header: dict, samples: Sequence[dict], arms: Sequence[str], op: str, note: str, extra: Sequence[tuple] = ()
+) -> str:
+    """The table: one row per (point, mode), each arm's us and baseline/fused ratios;
+    `extra` are (column, value) pairs after T; `note` follows the header line."""
+    medians = run_medians(samples)
+    baselines = [a for a in arms if a != "fused"]
+    cols = ["d_in -> d_out", "T"] + [c for c, _ in extra] + ["mode"] + [f"{a} us" for a in arms]
+    if "fused" in arms:
+        cols += [f"{a}/fused" for a in baselines]
+    lines = [header_line(header) + note, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    keys = sorted({(k[0], k[2]) for k in medians}, key=lambda k: (MODES.index(k[1]), k[0].d_in, -k[0].d_out))
+    for point, mode in keys:
+        us = {a: medians.get((point, op, mode, a)) for a in arms}
+        row = [f"{point.d_in} -> {point.d_out}", str(point.tokens)] + [str(v) for _, v in extra] + [mode]
+        row += [f"{us[a]:.1f}" if us[a] is not None else "n/a" for a in arms]
+        if "fused" in arms:
+            row += [f"{us[a] / us['fused']:.3f}" if us[a] and us["fused"] else "n/a" for a in baselines]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def arm_bench_main(
+    module: str, all_arms: Sequence[str], child: Callable, markdown: Callable, child_flags: Sequence[str] = ()
+) -> None:
+    """Checks --arms; a child runs child(arms), the parent runs the children of `module`
+    (ARM_BENCH_FLAGS and child_flags passed on) and prints markdown(header, samples,
+    arms), also to --md."""
+    arms = list(FLAGS.arms)
+    if not arms or any(a not in all_arms for a in arms):
+        raise app.UsageError(f"--arms: {arms} must be a non-empty subset of {list(all_arms)}")
+    if FLAGS.child_out:
+        child(arms)
+        return
+    names = ARM_BENCH_FLAGS + tuple(child_flags)
+    header, samples = run_children(module, child_argv(names), selected("modes", MODES), FLAGS.runs)
+    text = markdown(header, samples, arms)
+    print(text)
+    if FLAGS.md:
+        with open(FLAGS.md, "w") as f:
+            f.write(text)
+
+
 if __name__ == "__main__":
     define_flags()
     flags.DEFINE_enum("family", "dense", list(FAMILIES), "The op: dense_projection, router_logits, batched_projection.")

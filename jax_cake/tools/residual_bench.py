@@ -21,8 +21,6 @@ the ratios separate/fused and xla/fused (above 1: the fused step is faster).
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 from collections.abc import Callable, Sequence
 
 from absl import app, flags
@@ -78,95 +76,29 @@ def make_inputs(point: bench.Point, flush_mb: int, seed: int = 0):
 
 def measure(point: bench.Point, arms: Sequence[str], timer_kind: str) -> dict[str, list[float]]:
     """{arm: per-group median step time in us}, the arms interleaved in paired groups."""
-    import jax
-
-    buf, x, w, h = make_inputs(point, FLAGS.flush_mb)
-    compiled = {
-        arm: jax.jit(steps_program(step_fn(arm), FLAGS.steps), donate_argnums=0).lower(buf, x, w, h).compile()
-        for arm in arms
-    }
-    timer = bench.make_timer(timer_kind, buf, FLAGS.steps)
-    for arm in arms:  # warm-up
-        timer.buf = compiled[arm](timer.buf, x, w, h)[0]
-    jax.block_until_ready(timer.buf)
-
-    def call(arm):
-        return lambda b: compiled[arm](b, x, w, h)[0]
-
-    return bench.paired_groups(timer, {arm: call(arm) for arm in arms}, FLAGS.groups)
+    buf, *args = make_inputs(point, FLAGS.flush_mb)
+    programs = {arm: steps_program(step_fn(arm), FLAGS.steps) for arm in arms}
+    return bench.measure_arms(programs, buf, args, timer_kind)
 
 
 def points() -> list[bench.Point]:
-    return [
-        bench.Point(int(t), int(i), int(o), "bfloat16") for i in FLAGS.d_in for o in FLAGS.d_out for t in FLAGS.tokens
-    ]
+    return bench.arm_bench_points("bfloat16")
 
 
 def child(arms: Sequence[str]) -> None:
-    timer_kind = FLAGS.timer or bench.default_timer()
-    mode, samples = FLAGS.modes[0], []
-    for point in points():
-        print(f"[{mode} run {FLAGS.run_index}] {point.label}", file=sys.stderr, flush=True)
-        for arm, groups_us in measure(point, arms, timer_kind).items():
-            samples.append(
-                {
-                    **dataclasses.asdict(point),
-                    "op": OP,
-                    "mode": mode,
-                    "run": FLAGS.run_index,
-                    "arm": arm,
-                    "groups_us": groups_us,
-                }
-            )
-    bench.write_child_output(FLAGS.child_out, bench.device_header(timer_kind), samples)
+    bench.arm_bench_child(OP, points(), lambda point, timer_kind: measure(point, arms, timer_kind))
 
 
 def markdown(header: dict, samples: Sequence[dict], arms: Sequence[str]) -> str:
-    medians = bench.run_medians(samples)
-    baselines = [a for a in arms if a != "fused"]
-    cols = ["d_in -> d_out", "T", "mode"] + [f"{a} us" for a in arms]
-    if "fused" in arms:
-        cols += [f"{a}/fused" for a in baselines]
-    lines = [
-        bench.header_line(header) + " Here new = fused (the residual added in the forward kernel).",
-        "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "---|" * len(cols),
-    ]
-    keys = sorted({(k[0], k[2]) for k in medians}, key=lambda k: (bench.MODES.index(k[1]), k[0].d_in, -k[0].d_out))
-    for point, mode in keys:
-        us = {a: medians.get((point, OP, mode, a)) for a in arms}
-        row = [f"{point.d_in} -> {point.d_out}", str(point.tokens), mode]
-        row += [f"{us[a]:.1f}" if us[a] is not None else "n/a" for a in arms]
-        if "fused" in arms:
-            row += [f"{us[a] / us['fused']:.3f}" if us[a] and us["fused"] else "n/a" for a in baselines]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
+    note = " Here new = fused (the residual added in the forward kernel)."
+    return bench.arm_bench_markdown(header, samples, arms, OP, note)
 
 
 def main(argv):
     del argv
-    arms = list(FLAGS.arms)
-    if not arms or any(a not in ARMS for a in arms):
-        raise app.UsageError(f"--arms: {arms} must be a non-empty subset of {list(ARMS)}")
-    if FLAGS.child_out:
-        child(arms)
-        return
-    names = ("tokens", "d_in", "d_out", "arms", "groups", "steps", "flush_mb", "timer")
-    header, samples = bench.run_children(
-        "jax_cake.tools.residual_bench", bench.child_argv(names), bench.selected("modes", bench.MODES), FLAGS.runs
-    )
-    text = markdown(header, samples, arms)
-    print(text)
-    if FLAGS.md:
-        with open(FLAGS.md, "w") as f:
-            f.write(text)
+    bench.arm_bench_main("jax_cake.tools.residual_bench", ARMS, child, markdown)
 
 
 if __name__ == "__main__":
-    bench.define_flags(arms_default=ARMS, with_ops=False)
-    FLAGS.set_default("tokens", ["8192"])
-    FLAGS.set_default("d_in", ["14336"])
-    FLAGS.set_default("d_out", ["4096"])
-    flags.DEFINE_string("md", None, "Write the markdown table here.")
+    bench.define_arm_bench_flags(ARMS, tokens=["8192"], d_in=["14336"], d_out=["4096"])
     app.run(main)
