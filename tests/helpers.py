@@ -5,6 +5,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 
@@ -15,6 +16,16 @@ def rand(key: int, shape, dtype):
 
 def f64(a) -> np.ndarray:
     return np.asarray(jnp.asarray(a).astype(jnp.float32), dtype=np.float64)
+
+
+def assert_raises_naming(error, prefix: str, words, call) -> None:
+    """call() raises `error`, its message starting with `prefix` and holding every word."""
+    with pytest.raises(error) as e:
+        call()
+    msg = str(e.value)
+    assert msg.startswith(prefix), msg
+    for word in words:
+        assert word in msg, msg
 
 
 def rel_err(out, ref) -> float:
