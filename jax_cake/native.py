@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import importlib.util
 import os
 import pathlib
@@ -44,11 +45,29 @@ _registered = False
 CACHE_ENV = "JAX_CAKE_CACHE_DIR"
 
 
+def _build_inputs_digest() -> str:
+    """12 hex digits of a hash over the build's inputs (the kernels, the variant tables, the
+    FFI names and the C++ sources): a checkout whose kernels change without a version bump
+    gets a new cache folder instead of a stale library."""
+    roots = [_PACKAGE_DIR / "kernels", _REPO_ROOT / "ffi"]
+    files = [_PACKAGE_DIR / name for name in ("build.py", "contract.py", "module_table.py")]
+    files += [_PACKAGE_DIR / "planner" / name for name in ("variants.py", "router_variants.py")]
+    files += sorted(
+        f for root in roots if root.is_dir() for f in root.rglob("*") if f.suffix in (".py", ".cc", ".cu", ".h")
+    )
+    digest = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            digest.update(f.relative_to(_REPO_ROOT).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def cache_key() -> str:
-    """What a cached build depends on: "<jax_cake version>-<GPU arch>-jaxlib<FFI headers version>"."""
+    """What a cached build depends on: "<jax_cake version>-<GPU arch>-jaxlib<FFI headers
+    version>-<digest of the build inputs>"."""
     from jax_cake import __version__
 
-    return f"{__version__}-{contract.KERNEL_ARCHS[0]}-jaxlib{contract.FFI_HEADERS_JAXLIB}"
+    return f"{__version__}-{contract.KERNEL_ARCHS[0]}-jaxlib{contract.FFI_HEADERS_JAXLIB}-{_build_inputs_digest()}"
 
 
 def cache_dir() -> pathlib.Path:
@@ -104,8 +123,10 @@ def _build_library(out_dir: pathlib.Path, extra_args: tuple[str, ...] = ()) -> N
         log = None
     proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        raise RuntimeError(f"jax_cake: building the GPU library into {out_dir} failed (exit {proc.returncode}); "
-                           f"the build's output is above. Command: {' '.join(cmd)}")
+        raise RuntimeError(
+            f"jax_cake: building the GPU library into {out_dir} failed (exit {proc.returncode}); "
+            f"the build's output is above. Command: {' '.join(cmd)}"
+        )
 
 
 def _build_into_cache() -> pathlib.Path:
@@ -114,8 +135,9 @@ def _build_into_cache() -> pathlib.Path:
     lib = target / LIBRARY_NAME
     with _file_lock(target.parent / f"{target.name}.lock"):
         if not lib.is_file():  # another process may have built it while we waited
-            print(f"jax_cake: building the GPU library (about a minute, once) into {target}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"jax_cake: building the GPU library (about a minute, once) into {target}", file=sys.stderr, flush=True
+            )
             _build_library(target)
             if not lib.is_file():
                 raise RuntimeError(f"jax_cake: the build finished but {lib} is missing")

@@ -20,10 +20,20 @@ def no_library(monkeypatch, tmp_path):
     return tmp_path
 
 
-def test_cache_key_names_version_arch_and_ffi_headers():
+def test_cache_key_names_version_arch_ffi_headers_and_the_build_inputs(monkeypatch, tmp_path):
     key = native.cache_key()
-    assert key == f"{jax_cake.__version__}-{contract.KERNEL_ARCHS[0]}-jaxlib{contract.FFI_HEADERS_JAXLIB}"
-    assert "/" not in key
+    prefix = f"{jax_cake.__version__}-{contract.KERNEL_ARCHS[0]}-jaxlib{contract.FFI_HEADERS_JAXLIB}-"
+    assert key.startswith(prefix) and len(key) == len(prefix) + 12 and "/" not in key
+    assert native.cache_key() == key  # stable
+    # A changed kernel source (same version) gets another folder, not the stale library.
+    kernels = tmp_path / "jax_cake" / "kernels"
+    kernels.mkdir(parents=True)
+    (kernels / "gemm_sm90.py").write_text("one")
+    monkeypatch.setattr(native, "_PACKAGE_DIR", tmp_path / "jax_cake")
+    monkeypatch.setattr(native, "_REPO_ROOT", tmp_path)
+    before = native.cache_key()
+    (kernels / "gemm_sm90.py").write_text("two")
+    assert native.cache_key() != before
 
 
 def test_cache_dir_resolution(monkeypatch, tmp_path):
