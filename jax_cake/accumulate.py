@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 
-from jax_cake import api, primitives, reference, remat
+from jax_cake import api, partitioning, primitives, reference, remat
 from jax_cake.contract import WGRAD_ACCUMULATE_TARGET
 from jax_cake.planner import Plan
 from jax_cake.planner import device as device_lib
@@ -49,34 +50,30 @@ from jax_cake.planner.accumulate import plan_accumulate
 # --- the primitive ----------------------------------------------------------------------
 
 
-def _unpartitioned() -> bool:
-    """Whether the accumulating custom call may run as it is: one device, no mesh of more
-    than one device set (XLA replicates a custom call that has no partitioning rule, which
-    stays correct), or inside shard_map over every mesh axis (the operands are the shards).
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if jax.device_count() == 1 or mesh.empty or mesh.size == 1:
-        return True
-    return all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+def _sizes(dy, x) -> dict:
+    return dict(tokens=dy.shape[1], d_in=x.shape[2], d_out=dy.shape[2], batch=dy.shape[0])
 
 
-def wgrad_accumulate(dy, x, acc, plan: Plan):
-    """acc + dy[B, T, d_out]^T . x[B, T, d_in] in float32: one micro-batch's weight
-    gradient added to the running sum acc[B, d_out, d_in] (float32).
-
-    A kernel plan for op "wgrad_accumulate" (`plan_accumulate`) runs
-    jax_cake_wgrad_accumulate with acc aliased to the result (input_output_aliases
-    {2: 0}), so under jit the sum is updated in place with no separate pass over it. A
-    plan for op "wgrad" (no accumulating variant fits) runs that wgrad and an XLA add; an
-    XLA plan, and any platform but CUDA, the reference `acc + dot(dy^T, x)` in float32.
-    Under a mesh of several devices (outside shard_map) the accumulating call has no
-    partitioning rule: the partitioned wgrad runs there, then the add.
-    """
-    if plan.op != "wgrad_accumulate" or not _unpartitioned():
+def _direct(dy, x, acc, plan: Plan):
+    """wgrad_accumulate on unbatched operands (the custom_vmap rule below folds a vmapped
+    axis away before this)."""
+    # The fused call has no partitioning rule: it runs only where nothing is partitioned
+    # (one device, a one-device mesh, or inside shard_map over every mesh axis), as the
+    # unpartitioned kernels of jax_cake.primitives do. Elsewhere (a mesh of several devices,
+    # or NamedSharding operands under jit with no mesh set) the partitioned wgrad runs, then
+    # the add, so XLA never replicates the fused call (all-gathering dy and x).
+    fused = plan.op == "wgrad_accumulate" and (primitives._manual(dy, x, acc) or primitives._one_device())
+    if not fused:
         if plan.op == "wgrad_accumulate":
-            sizes = dict(tokens=dy.shape[1], d_in=x.shape[2], d_out=dy.shape[2], batch=dy.shape[0])
-            plan = make_plan("wgrad", **sizes, out_dtype="float32", device=device_lib.current(dy, x))
-        return acc + primitives.wgrad(dy, x, plan).astype(jnp.float32)
+            plan = make_plan("wgrad", **_sizes(dy, x), out_dtype="float32", device=device_lib.current(dy, x))
+        specs = api._explicit_specs(dy, x, acc)
+        if specs is None:
+            return acc + primitives.wgrad(dy, x, plan).astype(jnp.float32)
+        # Explicit axes: dw is asked for in the sum's sharding (the sum's type is the
+        # cotangent's), and the add is made there.
+        acc_spec = specs[2]
+        dw = primitives.wgrad(dy, x, plan, out_sharding=acc_spec).astype(jnp.float32)
+        return acc + partitioning.reshard_to(dw, acc_spec)
     b, _, d_out = dy.shape
     d_in = x.shape[2]
 
@@ -94,6 +91,52 @@ def wgrad_accumulate(dy, x, acc, plan: Plan):
         return new_sum
 
     return primitives._dispatch(plan, ref, cuda, dy, x, acc)
+
+
+def _fold(size: int, batched, dy, x, acc):
+    """The vmapped accumulation (batched operands carry the vmapped axis V first) as one
+    unbatched call: V folds into the batch axis B ([V, B, ...] -> [V*B, ...]), an unbatched
+    operand broadcast over V (each entry's sum is its own acc + its own dw), planned with
+    plan_accumulate for the folded shape."""
+    dy, x, acc = (v if v_b else jnp.broadcast_to(v, (size,) + v.shape) for v, v_b in zip((dy, x, acc), batched))
+
+    def merge(v):
+        return v.reshape((v.shape[0] * v.shape[1],) + v.shape[2:])
+
+    dy2, x2, acc2 = merge(dy), merge(x), merge(acc)
+    plan = plan_accumulate(**_sizes(dy2, x2), device=device_lib.current(dy2, x2))
+    out = _call(dy2, x2, acc2, plan)
+    return out.reshape((size, acc.shape[1]) + out.shape[1:])
+
+
+def _call(dy, x, acc, plan: Plan):
+    @custom_vmap
+    def accumulate(dy, x, acc):
+        return _direct(dy, x, acc, plan)
+
+    @accumulate.def_vmap
+    def rule(axis_size, in_batched, dy, x, acc):
+        return _fold(axis_size, tuple(in_batched), dy, x, acc), True
+
+    return accumulate(dy, x, acc)
+
+
+def wgrad_accumulate(dy, x, acc, plan: Plan):
+    """acc + dy[B, T, d_out]^T . x[B, T, d_in] in float32: one micro-batch's weight
+    gradient added to the running sum acc[B, d_out, d_in] (float32).
+
+    A kernel plan for op "wgrad_accumulate" (`plan_accumulate`) runs
+    jax_cake_wgrad_accumulate with acc aliased to the result (input_output_aliases
+    {2: 0}), so under jit the sum is updated in place with no separate pass over it. A
+    plan for op "wgrad" (no accumulating variant fits) runs that wgrad and an XLA add; an
+    XLA plan, and any platform but CUDA, the reference `acc + dot(dy^T, x)` in float32.
+    Where anything is partitioned (a mesh of several devices outside shard_map, or
+    sharded operands under jit on several devices) the accumulating call has no
+    partitioning rule: the partitioned wgrad runs there (under Explicit axes in acc's
+    sharding), then the add. Under vmap the vmapped axis folds into the batch axis (one
+    call, planned for the folded shape).
+    """
+    return _call(dy, x, acc, plan)
 
 
 # --- the op ---------------------------------------------------------------------------------
@@ -123,8 +166,12 @@ def _accumulating_bwd(residuals, dy):
     x3, w_bf16, acc3 = residuals
     _, dgrad_plan, acc_plan = _plans(x3, w_bf16)
     dy = dy.astype(jnp.bfloat16)
-    dx = primitives.dgrad(dy, w_bf16, dgrad_plan)
+    # Under Explicit axes dx is asked for in x's sharding and the new sum comes in the
+    # sum's (the cotangents must have their primals' sharding types).
+    x_spec = (api._explicit_specs(x3) or (None,))[0]
+    dx = primitives.dgrad(dy, w_bf16, dgrad_plan, out_sharding=x_spec)
     new_sum = wgrad_accumulate(dy, x3, acc3, acc_plan)
+    dx, new_sum = api._as_primal_types((dx, new_sum), (x3, acc3))
     return dx, None, new_sum  # w: a symbolic zero, its gradient is in the sum
 
 
@@ -157,23 +204,25 @@ def _common_varying(fn: str, x3, w3, acc3):
     return api._to_common_varying(x3, w3, acc3)
 
 
-def dense_projection(x, w, grad_accumulator, *, deterministic: bool = True):
+def dense_projection(x, w, grad_accumulator, *, deterministic: bool = True, out_sharding=None):
     """`jax_cake.dense_projection(x, w, grad_accumulator=...)` (see its docstring)."""
     fn = "dense_projection"
     api._check_dense_operands(fn, x, w, deterministic)
     _check_accumulator(fn, grad_accumulator, w)
+    out = api._check_out_sharding(fn, out_sharding, x.ndim)
     lead = x.shape[:-1]
     x3, w3 = api._batch_of_one(x, w)
     acc3 = jnp.reshape(grad_accumulator, (1,) + w.shape)
     x3, w3, acc3 = _common_varying(fn, x3, w3, acc3)
     y3 = _accumulating_projection(x3, w3, acc3)
-    return remat.name_output(jnp.reshape(y3, lead + (w.shape[0],)))
+    return remat.name_output(api._apply_out_sharding(jnp.reshape(y3, lead + (w.shape[0],)), out))
 
 
-def batched_projection(x, w, grad_accumulator, *, deterministic: bool = True):
+def batched_projection(x, w, grad_accumulator, *, deterministic: bool = True, out_sharding=None):
     """`jax_cake.batched_projection(x, w, grad_accumulator=...)` (see its docstring)."""
     fn = "batched_projection"
     api._check_batched_operands(fn, x, w, deterministic)
     _check_accumulator(fn, grad_accumulator, w)
+    out = api._check_out_sharding(fn, out_sharding, 3)
     x, w, acc = _common_varying(fn, x, w, grad_accumulator)
-    return remat.name_output(_accumulating_projection(x, w, acc))
+    return remat.name_output(api._apply_out_sharding(_accumulating_projection(x, w, acc), out))

@@ -257,18 +257,18 @@ def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None,
         it (Auto axes), and a reduction over a sharded d_in becomes a reduce-scatter where
         the asked-for sharding allows one.
       residual: keyword-only, None (default) or a bfloat16 array of y's shape [...,
-        d_out]: returns residual + x @ w.T, the add made by the forward kernel in the
-        residual's buffer (no separate pass; in place under jit where the residual is
-        donated or an intermediate), as XLA fuses `r + jnp.dot(x, w.T)`. Values:
-        bf16(residual + bf16(x @ w.T)), those of `residual + dense_projection(x, w)`;
-        the residual's gradient is dy. With grad_accumulator or out_sharding the add is
-        a separate pass (same values). See jax_cake.residual.
+        d_out]: returns residual + x @ w.T. The kernel that makes the add in the
+        forward (in the residual's buffer) is held back for now
+        (RESIDUAL_KERNELS_ENABLED in jax_cake/planner/residual.py): the op runs the
+        forward and a separate add, with the same values: bf16(residual + bf16(x @
+        w.T)), those of `residual + dense_projection(x, w)`. The residual's gradient is
+        dy, with the residual's sharding. See jax_cake.residual.
 
     Returns:
       y: [..., d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.
     """
     fn = "dense_projection"
-    if residual is not None:  # the residual add in the forward kernel
+    if residual is not None:  # residual + the projection (jax_cake.residual)
         from jax_cake import residual as residual_lib
 
         return residual_lib.dense_projection(
@@ -300,14 +300,14 @@ def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=Non
       grad_accumulator: keyword-only, None or a float32 [B, d_out, d_in] running sum of
         w's gradient, as in dense_projection.
       out_sharding: keyword-only, the sharding of y, as in dense_projection.
-      residual: keyword-only, None or a bfloat16 [B, T, d_out] array added to y by the
-        forward kernel, as in dense_projection.
+      residual: keyword-only, None or a bfloat16 [B, T, d_out] array added to y, as in
+        dense_projection (for now the forward and a separate add).
 
     Returns:
       y: [B, T, d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.
     """
     fn = "batched_projection"
-    if residual is not None:  # the residual add in the forward kernel
+    if residual is not None:  # residual + the projection (jax_cake.residual)
         from jax_cake import residual as residual_lib
 
         return residual_lib.batched_projection(
@@ -316,7 +316,9 @@ def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=Non
     if grad_accumulator is not None:  # gradient accumulation in the wgrad kernel
         from jax_cake import accumulate
 
-        return accumulate.batched_projection(x, w, grad_accumulator, deterministic=deterministic)
+        return accumulate.batched_projection(
+            x, w, grad_accumulator, deterministic=deterministic, out_sharding=out_sharding
+        )
     deterministic = _check_batched_operands(fn, x, w, deterministic)
     out = _check_out_sharding(fn, out_sharding, 3)
     x, w = _to_common_varying(x, w)

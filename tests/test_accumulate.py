@@ -246,3 +246,124 @@ def test_bench_runs_on_cpu():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| 128 -> 128 | 64 | 4 | g |" in proc.stdout and "separate/fused" in proc.stdout, proc.stdout
+
+
+# --- out_sharding, sharded operands, vmap --------------------------------------------------
+
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jax_cake import primitives  # noqa: E402
+
+
+def _grad_sum(x, w, acc, dy):
+    return jax.grad(lambda a: jnp.sum(jc.dense_projection(x, w, grad_accumulator=a).astype(F32) * dy.astype(F32)))(acc)
+
+
+def _explicit_mesh():
+    return jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+@pytest.mark.parametrize("fn", ["dense", "batched"])
+def test_invalid_out_sharding_with_an_accumulator_raises(fn):
+    x, w = jnp.zeros((2, 8, 32), BF16), jnp.zeros((2, 16, 32), F32)
+    if fn == "dense":
+        x, w = x[0], w[0]
+    call = getattr(jc, f"{fn}_projection")
+    assert_raises_naming(
+        TypeError, f"{fn}_projection: ", ["out_sharding"],
+        lambda: call(x, w, grad_accumulator=jnp.zeros(w.shape, F32), out_sharding="rows"),
+    )
+    with pytest.raises(ValueError, match="out_sharding"):
+        call(x, w, grad_accumulator=jnp.zeros(w.shape, F32), out_sharding=P("nope"))
+
+
+@pytest.mark.parametrize("fn", ["dense", "batched"])
+def test_out_sharding_with_an_accumulator_is_applied(fn):
+    x, w = rand(11, (2, 8, 32), BF16), rand(12, (2, 16, 32), F32)
+    if fn == "dense":
+        x, w = x[0], w[0]
+    call = getattr(jc, f"{fn}_projection")
+    want = P(*([None] * (x.ndim - 1)), "model")
+    with jax.set_mesh(_explicit_mesh()):
+        xs, ws, accs = (jax.device_put(v, P("data")) for v in (x, w, jnp.zeros(w.shape, F32)))
+        y = jax.jit(lambda x, w, a: call(x, w, grad_accumulator=a, out_sharding=want))(xs, ws, accs)
+        assert jax.typeof(y).sharding.spec == want
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(call(x, w), np.float32))
+
+
+@pytest.mark.parametrize(
+    "x_spec,w_spec,acc_spec",
+    [
+        (P("data"), P("model"), P()),  # a replicated sum next to a model-sharded weight
+        (P("data"), P(), P("data")),  # a sum sharded on the data axis
+        (P("data"), P("model"), P("data", "model")),
+        (P(None, "model"), P(None, "model"), P("model")),
+    ],
+)
+def test_explicit_axes_the_new_sum_has_the_sums_sharding_and_value(x_spec, w_spec, acc_spec):
+    x, w, acc, dy = rand(13, (16, 32), BF16), rand(14, (16, 32), F32), rand(15, (16, 32), F32), rand(16, (16, 16), BF16)
+    expected = np.asarray(_grad_sum(x, w, acc, dy))
+    with jax.set_mesh(_explicit_mesh()):
+        args = [jax.device_put(v, s) for v, s in ((x, x_spec), (w, w_spec), (acc, acc_spec), (dy, P()))]
+        out = jax.jit(_grad_sum)(*args)
+        assert jax.typeof(out).sharding.spec == jax.typeof(args[2]).sharding.spec
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-6, atol=1e-5)
+
+
+def test_named_sharding_operands_without_a_mesh_run_the_partitioned_wgrad(monkeypatch):
+    with faked_device():
+        kernel_plan = plan_accumulate(tokens=8192, d_in=4096, d_out=4096)
+    assert kernel_plan.op == "wgrad_accumulate"
+    monkeypatch.setattr(accumulate, "plan_accumulate", lambda **sizes: kernel_plan)
+    dispatched = []
+    real = primitives._dispatch
+
+    def spy(plan, *args, **kwargs):
+        dispatched.append(plan.op)
+        return real(plan, *args, **kwargs)
+
+    monkeypatch.setattr(primitives, "_dispatch", spy)
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
+    x, dy = rand(17, (64, 32), BF16), rand(18, (64, 16), BF16)
+    w, acc = rand(19, (16, 32), F32), rand(20, (16, 32), F32)
+    args = [
+        jax.device_put(v, NamedSharding(mesh, s)) for v, s in ((x, P("data")), (w, P()), (acc, P()), (dy, P("data")))
+    ]
+    step = jax.jit(lambda x, w, a, d: _grad_sum(x, w, a, d))
+    hlo = step.lower(*args).compile().as_text()
+    # The fused call has no partitioning rule: it must not run here (XLA would replicate it,
+    # all-gathering dy and x); the partitioned wgrad and an add run instead.
+    assert "wgrad_accumulate" not in dispatched
+    assert not re.search(r"all-gather", hlo), hlo
+    np.testing.assert_allclose(np.asarray(step(*args)), np.asarray(_grad_sum(x, w, acc, dy)), rtol=1e-6, atol=1e-5)
+    # One device (a one-device mesh): the fused call runs.
+    dispatched.clear()
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        jax.jit(_grad_sum).trace(x, w, acc, dy)
+    assert "wgrad_accumulate" in dispatched
+
+
+def _vmapped_step(in_axes):
+    return jax.vmap(lambda w, acc, x, dy: _grad_sum(x, w, acc, dy), in_axes=in_axes)
+
+
+@pytest.mark.parametrize("in_axes", [(None, 0, 0, 0), (None, None, 0, 0), (0, 0, 0, 0)])
+def test_vmap_of_an_accumulating_step_lowers_to_one_call_and_equals_the_loop(in_axes):
+    v, t, d_in, d_out = 4, 8192, 4096, 4096
+    shapes = [(d_out, d_in), (d_out, d_in), (t, d_in), (t, d_out)]
+    dtypes = [F32, F32, BF16, BF16]
+    specs = [jax.ShapeDtypeStruct(((v,) if a == 0 else ()) + s, d) for a, s, d in zip(in_axes, shapes, dtypes)]
+    with faked_device():
+        text = jax.jit(_vmapped_step(in_axes)).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+        p = plan_accumulate(tokens=t, d_in=d_in, d_out=d_out, batch=v)
+    assert "while" not in text
+    (call,) = _calls(text, "jax_cake_wgrad_accumulate")
+    assert f"tensor<{v}x{d_out}x{d_in}xf32>, tensor<{p.workspace_bytes}xui8>" in call  # V folded into B
+    assert _calls(text, "jax_cake_wgrad") == []
+    # CPU values: those of a per-element loop.
+    small = [(16, 32), (16, 32), (24, 32), (24, 16)]
+    args = [rand(30 + i, ((3,) if a == 0 else ()) + s, d) for i, (a, s, d) in enumerate(zip(in_axes, small, dtypes))]
+    got = jax.jit(_vmapped_step(in_axes))(*args)
+    for i in range(3):
+        w, acc, x, dy = (a[i] if ax == 0 else a for a, ax in zip(args, in_axes))
+        np.testing.assert_allclose(np.asarray(got[i]), np.asarray(_grad_sum(x, w, acc, dy)), rtol=1e-6, atol=1e-5)

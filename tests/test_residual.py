@@ -145,6 +145,35 @@ def test_under_a_mesh_of_several_devices_the_values_hold():
     np.testing.assert_array_equal(_f(y), _f(_unfused(x, w, r)))
 
 
+@pytest.mark.parametrize("r_spec", [jax.P(), jax.P(None, "data")], ids=["r_replicated", "r_on_d_out"])
+def test_under_explicit_axes_a_residual_sharded_unlike_y_gives_the_unsharded_values(r_spec):
+    """x on P("data") makes y token-sharded; r sharded otherwise is resharded to y for the
+    add, and its cotangent comes back with r's sharding type."""
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    t = 8 * jax.device_count()
+    x, w = rand(24, (t, 32), BF16), rand(25, (16, 32), F32)
+    r, dy = rand(26, (t, 16), BF16), rand(27, (t, 16), BF16)
+    want = _unfused(x, w, r)
+    want_grads = jax.grad(_loss(_unfused), argnums=(0, 1, 2))(x, w, r, dy)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data", None)))
+        ws = jax.device_put(w, jax.NamedSharding(mesh, jax.P()))
+        rs = jax.device_put(r, jax.NamedSharding(mesh, r_spec))
+        y = jax.jit(_fused)(xs, ws, rs)
+        grads = jax.jit(jax.grad(_loss(_fused), argnums=(0, 1, 2)))(xs, ws, rs, dy)
+        # dw sums over the data-sharded tokens per shard, then across shards: the unfused
+        # op on the same x and w sums in that order (r replicated, so its own add is legal).
+        r_rep = jax.device_put(r, jax.NamedSharding(mesh, jax.P()))
+        dw_same_order = jax.jit(jax.grad(_loss(_unfused), argnums=1))(xs, ws, r_rep, dy)
+    np.testing.assert_array_equal(_f(y), _f(want))
+    for got, primal in zip(grads, (xs, ws, rs)):
+        assert jax.typeof(got).sharding.spec == jax.typeof(primal).sharding.spec
+    np.testing.assert_array_equal(_f(grads[0]), _f(want_grads[0]), err_msg="dx")
+    np.testing.assert_array_equal(_f(grads[2]), _f(want_grads[2]), err_msg="dr")
+    np.testing.assert_array_equal(_f(grads[1]), _f(dw_same_order), err_msg="dw")
+    np.testing.assert_allclose(_f(grads[1]), _f(want_grads[1]), rtol=1e-5, atol=1e-5, err_msg="dw")
+
+
 def test_output_keeps_the_checkpoint_name():
     x, w, r = rand(18, (8, 32), BF16), rand(19, (16, 32), BF16), rand(20, (8, 16), BF16)
     jaxpr = str(jax.make_jaxpr(_fused)(x, w, r))
@@ -316,8 +345,28 @@ def test_under_a_mesh_of_several_devices_the_fused_call_falls_back_to_fwd_and_an
     real = primitives.fwd
     monkeypatch.setattr(primitives, "fwd", lambda x, w, p, **kw: seen.append(p) or real(x, w, p, **kw))
     with jax.set_mesh(jax.make_mesh((jax.device_count(),), ("d",))):
-        assert not residual._unpartitioned()
+        assert not residual._fused_call_applies(x, w, r)
         y = residual.fwd_residual(x, w, r, plan)
+    assert [p.op for p in seen] == ["fwd"]
+    np.testing.assert_array_equal(_f(y), _f(_unfused(x[0], w[0], r[0]))[None])
+
+
+def test_sharded_inputs_under_jit_without_a_mesh_set_fall_back_to_fwd_and_an_add(monkeypatch):
+    """No mesh in scope on a process of several devices is not 'nothing to partition':
+    NamedSharding inputs under jit would have XLA replicate an unpartitioned fused call."""
+    with faked_device():
+        plan = plan_residual(tokens=64, d_in=128, d_out=64)
+    assert plan.op == "fwd_residual"
+    assert jax.device_count() > 1 and jax.sharding.get_abstract_mesh().empty
+    assert not residual._fused_call_applies()
+    mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    x, w, r = rand(28, (1, 64, 128), BF16), rand(29, (1, 64, 128), BF16), rand(30, (1, 64, 64), BF16)
+    tokens = jax.NamedSharding(mesh, jax.P(None, "d", None))
+    xs, rs = jax.device_put(x, tokens), jax.device_put(r, tokens)
+    seen = []
+    real = primitives.fwd
+    monkeypatch.setattr(primitives, "fwd", lambda x, w, p, **kw: seen.append(p) or real(x, w, p, **kw))
+    y = jax.jit(lambda x, w, r: residual.fwd_residual(x, w, r, plan))(xs, w, rs)
     assert [p.op for p in seen] == ["fwd"]
     np.testing.assert_array_equal(_f(y), _f(_unfused(x[0], w[0], r[0]))[None])
 

@@ -4,7 +4,9 @@
 forward's bf16 tiles into the residual inside the kernel (jax_cake_fwd_residual,
 docs/ffi_contract.md): one pass over K on the bf16 reduce-add ("add" store) fwd variant
 of the tile, each finished tile rounded to bf16 and TMA reduce-added into r, so
-y = bf16(r + bf16(x w^T)), one add per element (bitwise reproducible).
+y = bf16(r + bf16(x w^T)), one add per element (bitwise reproducible). While those
+kernels are held back (RESIDUAL_KERNELS_ENABLED below, False today) it returns the
+ordinary forward plan (op "fwd"): the forward and a separate add.
 
 The tile comes from the forward planner's ranking (jax_cake.planner.choose, the same
 rules as a plain forward), restricted to what `variants.supports(..., accumulate=True)`
@@ -29,11 +31,9 @@ from jax_cake.planner.overrides import forced
 from jax_cake.planner.plan_type import Plan
 
 OP = "fwd_residual"
-# The fused residual kernels run only once their values are shown on a GPU at the shapes
-# they are for. On the H200 (2026-12-01) they passed at small and ragged shapes but not at
-# T = 8192, 14336 -> 4096 (the down projection), not yet understood: until then the op
-# runs the forward and a separate add (tests/gpu/test_residual_gpu.py checks the kernels
-# directly either way).
+# The fused residual kernels are held back (the op runs the forward and a separate add)
+# until tests/gpu/test_residual_gpu.py passes at every shape on the GPU; the result is in
+# docs/benchmarks.md, "Residual add in the forward".
 RESIDUAL_KERNELS_ENABLED = False
 
 
