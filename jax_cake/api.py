@@ -277,7 +277,9 @@ def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None,
     if grad_accumulator is not None:  # gradient accumulation in the wgrad kernel
         from jax_cake import accumulate
 
-        return accumulate.dense_projection(x, w, grad_accumulator, deterministic=deterministic)
+        return accumulate.dense_projection(
+            x, w, grad_accumulator, deterministic=deterministic, out_sharding=out_sharding
+        )
     deterministic = _check_dense_operands(fn, x, w, deterministic)
     out = _check_out_sharding(fn, out_sharding, x.ndim)
     lead = x.shape[:-1]
