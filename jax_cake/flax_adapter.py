@@ -41,14 +41,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_cake import primitives, remat
+from jax_cake import api, primitives, remat
 from jax_cake.api import _to_common_varying, dense_projection
+from jax_cake.planner import device as device_lib
 from jax_cake.planner import plan as make_plan
 
 _BF16 = jnp.dtype(jnp.bfloat16)
@@ -61,16 +61,6 @@ __all__ = ["dot_general", "promote_dtype"]
 # (inside shard_map the operands go through jax_cake.api's _to_common_varying)
 
 
-def _device(*arrays):
-    """The device the planner plans for, looked up as jax_cake's own ops do."""
-    try:
-        from jax_cake.planner import device as device_lib
-
-        return device_lib.current(*arrays)
-    except (ImportError, AttributeError):  # planner reorganized: let plan() look it up
-        return None
-
-
 # --- the Flax layout: x[T, K] . w_kn[K, N] on the existing GEMMs ------------------------
 
 
@@ -79,7 +69,7 @@ def _kn_plans(x3, w3, deterministic: bool, w_dtype: str):
     [d_out' = K, d_in' = N]. Forward = its dgrad, dx = its fwd, dw_kn = its wgrad."""
     _, t, k = x3.shape
     n = w3.shape[2]
-    sizes = dict(tokens=t, d_in=n, d_out=k, batch=1, device=_device(x3, w3))
+    sizes = dict(tokens=t, d_in=n, d_out=k, batch=1, device=device_lib.current(x3, w3))
     return (
         make_plan("dgrad", **sizes),  # y = x . w_kn
         make_plan("fwd", **sizes),  # dx = dy . w_kn^T
@@ -99,24 +89,14 @@ def _kn_projection_fwd(x3, w3, deterministic, w_dtype):
     return primitives.dgrad(x3, w_bf16, y_plan), (x3, w_bf16)
 
 
-def _as_primal_type(cotangent, primal):
-    """Under Explicit mesh axes a custom_vjp cotangent must carry its primal's sharding."""
-    sharding = jax.typeof(primal).sharding
-    mesh = sharding.mesh
-    if mesh.empty or not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-        return cotangent
-    if jax.typeof(cotangent).sharding.spec == sharding.spec:
-        return cotangent
-    return jax.sharding.reshard(cotangent, sharding.spec)
-
-
 def _kn_projection_bwd(deterministic, w_dtype, residuals, dy):
     x3, w_bf16 = residuals
     _, dx_plan, dw_plan = _kn_plans(x3, w_bf16, deterministic, w_dtype)
     dy = dy.astype(jnp.bfloat16)
-    dx = primitives.fwd(dy, w_bf16, dx_plan)  # [1, T, K]
-    dw = primitives.wgrad(x3, dy, dw_plan)  # [1, K, N] in w's dtype
-    return _as_primal_type(dx, x3), _as_primal_type(dw, w_bf16)
+    x_spec, w_spec = api._explicit_specs(x3, w_bf16) or (None, None)
+    dx = primitives.fwd(dy, w_bf16, dx_plan, out_sharding=x_spec)  # [1, T, K]
+    dw = primitives.wgrad(x3, dy, dw_plan, deterministic=deterministic, out_sharding=w_spec)  # [1, K, N], w's dtype
+    return api._as_primal_types((dx, dw), (x3, w_bf16))
 
 
 _kn_projection.defvjp(_kn_projection_fwd, _kn_projection_bwd)
@@ -199,8 +179,7 @@ def dot_general(
     reproducible weight gradients; False lets the planner pick a split-K program whose
     sum order can vary, where measured faster). Use `functools.partial` to set it.
     """
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"dot_general: deterministic must be a Python bool, got {type(deterministic).__name__}")
+    deterministic = api._check_deterministic("dot_general", deterministic)
     arrays = hasattr(lhs, "dtype") and hasattr(rhs, "dtype") and hasattr(lhs, "shape") and hasattr(rhs, "shape")
     bf16_result = preferred_element_type is None or jnp.dtype(preferred_element_type) == _BF16
     if not (arrays and jnp.dtype(lhs.dtype) == _BF16 and jnp.dtype(rhs.dtype) in (_BF16, _F32) and bf16_result):

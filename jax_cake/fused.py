@@ -35,8 +35,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jax_cake import api
+from jax_cake import api, partitioning
 from jax_cake import primitives
 from jax_cake import remat
 from jax_cake.planner import device as device_lib
@@ -84,38 +85,48 @@ def _wgrad_plan(x3, w_cat, d_out: int, deterministic: bool, out_dtype: str):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fused(x3, ws, deterministic: bool, w_dtypes: tuple[str, ...]):
-    return _fused_fwd(x3, ws, deterministic, w_dtypes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fused(x3, ws, deterministic: bool, w_dtypes: tuple[str, ...], w_specs):
+    return _fused_fwd(x3, ws, deterministic, w_dtypes, w_specs)[0]
 
 
-def _fused_fwd(x3, ws, deterministic, w_dtypes):
+def _fused_fwd(x3, ws, deterministic, w_dtypes, w_specs):
+    del w_specs
     w_cat = _stack_bf16(ws)
     fwd_plan, _, _ = _fused_plans(x3, w_cat, deterministic, w_dtypes)
     y = primitives.fwd(x3, w_cat[None], fwd_plan)
-    # ws themselves ride along only for their sharding types (the parameters, no copy).
-    return _split_columns(y, tuple(w.shape[0] for w in ws)), (x3, w_cat, ws)
+    return _split_columns(y, tuple(w.shape[0] for w in ws)), (x3, w_cat)
 
 
-def _fused_bwd(deterministic, w_dtypes, residuals, dys):
-    x3, w_cat, ws = residuals
+def _fused_bwd(deterministic, w_dtypes, w_specs, residuals, dys):
+    """w_specs: the weights' PartitionSpecs under Explicit axes (static), else None: each
+    cotangent must carry its primal's sharding type there."""
+    x3, w_cat = residuals
     _, dgrad_plan, wgrad_plan = _fused_plans(x3, w_cat, deterministic, w_dtypes)
     dy = jnp.concatenate([d.astype(_BF16) for d in dys], axis=-1)
-    dx = primitives.dgrad(dy, w_cat[None], dgrad_plan)
+    (x_spec,) = api._explicit_specs(x3) or (None,)
+    dx = primitives.dgrad(dy, w_cat[None], dgrad_plan, out_sharding=x_spec)
     if min(d.shape[-1] for d in dys) >= WIDE_D_OUT:
         dws = [
-            primitives.wgrad(d.astype(_BF16), x3, _wgrad_plan(x3, w_cat, d.shape[-1], deterministic, dtype))[0]
-            for d, dtype in zip(dys, w_dtypes)
+            primitives.wgrad(
+                d.astype(_BF16),
+                x3,
+                _wgrad_plan(x3, w_cat, d.shape[-1], deterministic, dtype),
+                deterministic=deterministic,
+                out_sharding=None if w_specs is None else P(None, *spec),
+            )[0]
+            for d, dtype, spec in zip(dys, w_dtypes, w_specs or [None] * len(dys))
         ]
     else:
-        dw = primitives.wgrad(dy, x3, wgrad_plan)[0]  # [D, d_in] in the plan's out dtype
+        dw = primitives.wgrad(dy, x3, wgrad_plan, deterministic=deterministic)[0]  # [D, d_in], the plan's dtype
         dws, start = [], 0
         for d, dtype in zip(dys, w_dtypes):
             width = d.shape[-1]
             dws.append(jax.lax.slice_in_dim(dw, start, start + width, axis=0).astype(dtype))
             start += width
-    # Under Explicit axes each cotangent must carry its primal's sharding type.
-    dx, *dws = api._as_primal_types((dx, *dws), (x3, *ws))
+    (dx,) = api._as_primal_types((dx,), (x3,))
+    if w_specs is not None:
+        dws = [partitioning.reshard_to(dw, spec) for dw, spec in zip(dws, w_specs)]
     return dx, tuple(dws)
 
 
@@ -168,5 +179,6 @@ def fused_projections(x, ws: Sequence[Any], *, deterministic: bool = True) -> tu
     x3 = jnp.reshape(x, (1, math.prod(lead), d_in))
     x3, *ws = api._to_common_varying(x3, *ws)
     w_dtypes = tuple(jnp.dtype(w.dtype).name for w in ws)
-    ys = _fused(x3, tuple(ws), deterministic, w_dtypes)
+    w_specs = api._explicit_specs(*ws)  # static: the cotangents' sharding types
+    ys = _fused(x3, tuple(ws), deterministic, w_dtypes, None if w_specs is None else tuple(w_specs))
     return tuple(remat.name_output(jnp.reshape(y, lead + (y.shape[-1],))) for y in ys)
