@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import jax
+
 from jax_cake.tools import multi_gpu_check as mgc
 
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -41,7 +43,7 @@ def test_every_mode_and_sharding_passes_on_fake_cpu_devices(tmp_path):
                 assert f"PASS {case}/no_activation_all_gather" in out.stdout, case
                 assert f"| {model} | {mode} | {sharding} | default |" in out.stdout, case
     text = md.read_text()
-    assert "host wall time" in text and "jax 0.11" in text and "8 x cpu" in text and "--d_model=64" in text
+    assert "host wall time" in text and f"jax {jax.__version__}" in text and "8 x cpu" in text and "--d_model=64" in text
     assert "| model | mode | sharding | overlap | jax_cake ms | XLA ms |" in text
     # the reductions each sharding needs, in jax_cake's compiled steps
     rows = {
