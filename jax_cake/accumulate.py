@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jax_cake import api, partitioning, primitives, reference, remat
+from jax_cake import api, batching, partitioning, primitives, reference, remat
 from jax_cake.contract import WGRAD_ACCUMULATE_TARGET
 from jax_cake.planner import Plan
 from jax_cake.planner import device as device_lib
@@ -100,10 +100,7 @@ def _fold(size: int, batched, dy, x, acc):
     plan_accumulate for the folded shape."""
     dy, x, acc = (v if v_b else jnp.broadcast_to(v, (size,) + v.shape) for v, v_b in zip((dy, x, acc), batched))
 
-    def merge(v):
-        return v.reshape((v.shape[0] * v.shape[1],) + v.shape[2:])
-
-    dy2, x2, acc2 = merge(dy), merge(x), merge(acc)
+    dy2, x2, acc2 = batching.merge_lead(dy), batching.merge_lead(x), batching.merge_lead(acc)
     plan = plan_accumulate(**_sizes(dy2, x2), device=device_lib.current(dy2, x2))
     out = _call(dy2, x2, acc2, plan)
     return out.reshape((size, acc.shape[1]) + out.shape[1:])

@@ -51,7 +51,8 @@ def _run(local, a, b):
     return primitives.call(local.for_shapes(a.shape, b.shape, device_lib.current(a, b)), a, b)
 
 
-def _merge_lead(v):
+def merge_lead(v):
+    """[V, B, ...] -> [V * B, ...]: a vmapped axis folded into the leading batch axis."""
     return v.reshape((v.shape[0] * v.shape[1],) + v.shape[2:])
 
 
@@ -67,7 +68,7 @@ def fold(local, size: int, batched: tuple[bool, bool], a, b):
             return jnp.moveaxis(y.reshape(lead, size, t, y.shape[-1]), 1, 0)
         a = a if a_batched else jnp.broadcast_to(a, (size,) + a.shape)
         b = b if b_batched else jnp.broadcast_to(b, (size,) + b.shape)
-        y = _run(local, _merge_lead(a), _merge_lead(b))
+        y = _run(local, merge_lead(a), merge_lead(b))
         return y.reshape((size, a.shape[1]) + y.shape[1:])
     if op in ("router_fwd", "router_dgrad") and a_batched and not b_batched:
         t = a.shape[1]

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jax_cake import api, partitioning, primitives, reference, remat
+from jax_cake import api, batching, partitioning, primitives, reference, remat
 from jax_cake.contract import FWD_RESIDUAL_TARGET
 from jax_cake.planner import Plan
 from jax_cake.planner import device as device_lib
@@ -119,10 +119,7 @@ def _fold(size: int, batched, x, w, r):
     x = x if x_b else jnp.broadcast_to(x, (size,) + x.shape)
     r = r if r_b else jnp.broadcast_to(r, (size,) + r.shape)
 
-    def merge(v):
-        return v.reshape((v.shape[0] * v.shape[1],) + v.shape[2:])
-
-    x2, w2, r2 = merge(x), merge(w), merge(r)
+    x2, w2, r2 = batching.merge_lead(x), batching.merge_lead(w), batching.merge_lead(r)
     y = _call(x2, w2, r2, plan_residual(**_sizes(x2, w2), device=device_lib.current(x2, w2)))
     return y.reshape((size, x.shape[1]) + y.shape[1:])
 
