@@ -7,12 +7,11 @@ print(jc.explain(jc.plan("wgrad", tokens=16384, d_in=4096, d_out=48)))
 """
 
 from jax_cake import remat
-from jax_cake.api import batched_projection, dense_projection, router_logits
+from jax_cake.api import batched_projection, dense_projection, fused_projections, router_logits
 from jax_cake.flax_adapter import dot_general, promote_dtype
-from jax_cake.fused import fused_projections
 from jax_cake.planner import Plan, explain, plan
 
-__version__ = "0.1.0"
+from jax_cake.version import __version__
 
 __all__ = [
     "Plan",

@@ -39,17 +39,14 @@ x^T dy, in w_kn's layout, is the wgrad GEMM with its operands swapped
 
 from __future__ import annotations
 
-import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_cake import api, primitives, remat
-from jax_cake.api import _to_common_varying, dense_projection
-from jax_cake.planner import device as device_lib
-from jax_cake.planner import plan as make_plan
+from jax_cake import remat
+from jax_cake.api import dense_projection
+from jax_cake.pipeline import projection, validation
 
 _BF16 = jnp.dtype(jnp.bfloat16)
 _F32 = jnp.dtype(jnp.float32)
@@ -57,56 +54,11 @@ _F32 = jnp.dtype(jnp.float32)
 __all__ = ["dot_general", "promote_dtype"]
 
 
-# --- planning and shard_map support ----------------------------------------------------
-# (inside shard_map the operands go through jax_cake.api's _to_common_varying)
-
-
-# --- the Flax layout: x[T, K] . w_kn[K, N] on the existing GEMMs ------------------------
-
-
-def _kn_plans(x3, w3, deterministic: bool, w_dtype: str):
-    """Plans for the swapped roles: the projection whose weight is w_kn viewed as
-    [d_out' = K, d_in' = N]. Forward = its dgrad, dx = its fwd, dw_kn = its wgrad."""
-    _, t, k = x3.shape
-    n = w3.shape[2]
-    sizes = dict(tokens=t, d_in=n, d_out=k, batch=1, device=device_lib.current(x3, w3))
-    return (
-        make_plan("dgrad", **sizes),  # y = x . w_kn
-        make_plan("fwd", **sizes),  # dx = dy . w_kn^T
-        make_plan("wgrad", **sizes, out_dtype=w_dtype, deterministic=deterministic),  # dw_kn = x^T dy
-    )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _kn_projection(x3, w3, deterministic: bool, w_dtype: str):
-    y_plan, _, _ = _kn_plans(x3, w3, deterministic, w_dtype)
-    return primitives.dgrad(x3, w3.astype(jnp.bfloat16), y_plan)
-
-
-def _kn_projection_fwd(x3, w3, deterministic, w_dtype):
-    w_bf16 = w3.astype(jnp.bfloat16)
-    y_plan, _, _ = _kn_plans(x3, w3, deterministic, w_dtype)
-    return primitives.dgrad(x3, w_bf16, y_plan), (x3, w_bf16)
-
-
-def _kn_projection_bwd(deterministic, w_dtype, residuals, dy):
-    x3, w_bf16 = residuals
-    _, dx_plan, dw_plan = _kn_plans(x3, w_bf16, deterministic, w_dtype)
-    dy = dy.astype(jnp.bfloat16)
-    x_spec, w_spec = api._explicit_specs(x3, w_bf16) or (None, None)
-    dx = primitives.fwd(dy, w_bf16, dx_plan, out_sharding=x_spec)  # [1, T, K]
-    dw = primitives.wgrad(x3, dy, dw_plan, deterministic=deterministic, out_sharding=w_spec)  # [1, K, N], w's dtype
-    return api._as_primal_types((dx, dw), (x3, w_bf16))
-
-
-_kn_projection.defvjp(_kn_projection_fwd, _kn_projection_bwd)
-
-
 def _kn_dense(x2, w_kn, deterministic: bool):
-    """x2 [T, K] bf16 . w_kn [K, N] (bf16 or float32 master) -> [T, N] bf16."""
-    x3 = x2[None]
-    x3, w_kn = _to_common_varying(x3, w_kn)
-    y3 = _kn_projection(x3, w_kn[None], deterministic, jnp.dtype(w_kn.dtype).name)
+    """x2 [T, K] bf16 . w_kn [K, N] (bf16 or float32 master) -> [T, N] bf16: the
+    projection pipeline in Flax's layout (its GEMM roles swapped, no transpose)."""
+    x3 = jnp.reshape(x2, (1,) + x2.shape)
+    y3 = projection.project(x3, jnp.reshape(w_kn, (1,) + w_kn.shape), deterministic=deterministic, layout="kn")
     return remat.name_output(y3[0])
 
 
@@ -179,7 +131,7 @@ def dot_general(
     reproducible weight gradients; False lets the planner pick a split-K program whose
     sum order can vary, where measured faster). Use `functools.partial` to set it.
     """
-    deterministic = api._check_deterministic("dot_general", deterministic)
+    deterministic = validation.check_deterministic("dot_general", deterministic)
     arrays = hasattr(lhs, "dtype") and hasattr(rhs, "dtype") and hasattr(lhs, "shape") and hasattr(rhs, "shape")
     bf16_result = preferred_element_type is None or jnp.dtype(preferred_element_type) == _BF16
     if not (arrays and jnp.dtype(lhs.dtype) == _BF16 and jnp.dtype(rhs.dtype) in (_BF16, _F32) and bf16_result):

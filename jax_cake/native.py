@@ -65,7 +65,7 @@ def _build_inputs_digest() -> str:
 def cache_key() -> str:
     """What a cached build depends on: "<jax_cake version>-<GPU arch>-jaxlib<FFI headers
     version>-<digest of the build inputs>"."""
-    from jax_cake import __version__
+    from jax_cake.version import __version__
 
     return f"{__version__}-{contract.KERNEL_ARCHS[0]}-jaxlib{contract.FFI_HEADERS_JAXLIB}-{_build_inputs_digest()}"
 

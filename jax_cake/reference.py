@@ -38,6 +38,13 @@ def wgrad(dy, x, out_dtype):
     return _bmm(dy, x, 1, 1).astype(out_dtype)
 
 
+def add_into(c, y):
+    """c + y rounded once to c's dtype: the "add" epilogue's value. For the residual of
+    the forward (bf16 c and y) bf16(r + y), for the running sum of the weight gradient
+    (FP32 c) c + y in FP32."""
+    return (c.astype(_F32) + y.astype(_F32)).astype(c.dtype)
+
+
 def split_bf16x3(a):
     """FP32 a -> (hi, lo) in BF16 with hi + lo carrying about 16 mantissa bits of a.
 

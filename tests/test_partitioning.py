@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cake as jc
-from jax_cake import partitioning
+from jax_cake.primitives import partitioning
 from helpers import rand
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -220,11 +220,11 @@ def test_out_sharding_is_validated_and_named():
 
 
 def test_partition_callback_plans_the_per_shard_shapes(monkeypatch):
-    from jax_cake import primitives
+    from jax_cake.primitives import call
 
     seen = []
-    real = primitives.make_plan
-    monkeypatch.setattr(primitives, "make_plan", lambda op, **kw: seen.append((op, kw["tokens"])) or real(op, **kw))
+    real = call.make_plan
+    monkeypatch.setattr(call, "make_plan", lambda op, **kw: seen.append((op, kw["tokens"])) or real(op, **kw))
     mesh = _mesh((8,), ("d",), False)
     x, w = rand(12, (8 * 40, K), BF16), rand(13, (24, K), F32)
     ct = rand(14, (8 * 40, 24), F32)

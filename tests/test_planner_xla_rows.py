@@ -168,7 +168,8 @@ def test_values_and_grads_equal_the_kernel_less_reference(monkeypatch, w_dtype, 
     """Planned for an H200 (the trace's device lookup faked) but run on the CPU: the
     table's xla rows make every GEMM an XLA plan, and the values and gradients equal the
     kernel-less run and reference.py's FP32-accumulating dots bit for bit."""
-    from jax_cake import api, reference
+    from jax_cake import reference
+    from jax_cake.pipeline import projection
     from jax_cake.planner import device as device_lib
 
     t, d_in, d_out = 96, 64, 48
@@ -181,8 +182,8 @@ def test_values_and_grads_equal_the_kernel_less_reference(monkeypatch, w_dtype, 
     h200 = device_lib.DeviceInfo("cuda", "NVIDIA H200", "sm_90a", 132)
     monkeypatch.setattr(device_lib, "current", lambda *args: h200)
     seen = []
-    make_plan = api.make_plan
-    monkeypatch.setattr(api, "make_plan", lambda *a, **k: seen.append(make_plan(*a, **k)) or seen[-1])
+    make_plan = projection.make_plan
+    monkeypatch.setattr(projection, "make_plan", lambda *a, **k: seen.append(make_plan(*a, **k)) or seen[-1])
     with tables.use_table(table_of(*rows)):
         got = _loss_and_grads(deterministic)(x, w)
     assert {p.op for p in seen} == {"fwd", "dgrad", "wgrad"}

@@ -13,7 +13,8 @@ import pytest
 from helpers import assert_raises_naming, faked_device, rand
 
 import jax_cake as jc
-from jax_cake import primitives, residual
+from jax_cake import primitives
+from jax_cake.primitives import call as gemm_calls, partitioning
 from jax_cake.planner import variants
 from jax_cake.planner import residual as residual_planner
 from jax_cake.planner.residual import plan_residual
@@ -210,7 +211,7 @@ def test_residual_is_a_keyword_of_both_ops():
     for fn in (jc.dense_projection, jc.batched_projection):
         param = inspect.signature(fn).parameters["residual"]
         assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is None
-    assert residual.fwd_residual.__doc__
+    assert "add_to" in primitives.fwd.__doc__
 
 
 # --- plans ----------------------------------------------------------------------------------
@@ -342,11 +343,11 @@ def test_under_a_mesh_of_several_devices_the_fused_call_falls_back_to_fwd_and_an
     assert plan.op == "fwd_residual"
     x, w, r = rand(21, (1, 64, 128), BF16), rand(22, (1, 64, 128), BF16), rand(23, (1, 64, 64), BF16)
     seen = []
-    real = primitives.fwd
-    monkeypatch.setattr(primitives, "fwd", lambda x, w, p, **kw: seen.append(p) or real(x, w, p, **kw))
+    real = gemm_calls.call_sharded
+    monkeypatch.setattr(gemm_calls, "call_sharded", lambda local, *a, **kw: seen.append(local.plan) or real(local, *a, **kw))
     with jax.set_mesh(jax.make_mesh((jax.device_count(),), ("d",))):
-        assert not residual._fused_call_applies(x, w, r)
-        y = residual.fwd_residual(x, w, r, plan)
+        assert not partitioning.unpartitioned(x, w, r)
+        y = primitives.fwd(x, w, plan, add_to=r)
     assert [p.op for p in seen] == ["fwd"]
     np.testing.assert_array_equal(_f(y), _f(_unfused(x[0], w[0], r[0]))[None])
 
@@ -358,15 +359,15 @@ def test_sharded_inputs_under_jit_without_a_mesh_set_fall_back_to_fwd_and_an_add
         plan = plan_residual(tokens=64, d_in=128, d_out=64)
     assert plan.op == "fwd_residual"
     assert jax.device_count() > 1 and jax.sharding.get_abstract_mesh().empty
-    assert not residual._fused_call_applies()
+    assert not partitioning.unpartitioned()
     mesh = jax.make_mesh((jax.device_count(),), ("d",))
     x, w, r = rand(28, (1, 64, 128), BF16), rand(29, (1, 64, 128), BF16), rand(30, (1, 64, 64), BF16)
     tokens = jax.NamedSharding(mesh, jax.P(None, "d", None))
     xs, rs = jax.device_put(x, tokens), jax.device_put(r, tokens)
     seen = []
-    real = primitives.fwd
-    monkeypatch.setattr(primitives, "fwd", lambda x, w, p, **kw: seen.append(p) or real(x, w, p, **kw))
-    y = jax.jit(lambda x, w, r: residual.fwd_residual(x, w, r, plan))(xs, w, rs)
+    real = gemm_calls.call_sharded
+    monkeypatch.setattr(gemm_calls, "call_sharded", lambda local, *a, **kw: seen.append(local.plan) or real(local, *a, **kw))
+    y = jax.jit(lambda x, w, r: primitives.fwd(x, w, plan, add_to=r))(xs, w, rs)
     assert [p.op for p in seen] == ["fwd"]
     np.testing.assert_array_equal(_f(y), _f(_unfused(x[0], w[0], r[0]))[None])
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jax_cake
-from jax_cake import accumulate, primitives
+from jax_cake import primitives
 from jax_cake.planner.accumulate import plan_accumulate
 
 import gpu_helpers as h
@@ -61,7 +61,7 @@ def _reference(acc, dy, x):
 
 def _accumulate_fn(plan):
     # Donates the sum: the custom call writes it in place.
-    return jax.jit(lambda dy, x, acc: accumulate.wgrad_accumulate(dy, x, acc, plan), donate_argnums=2)
+    return jax.jit(lambda dy, x, acc: primitives.wgrad(dy, x, plan, add_to=acc), donate_argnums=2)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_T{}_{}to{}".format(*c))

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import jax_cake
-from jax_cake import contract, primitives, residual
+from jax_cake import contract, primitives, reference
 from jax_cake.planner.residual import plan_residual
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_library")]
@@ -107,7 +107,7 @@ def test_fused_call_is_r_plus_the_plain_forward_bit_for_bit(case):
     x, w, r = _case_inputs(case)
     fused = _fused_call(case)(x, w, jnp.copy(r))
     plain = h.call(contract.FWD_TARGET, x, w, tile=case.tile, raster=case.raster, cluster=case.cluster)
-    separate = jax.jit(residual.add_residual)(r, plain)
+    separate = jax.jit(reference.add_into)(r, plain)
     if not h.same_bits(fused, separate):
         diff = np.abs(np.asarray(fused, np.float32) - np.asarray(separate, np.float32))
         raise AssertionError(f"{case.id}: {int(np.sum(diff > 0))} elements differ from r + fwd (max {diff.max()})")
@@ -133,8 +133,8 @@ def _project(b):
 
 def _plain(b):
     if b == 1:
-        return lambda x, w, r: residual.add_residual(r, jax_cake.dense_projection(x[0], w[0])[None])
-    return lambda x, w, r: residual.add_residual(r, jax_cake.batched_projection(x, w))
+        return lambda x, w, r: reference.add_into(r, jax_cake.dense_projection(x[0], w[0])[None])
+    return lambda x, w, r: reference.add_into(r, jax_cake.batched_projection(x, w))
 
 
 def _plan(b, t, d_in, d_out):
@@ -223,4 +223,4 @@ def test_the_planned_variants_are_in_the_library():
         p = _plan(*case)
         v = variants.find_variant("fwd", p.tile, p.cluster, "bfloat16", "add")
         assert v is not None and v.name in names, (case, p.tile)
-    assert primitives.fwd_residual.__doc__
+    assert "add_to" in primitives.fwd.__doc__

@@ -325,3 +325,79 @@ def _reshard(v, spec: P):
 def reshard_to(v, spec):
     """v resharded to `spec` (its type's mesh, Explicit axes); v itself if it has it."""
     return _reshard(v, spec if isinstance(spec, P) else P(*spec))
+
+
+# --- the operands' types: shard_map's varying axes, Explicit shardings ------------------
+
+
+def varying_axes(a) -> frozenset:
+    """The manual mesh axes `a` varies over (inside shard_map), else empty."""
+    mat = getattr(jax.typeof(a), "mat", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def to_common_varying(*arrays):
+    """Makes every operand varying over the union of their varying manual axes.
+
+    Inside shard_map a replicated weight next to token-sharded activations would
+    otherwise give the custom_vjp backward a cotangent whose manual axes do not match
+    the input. pcast's transpose sums the gradient over the added axes, which
+    is exactly the data-parallel weight-gradient reduction.
+    """
+    union = frozenset().union(*(varying_axes(a) for a in arrays))
+    if not union:
+        return arrays
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(union - varying_axes(a)))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return tuple(out)
+
+
+def explicit_specs(*arrays):
+    """The operands' PartitionSpecs where their types carry Explicit shardings, else None."""
+    if explicit_mesh(*arrays) is None:
+        return None
+    return tuple(jax.typeof(a).sharding.spec for a in arrays)
+
+
+def as_primal_types(cotangents, primals):
+    """Under Explicit axes a custom_vjp backward returns each cotangent with its primal's
+    sharding type; elsewhere the cotangents are returned as they are."""
+    specs = explicit_specs(*primals)
+    if specs is None:
+        return tuple(cotangents)
+    return tuple(reshard_to(c, spec) for c, spec in zip(cotangents, specs))
+
+
+def apply_out_sharding(y, checked):
+    """y with the sharding asked for (`checked`: (PartitionSpec, the caller's sharding) or
+    None): a reshard under Explicit axes, a constraint otherwise."""
+    if checked is None:
+        return y
+    spec, out_sharding = checked
+    if explicit_mesh(y) is not None:
+        return reshard_to(y, spec)
+    return jax.lax.with_sharding_constraint(y, out_sharding)
+
+
+def manual(*arrays) -> bool:
+    """Inside shard_map over every mesh axis: the operands are already per-shard."""
+    for a in arrays:
+        mesh = jax.typeof(a).sharding.mesh
+        if not mesh.empty and all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
+            return True
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+
+
+def one_device() -> bool:
+    """Nothing to partition: one device in the process, or a one-device mesh in scope."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.device_count() == 1 or (not mesh.empty and mesh.size == 1)
+
+
+def unpartitioned(*arrays) -> bool:
+    """Whether a custom call may run on the operands as they are (no partitioning rule
+    needed): nothing to partition, or inside shard_map over every mesh axis."""
+    return manual(*arrays) or one_device()

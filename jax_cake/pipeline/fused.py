@@ -1,8 +1,6 @@
 """Projections of one input by several weights (QKV, gate/up, MLA, skinny heads): one
 launch per GEMM instead of one per weight.
 
-    q, k, v = jax_cake.fused_projections(h, (wq, wk, wv))   # y_i = h @ w_i.T
-
 With D = sum_i d_out_i and W = the weights' bf16 casts stacked along d_out ([D, d_in]):
 
 - forward: ONE fwd GEMM y = x @ W.T ([T, D]); each y_i is a column slice of y. The cast
@@ -19,29 +17,23 @@ With D = sum_i d_out_i and W = the weights' bf16 casts stacked along d_out ([D, 
   straight into dw_i's buffer in w_i's dtype: one wgrad over D would write a [D, d_in]
   buffer that the split then copies (2 x 470 MB at gate/up 4096 -> 2 x 14336, FP32).
 
-The three plans are made from the summed shape (tokens T, d_in, d_out = D). Everything
-else is as in `jax_cake.dense_projection`: trace-time validation naming the argument,
-the deterministic flag (it applies to the wgrad), the XLA reference off CUDA, each
-output named for the remat policies (jax_cake.remat), and shard_map (operands made
-varying over the same manual axes).
+The three plans are made from the summed shape (tokens T, d_in, d_out = D), as the
+projection pipeline's (jax_cake.pipeline.projection.plans).
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_cake import api, partitioning
 from jax_cake import primitives
-from jax_cake import remat
+from jax_cake.pipeline import projection
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import plan as make_plan
+from jax_cake.primitives import partitioning
 
 _BF16 = jnp.bfloat16
 # From this d_out up a wgrad is compute bound (docs/planner.md): one wgrad per weight.
@@ -66,7 +58,7 @@ def _split_columns(y, widths: tuple[int, ...]):
 
 
 def _fused_plans(x3, w_cat, deterministic: bool, w_dtypes: tuple[str, ...]):
-    return api._plans(x3, w_cat[None], deterministic, _wgrad_dtype(w_dtypes))
+    return projection.plans(x3, w_cat[None], projection.Options(deterministic, _wgrad_dtype(w_dtypes)))
 
 
 def _wgrad_plan(x3, w_cat, d_out: int, deterministic: bool, out_dtype: str):
@@ -98,13 +90,13 @@ def _fused_fwd(x3, ws, deterministic, w_dtypes, w_specs):
     return _split_columns(y, tuple(w.shape[0] for w in ws)), (x3, w_cat)
 
 
-def _fused_bwd(deterministic, w_dtypes, w_specs, residuals, dys):
+def _fused_bwd(deterministic, w_dtypes, w_specs, saved, dys):
     """w_specs: the weights' PartitionSpecs under Explicit axes (static), else None: each
     cotangent must carry its primal's sharding type there."""
-    x3, w_cat = residuals
+    x3, w_cat = saved
     _, dgrad_plan, wgrad_plan = _fused_plans(x3, w_cat, deterministic, w_dtypes)
     dy = jnp.concatenate([d.astype(_BF16) for d in dys], axis=-1)
-    (x_spec,) = api._explicit_specs(x3) or (None,)
+    (x_spec,) = partitioning.explicit_specs(x3) or (None,)
     dx = primitives.dgrad(dy, w_cat[None], dgrad_plan, out_sharding=x_spec)
     if min(d.shape[-1] for d in dys) >= WIDE_D_OUT:
         dws = [
@@ -124,7 +116,7 @@ def _fused_bwd(deterministic, w_dtypes, w_specs, residuals, dys):
             width = d.shape[-1]
             dws.append(jax.lax.slice_in_dim(dw, start, start + width, axis=0).astype(dtype))
             start += width
-    (dx,) = api._as_primal_types((dx,), (x3,))
+    (dx,) = partitioning.as_primal_types((dx,), (x3,))
     if w_specs is not None:
         dws = [partitioning.reshard_to(dw, spec) for dw, spec in zip(dws, w_specs)]
     return dx, tuple(dws)
@@ -133,52 +125,11 @@ def _fused_bwd(deterministic, w_dtypes, w_specs, residuals, dys):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def fused_projections(x, ws: Sequence[Any], *, deterministic: bool = True) -> tuple:
-    """(x @ w.T for w in ws) with one GEMM launch each for the forward, dx and dw.
-
-    Args:
-      x: [..., d_in] bfloat16 activations shared by every projection (any number of
-        leading token dimensions).
-      ws: a non-empty list or tuple of weights, ws[i] [d_out_i, d_in] bfloat16 or
-        float32 (a float32 weight is a master weight, as in dense_projection: rounded to
-        bfloat16 for the products, its gradient float32 from the FP32 accumulator).
-        Dtypes may be mixed.
-      deterministic: keyword-only, as in dense_projection (applies to the one wgrad).
-
-    Returns:
-      A tuple (y_0, y_1, ...) with y_i [..., d_out_i] bfloat16. Gradients: dx bfloat16
-      [..., d_in] (one FP32 sum over all sum_i d_out_i, rounded once), dw_i in ws[i]'s
-      dtype [d_out_i, d_in].
-
-    Raises (at trace time): TypeError / ValueError naming the bad argument (x, ws or
-    ws[i], deterministic).
-    """
-    fn = "fused_projections"
-    deterministic = api._check_deterministic(fn, deterministic)
-    api._check_array(fn, "x", x)
-    api._check_dtype(fn, "x", x, (jnp.bfloat16,), " (cast activations with x.astype(jnp.bfloat16))")
-    if x.ndim < 1:
-        raise ValueError(f"{fn}: x must have rank >= 1 ([..., d_in]), got a scalar")
-    if not isinstance(ws, (list, tuple)):
-        got = "an array (wrap one weight as (w,))" if hasattr(ws, "shape") else type(ws).__name__
-        raise TypeError(f"{fn}: ws must be a list or tuple of [d_out, d_in] weights, got {got}")
-    if not ws:
-        raise ValueError(f"{fn}: ws must hold at least one weight, got an empty {type(ws).__name__}")
-    d_in = x.shape[-1]
-    for i, w in enumerate(ws):
-        name = f"ws[{i}]"
-        api._check_array(fn, name, w)
-        api._check_dtype(fn, name, w, (jnp.bfloat16, jnp.float32), "")
-        api._check_rank(fn, name, w, 2, "[d_out, d_in]")
-        if w.shape[1] != d_in:
-            raise ValueError(
-                f"{fn}: {name}.shape[1] (d_in={w.shape[1]}) must equal x's last dimension (d_in={d_in}); "
-                f"every weight is [d_out, d_in] over the same x"
-            )
-    lead = x.shape[:-1]
-    x3 = jnp.reshape(x, (1, math.prod(lead), d_in))
-    x3, *ws = api._to_common_varying(x3, *ws)
+def project_fused(x3, ws, *, deterministic: bool) -> tuple:
+    """(y3_i [1, T, d_out_i] bf16 for w_i in ws) of validated x3 [1, T, d_in] bf16 and
+    weights ws[i] [d_out_i, d_in] (made varying over the same manual axes inside
+    shard_map)."""
+    x3, *ws = partitioning.to_common_varying(x3, *ws)
     w_dtypes = tuple(jnp.dtype(w.dtype).name for w in ws)
-    w_specs = api._explicit_specs(*ws)  # static: the cotangents' sharding types
-    ys = _fused(x3, tuple(ws), deterministic, w_dtypes, None if w_specs is None else tuple(w_specs))
-    return tuple(remat.name_output(jnp.reshape(y, lead + (y.shape[-1],))) for y in ys)
+    w_specs = partitioning.explicit_specs(*ws)  # static: the cotangents' sharding types
+    return _fused(x3, tuple(ws), deterministic, w_dtypes, None if w_specs is None else tuple(w_specs))

@@ -1,0 +1,8 @@
+"""The pipelines under the public ops: validated operands -> plans -> one custom_vjp ->
+the GEMM primitives.
+
+  validation.py  the operand checks of every public entry point, with their messages
+  projection.py  the projection (dense, batched, Flax layout) and its epilogue options
+  fused.py       several weights over one input, one GEMM per pass
+  router.py      the FP32 router GEMM (BF16x3)
+"""

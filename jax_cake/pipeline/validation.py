@@ -1,0 +1,204 @@
+"""The checks of every public entry point's operands, with their messages, in one place.
+
+Each raises a TypeError or ValueError naming the entry point (`fn`) and the argument, at
+trace time, before anything runs. Used by jax_cake.api (the ops), the Flax and Equinox
+adapters and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_cake.primitives import partitioning
+
+_ACTIVATION_HINT = " (cast activations with x.astype(jnp.bfloat16))"
+
+
+def check_array(fn: str, name: str, a: Any) -> None:
+    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}")
+
+
+def check_dtype(fn: str, name: str, a: Any, allowed: tuple, hint: str) -> None:
+    if jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in allowed]:
+        names = " or ".join(jnp.dtype(d).name for d in allowed)
+        raise TypeError(f"{fn}: {name} must be {names}, got {jnp.dtype(a.dtype).name}{hint}")
+
+
+def check_rank(fn: str, name: str, a: Any, rank: int, layout: str) -> None:
+    if a.ndim != rank:
+        raise ValueError(f"{fn}: {name} must have rank {rank} ({layout}), got shape {tuple(a.shape)}")
+
+
+def check_deterministic(fn: str, deterministic: Any) -> bool:
+    """deterministic as a bool; it must be a Python (or NumPy) bool."""
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(
+            f"{fn}: deterministic must be a Python bool, got {type(deterministic).__name__} {deterministic!r}"
+        )
+    return bool(deterministic)
+
+
+def check_activations(fn: str, x) -> None:
+    """x [..., d_in] bfloat16, rank >= 1."""
+    check_array(fn, "x", x)
+    check_dtype(fn, "x", x, (jnp.bfloat16,), _ACTIVATION_HINT)
+    if x.ndim < 1:
+        raise ValueError(f"{fn}: x must have rank >= 1 ([..., d_in]), got a scalar")
+
+
+def _check_projection_dtypes(fn: str, x, w) -> None:
+    """x and w are arrays, x bfloat16, w bfloat16 or float32 (a master weight)."""
+    check_array(fn, "x", x)
+    check_array(fn, "w", w)
+    check_dtype(fn, "x", x, (jnp.bfloat16,), _ACTIVATION_HINT)
+    check_dtype(fn, "w", w, (jnp.bfloat16, jnp.float32), "")
+
+
+def check_dense_operands(fn: str, x, w, deterministic: Any) -> bool:
+    """deterministic, x [..., d_in] bf16 and w [d_out, d_in] bf16 or f32; returns
+    deterministic as a bool."""
+    deterministic = check_deterministic(fn, deterministic)
+    _check_projection_dtypes(fn, x, w)
+    if x.ndim < 1:
+        raise ValueError(f"{fn}: x must have rank >= 1 ([..., d_in]), got a scalar")
+    check_rank(fn, "w", w, 2, "[d_out, d_in]")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"{fn}: x's last dimension (d_in={x.shape[-1]}) must equal w.shape[1] (d_in={w.shape[1]}); w is [d_out, d_in]"
+        )
+    return deterministic
+
+
+def check_batched_operands(fn: str, x, w, deterministic: Any) -> bool:
+    """deterministic, x [B, T, d_in] bf16 and w [B, d_out, d_in] bf16 or f32; returns
+    deterministic as a bool."""
+    deterministic = check_deterministic(fn, deterministic)
+    _check_projection_dtypes(fn, x, w)
+    check_rank(fn, "x", x, 3, "[B, T, d_in]")
+    check_rank(fn, "w", w, 3, "[B, d_out, d_in]")
+    if x.shape[0] != w.shape[0]:
+        raise ValueError(
+            f"{fn}: x and w must have the same batch size B, got x.shape[0]={x.shape[0]} and w.shape[0]={w.shape[0]}"
+        )
+    if x.shape[2] != w.shape[2]:
+        raise ValueError(
+            f"{fn}: x.shape[2] (d_in={x.shape[2]}) must equal w.shape[2] (d_in={w.shape[2]}); w is [B, d_out, d_in]"
+        )
+    return deterministic
+
+
+def check_weights(fn: str, ws, d_in: int) -> None:
+    """ws: a non-empty list or tuple of [d_out_i, d_in] bf16 or f32 weights over one x."""
+    if not isinstance(ws, (list, tuple)):
+        got = "an array (wrap one weight as (w,))" if hasattr(ws, "shape") else type(ws).__name__
+        raise TypeError(f"{fn}: ws must be a list or tuple of [d_out, d_in] weights, got {got}")
+    if not ws:
+        raise ValueError(f"{fn}: ws must hold at least one weight, got an empty {type(ws).__name__}")
+    for i, w in enumerate(ws):
+        name = f"ws[{i}]"
+        check_array(fn, name, w)
+        check_dtype(fn, name, w, (jnp.bfloat16, jnp.float32), "")
+        check_rank(fn, name, w, 2, "[d_out, d_in]")
+        if w.shape[1] != d_in:
+            raise ValueError(
+                f"{fn}: {name}.shape[1] (d_in={w.shape[1]}) must equal x's last dimension (d_in={d_in}); "
+                f"every weight is [d_out, d_in] over the same x"
+            )
+
+
+def check_router_operands(fn: str, x, w, deterministic: Any) -> bool:
+    """deterministic, x [T, d] f32 and w [E, d] f32; returns deterministic as a bool."""
+    deterministic = check_deterministic(fn, deterministic)
+    check_array(fn, "x", x)
+    check_array(fn, "w", w)
+    hint = " (the router takes FP32 inputs; its BF16x3 split happens inside)"
+    check_dtype(fn, "x", x, (jnp.float32,), hint)
+    check_dtype(fn, "w", w, (jnp.float32,), hint)
+    check_rank(fn, "x", x, 2, "[T, d]")
+    check_rank(fn, "w", w, 2, "[E, d]")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"{fn}: x.shape[1] (d={x.shape[1]}) must equal w.shape[1] (d={w.shape[1]}); w is [E, d]")
+    return deterministic
+
+
+def check_accumulator(fn: str, acc, w) -> None:
+    """grad_accumulator: float32 of w's shape."""
+    check_array(fn, "grad_accumulator", acc)
+    if jnp.dtype(acc.dtype) != jnp.dtype(jnp.float32):
+        raise TypeError(
+            f"{fn}: grad_accumulator must be float32 (the FP32 running sum of w's gradient), got "
+            f"{jnp.dtype(acc.dtype).name}; start it with jnp.zeros(w.shape, jnp.float32)"
+        )
+    if tuple(acc.shape) != tuple(w.shape):
+        raise ValueError(
+            f"{fn}: grad_accumulator must have w's shape {tuple(w.shape)}, got shape {tuple(acc.shape)}"
+        )
+
+
+def check_accumulator_varying(fn: str, x, w, acc) -> None:
+    """Inside shard_map the running sum must vary over every manual axis x or w varies
+    over (a replicated sum would be counted once per shard)."""
+    union = partitioning.varying_axes(x) | partitioning.varying_axes(w) | partitioning.varying_axes(acc)
+    missing = sorted(union - partitioning.varying_axes(acc))
+    if missing:
+        raise ValueError(
+            f"{fn}: grad_accumulator must vary over the manual axes {missing} as x does (one partial sum per "
+            "shard: make it with jax.lax.pcast(..., to='varying') and psum it after the last micro-batch)"
+        )
+
+
+def check_residual(fn: str, r, y_shape) -> None:
+    """residual: bfloat16 of the output's shape."""
+    check_array(fn, "residual", r)
+    if jnp.dtype(r.dtype) != jnp.dtype(jnp.bfloat16):
+        raise TypeError(
+            f"{fn}: residual must be bfloat16 (it is added to the bf16 output in place), got "
+            f"{jnp.dtype(r.dtype).name}; cast it with residual.astype(jnp.bfloat16)"
+        )
+    if tuple(r.shape) != tuple(y_shape):
+        raise ValueError(
+            f"{fn}: residual must have the output's shape {tuple(y_shape)} ([..., d_out]), got shape {tuple(r.shape)}"
+        )
+
+
+def check_out_sharding(fn: str, out_sharding: Any, ndim: int):
+    """out_sharding as (PartitionSpec, NamedSharding or PartitionSpec) after validation,
+    or None."""
+    if out_sharding is None:
+        return None
+    if isinstance(out_sharding, NamedSharding):
+        spec, mesh = out_sharding.spec, out_sharding.mesh
+    elif isinstance(out_sharding, P):
+        spec, mesh = out_sharding, jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError(
+                f"{fn}: out_sharding={spec} is a PartitionSpec but no mesh is set; "
+                "call under `with jax.set_mesh(mesh):` or pass a NamedSharding"
+            )
+    else:
+        raise TypeError(
+            f"{fn}: out_sharding must be a jax.sharding.PartitionSpec, a NamedSharding or None, "
+            f"got {type(out_sharding).__name__} {out_sharding!r}"
+        )
+    if any(t == jax.sharding.AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types):
+        raise ValueError(f"{fn}: out_sharding cannot be used inside shard_map (outputs there are per-shard)")
+    if len(spec) > ndim:
+        raise ValueError(f"{fn}: out_sharding={spec} has {len(spec)} entries, more than the output's rank {ndim}")
+    seen: set = set()
+    for axes in partitioning.normalize(spec, ndim):
+        for axis in axes:
+            if axis not in mesh.axis_names:
+                raise ValueError(
+                    f"{fn}: out_sharding={spec} names mesh axis {axis!r}, which the mesh "
+                    f"{tuple(mesh.axis_names)} does not have"
+                )
+            if axis in seen:
+                raise ValueError(f"{fn}: out_sharding={spec} uses mesh axis {axis!r} twice")
+            seen.add(axis)
+    return spec, out_sharding

@@ -1,0 +1,206 @@
+"""The GEMM calls the pipeline makes: (GEMM role, plan, epilogue) -> one custom call,
+with its sharding rule (jax_cake.primitives.partitioning) and its vmap rule
+(jax_cake.primitives.batching) around it.
+
+Each public function takes the Plan made at trace time for its whole operands. Under jit
+on a mesh the GEMM is partitioned and each shard plans again for its own shape; under
+vmap the batch folds into the kernels' token or batch axis. out_sharding (a
+PartitionSpec, Explicit axes only) asks for the result's sharding: it turns a psum into
+a reduce-scatter where the rule allows; the caller reshards to it. deterministic
+(wgrad): what the caller asked for, for the per-shard plans (default: the plan's own).
+add_to (fwd, wgrad): the "add" epilogue, the result added into that operand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from jax_cake import reference
+from jax_cake.planner import Plan
+from jax_cake.planner import device as device_lib
+from jax_cake.planner import plan as make_plan
+from jax_cake.planner.accumulate import plan_accumulate
+from jax_cake.planner.residual import plan_residual
+from jax_cake.primitives import batching, gemm, partitioning
+
+# The plan of each GEMM role's "add" epilogue, for given sizes and device.
+_ADD_PLANNERS = {"fwd": plan_residual, "wgrad": plan_accumulate}
+
+
+def sizes(op: str, a_shape, b_shape) -> dict:
+    """The planner's sizes (tokens, d_in, d_out[, batch]) of GEMM `op` on operand shapes.
+
+    By position, not by role: fwd(a [B, M, K], b [B, N, K]), dgrad(a [B, M, N], b [B, N, K]),
+    wgrad(a [B, T, N], b [B, T, K]); the router ones the same without B.
+    """
+    lead = a_shape[:1] if not op.startswith("router_") else ()
+    a2, b2 = a_shape[len(lead) :], b_shape[len(lead) :]
+    if op.endswith("fwd"):
+        out = dict(tokens=a2[0], d_in=a2[1], d_out=b2[0])
+    else:  # dgrad and wgrad: a is [tokens, d_out], b's last axis is d_in
+        out = dict(tokens=a2[0], d_out=a2[1], d_in=b2[1])
+    if lead:
+        out["batch"] = lead[0]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """One GEMM (`op`, `epilogue`) with the plan made at trace time for the whole operands.
+
+    Called with a device, it plans again for the operands it is given (the per-shard or
+    vmap-folded shapes) on that device; `reduce_dtype` (a wgrad that a psum follows) makes
+    the result in that dtype (FP32) so partial sums are added before the one rounding.
+    Frozen and hashable: it is a static argument of custom_partitioning.
+    """
+
+    op: str
+    plan: Plan
+    deterministic: bool
+    epilogue: str = "store"
+
+    @property
+    def out_dtype(self):
+        return jnp.dtype(self.plan.out_dtype)
+
+    def replan(self, a_shape, b_shape, device, out_dtype=None) -> Plan:
+        kwargs = dict(sizes(self.op, a_shape, b_shape), device=device)
+        if self.epilogue == "add":
+            return _ADD_PLANNERS[self.op](**kwargs)
+        if self.op == "wgrad" or self.op.startswith("router_"):
+            kwargs["out_dtype"] = out_dtype if out_dtype is not None else self.out_dtype
+        if self.op.endswith("wgrad"):
+            kwargs["deterministic"] = self.deterministic
+        return make_plan(self.op, **kwargs)
+
+    def for_shapes(self, a_shape, b_shape, device) -> "Local":
+        return dataclasses.replace(self, plan=self.replan(a_shape, b_shape, device))
+
+    def __call__(self, a, b, device=None, reduce_dtype=None):
+        """The "store" GEMM on operands as they are (whole, or one shard)."""
+        plan = self.plan
+        if reduce_dtype is not None and self.op not in ("wgrad",):
+            reduce_dtype = None  # fwd/dgrad kernels write bf16; the router writes FP32
+        if device is not None or reduce_dtype is not None:
+            plan = self.replan(a.shape, b.shape, device or device_lib.current(a, b), reduce_dtype)
+        return gemm.STORE[self.op](a, b, plan)
+
+
+def call_sharded(local: Local, a, b, out_sharding=None):
+    """local(a, b) on whatever sharding a and b have (no vmap here: see `call`)."""
+    mesh = partitioning.explicit_mesh(a, b)
+    if mesh is not None:
+        device = device_lib.current(a, b)
+        return partitioning.explicit_call(local.op, local, a, b, mesh=mesh, device=device, out_request=out_sharding)
+    if partitioning.unpartitioned(a, b):
+        return local(a, b)
+    return partitioning.partitioned_call(local.op, local, a, b)
+
+
+def _add_unbatched(local: Local, a, b, c):
+    """The "add" epilogue on unbatched operands: the fused custom call where it has a plan
+    and nothing needs partitioning (it has no partitioning rule), else the partitioned
+    "store" GEMM and then the add, with the same values."""
+    fused_op, fused_call = gemm.ADD[local.op]
+    plan = local.plan
+    if plan.op == fused_op and partitioning.unpartitioned(a, b, c):
+        return fused_call(a, b, c, plan)
+    if plan.op == fused_op:  # the kernel plan of the fused add, but the operands need partitioning
+        out = {"out_dtype": "float32"} if local.op == "wgrad" else {}
+        plan = make_plan(local.op, **sizes(local.op, a.shape, b.shape), **out, device=device_lib.current(a, b))
+    store = Local(local.op, plan, plan.deterministic)
+    if local.op == "wgrad":
+        # The sum takes the running sum's sharding (the sum's type is its cotangent's):
+        # under Explicit axes dw is asked for in it.
+        specs = partitioning.explicit_specs(a, b, c)
+        if specs is None:
+            return reference.add_into(c, call_sharded(store, a, b))
+        dw = call_sharded(store, a, b, out_sharding=specs[2]).astype(jnp.float32)
+        return reference.add_into(c, partitioning.reshard_to(dw, specs[2]))
+    # fwd: the sum takes the product's sharding; the residual is resharded to it.
+    y = call_sharded(store, a, b)
+    if partitioning.explicit_mesh(c, y) is not None:
+        c = partitioning.reshard_to(c, jax.typeof(y).sharding.spec)
+    return reference.add_into(c, y)
+
+
+def call(local: Local, a, b, c=None, out_sharding=None):
+    """local's GEMM on a, b (and the add epilogue's c): sharded by
+    jax_cake.primitives.partitioning, vmapped by jax_cake.primitives.batching's fold."""
+
+    def run(a, b, c):  # the GEMM on folded operands, planned for their shapes (nested vmap too)
+        return call(local.for_shapes(a.shape, b.shape, device_lib.current(a, b)), a, b, c)
+
+    if c is None:
+
+        @custom_vmap
+        def gemm_call(a, b):
+            return call_sharded(local, a, b, out_sharding)
+
+        @gemm_call.def_vmap
+        def rule(axis_size, in_batched, a, b):
+            return batching.fold(local.op, axis_size, tuple(in_batched), run, a, b), True
+
+        return gemm_call(a, b)
+
+    @custom_vmap
+    def add_call(a, b, c):
+        return _add_unbatched(local, a, b, c)
+
+    @add_call.def_vmap
+    def add_rule(axis_size, in_batched, a, b, c):
+        return batching.fold(local.op, axis_size, tuple(in_batched), run, a, b, c), True
+
+    return add_call(a, b, c)
+
+
+def _public(op: str, a, b, plan: Plan, deterministic, out_sharding, add_to=None):
+    if deterministic is None:
+        deterministic = plan.deterministic
+    epilogue = "store" if add_to is None else "add"
+    return call(Local(op, plan, bool(deterministic), epilogue), a, b, add_to, out_sharding)
+
+
+# --- the primitives ------------------------------------------------------------------------
+
+
+def fwd(x, w, plan: Plan, *, out_sharding=None, add_to=None):
+    """y[B, T, d_out] bf16 = x[B, T, d_in] . w[B, d_out, d_in]^T (bf16 operands).
+
+    add_to: None, or a bf16 residual r[B, T, d_out]: y = bf16(r + bf16(x . w^T)), added by
+    the kernel in r's buffer for a plan of op "fwd_residual"
+    (jax_cake.planner.residual.plan_residual), else by the plain forward and an add."""
+    return _public("fwd", x, w, plan, True, out_sharding, add_to)
+
+
+def dgrad(dy, w, plan: Plan, *, out_sharding=None):
+    """dx[B, T, d_in] bf16 = dy[B, T, d_out] . w[B, d_out, d_in]."""
+    return _public("dgrad", dy, w, plan, True, out_sharding)
+
+
+def wgrad(dy, x, plan: Plan, *, deterministic: bool | None = None, out_sharding=None, add_to=None):
+    """dw[B, d_out, d_in] in plan.out_dtype = dy[B, T, d_out]^T . x[B, T, d_in].
+
+    add_to: None, or an FP32 running sum acc[B, d_out, d_in]: returns acc + dw in FP32,
+    added by the kernel in acc's buffer for a plan of op "wgrad_accumulate"
+    (jax_cake.planner.accumulate.plan_accumulate), else by a wgrad and an add."""
+    return _public("wgrad", dy, x, plan, deterministic, out_sharding, add_to)
+
+
+def router_fwd(x, w, plan: Plan, *, out_sharding=None):
+    """logits[T, E] f32 = x[T, d] . w[E, d]^T by BF16x3."""
+    return _public("router_fwd", x, w, plan, True, out_sharding)
+
+
+def router_dgrad(g, w, plan: Plan, *, out_sharding=None):
+    """dx[T, d] f32 = g[T, E] . w[E, d] by BF16x3."""
+    return _public("router_dgrad", g, w, plan, True, out_sharding)
+
+
+def router_wgrad(g, x, plan: Plan, *, deterministic: bool | None = None, out_sharding=None):
+    """dw[E, d] f32 = g[T, E]^T . x[T, d] by BF16x3."""
+    return _public("router_wgrad", g, x, plan, deterministic, out_sharding)
