@@ -23,14 +23,14 @@ def _bmm(a, b, contract_a: int, contract_b: int):
     return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((0,), (0,))), preferred_element_type=_F32)
 
 
-def fwd(x, w):
-    """y[B, T, d_out] (bf16) = x[B, T, d_in] . w[B, d_out, d_in]^T."""
-    return _bmm(x, w, 2, 2).astype(_BF16)
+def fwd(x, w, out_dtype=_BF16):
+    """y[B, T, d_out] (bf16, or out_dtype) = x[B, T, d_in] . w[B, d_out, d_in]^T."""
+    return _bmm(x, w, 2, 2).astype(out_dtype)
 
 
-def dgrad(dy, w):
-    """dx[B, T, d_in] (bf16) = dy[B, T, d_out] . w[B, d_out, d_in]."""
-    return _bmm(dy, w, 2, 1).astype(_BF16)
+def dgrad(dy, w, out_dtype=_BF16):
+    """dx[B, T, d_in] (bf16, or out_dtype) = dy[B, T, d_out] . w[B, d_out, d_in]."""
+    return _bmm(dy, w, 2, 1).astype(out_dtype)
 
 
 def wgrad(dy, x, out_dtype):

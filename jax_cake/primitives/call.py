@@ -14,6 +14,8 @@ add_to (fwd, wgrad): the "add" epilogue, the result added into that operand.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +31,19 @@ from jax_cake.primitives import batching, gemm, partitioning
 
 # The plan of each GEMM role's "add" epilogue, for given sizes and device.
 _ADD_PLANNERS = {"fwd": plan_residual, "wgrad": plan_accumulate}
+
+_log = logging.getLogger("jax_cake")
+
+
+@functools.cache
+def _log_fp32_partials_once(op: str, shape: str) -> None:
+    _log.info(
+        "jax_cake: %s %s is a partial sum over a sharded contraction; it runs XLA's dot with FP32 output "
+        "(the %s kernels write bf16) so the shards' partials are summed in FP32 and rounded once",
+        op,
+        shape,
+        op,
+    )
 
 
 def sizes(op: str, a_shape, b_shape) -> dict:
@@ -81,10 +96,15 @@ class Local:
         return dataclasses.replace(self, plan=self.replan(a_shape, b_shape, device))
 
     def __call__(self, a, b, device=None, reduce_dtype=None):
-        """The "store" GEMM on operands as they are (whole, or one shard)."""
+        """The "store" GEMM on operands as they are (whole, or one shard). reduce_dtype:
+        the result is one shard's partial sum, made in that dtype (FP32) so that the sum
+        over the shards is rounded once."""
         plan = self.plan
-        if reduce_dtype is not None and self.op not in ("wgrad",):
-            reduce_dtype = None  # fwd/dgrad kernels write bf16; the router writes FP32
+        if reduce_dtype is not None and self.op in ("fwd", "dgrad"):
+            _log_fp32_partials_once(self.op, f"{tuple(a.shape)} x {tuple(b.shape)}")
+            return getattr(reference, self.op)(a, b, reduce_dtype)
+        if reduce_dtype is not None and self.op != "wgrad":
+            reduce_dtype = None  # the router writes FP32 already
         if device is not None or reduce_dtype is not None:
             plan = self.replan(a.shape, b.shape, device or device_lib.current(a, b), reduce_dtype)
         return gemm.STORE[self.op](a, b, plan)
