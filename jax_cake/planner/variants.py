@@ -144,7 +144,9 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # Compiled for sm_90a here (2026-12-02, nvidia-cutlass-dsl 4.8.1; PTX kept with
     # CUTE_DSL_KEEP=ptx, then `ptxas -v -arch=sm_90a -O3` of CUDA 13.0 with the PTX
     # .version lowered to 9.0): 0 bytes stack frame, 0 spill stores / loads each,
-    # setmaxnreg 40 / 232. Shared memory: 128 x 192 has 5 A/B stages (40 KiB each) and 3
+    # setmaxnreg 40 / 232 (the 168-register launch limit of 384 threads before it). Headroom,
+    # same method with the consumers' setmaxnreg lowered: fwd and dgrad 128 x 192 c2x1 still
+    # compile without spills at 224, and spill ~2 KB at 216. Shared memory: 128 x 192 has 5 A/B stages (40 KiB each) and 3
     # epilogue buffers (8 KiB), 224 KiB + barriers; 128 x 160 has 5 stages (36 KiB) and 5
     # buffers, 220 KiB + barriers. dgrad has no 128 x 160 ping-pong: its N-major B tile
     # gets a 64-byte swizzle there (192 = 3 x 64 columns keeps 128 bytes).
