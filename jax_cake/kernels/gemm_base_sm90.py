@@ -32,6 +32,13 @@ from jax_cake.kernels.epilogue_sm90 import stage_sub_tile
 # reconfiguration.
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
+# Where a consumer thread's accumulator alone takes at least ACC_REGS_WIDE registers (a
+# ping-pong 128 x 208 tile: one warpgroup holds 128 x 208 fp32, 208 per thread), the
+# producer keeps PRODUCER_REGS_WIDE and the consumers get CONSUMER_REGS_WIDE
+# (128 * 24 + 256 * 240 <= 64K).
+ACC_REGS_WIDE = 208
+PRODUCER_REGS_WIDE = 24
+CONSUMER_REGS_WIDE = 240
 # Shared memory kept out of the ring and the epilogue buffers: mbarriers and the
 # 1024-byte alignment padding of the buffers.
 _SMEM_RESERVED = 2048
@@ -82,9 +89,14 @@ class GemmSm90Base:
     """
 
     # ------------------------------------------------------------ configuration
-    def _init_cta(self, num_mma_wg: int) -> None:
-        """The CTA: one producer warpgroup and num_mma_wg consumer warpgroups."""
+    def _init_cta(self, num_mma_wg: int, acc_regs: int = 0) -> None:
+        """The CTA: one producer warpgroup and num_mma_wg consumer warpgroups; acc_regs,
+        the fp32 accumulator registers one consumer thread holds, sizes the setmaxnreg
+        split (ACC_REGS_WIDE)."""
         self.num_mma_wg = num_mma_wg
+        wide = acc_regs >= ACC_REGS_WIDE
+        self.producer_regs = PRODUCER_REGS_WIDE if wide else PRODUCER_REGS
+        self.consumer_regs = CONSUMER_REGS_WIDE if wide else CONSUMER_REGS
         self.mma_threads = 128 * num_mma_wg
         self.threads = 128 + self.mma_threads
         # Epilogue sub-tile: all of the tile's rows x 32 columns per TMA store.
@@ -94,6 +106,11 @@ class GemmSm90Base:
     def _ring_stages(self, stage_bytes: int, epi_bytes: int) -> int:
         """Stages of the operand ring that fit next to epi_bytes of epilogue buffers."""
         return min(_MAX_STAGES, (self.smem_capacity - epi_bytes - _SMEM_RESERVED) // stage_bytes)
+
+    def _fill_buffers(self, stages: int, stage_bytes: int, buffer_bytes: int, most: int) -> int:
+        """Epilogue buffers of buffer_bytes (at most `most`) that fit in the shared memory
+        `stages` ring stages leave."""
+        return min(most, (self.smem_capacity - _SMEM_RESERVED - stages * stage_bytes) // buffer_bytes)
 
     # ---------------------------------------------------------------- host side
     def _smem_layouts(self, a_layout, a_dtype, b_layout, b_dtype, c_layout, c_dtype, stages: int, epi_buffers: int):
@@ -187,12 +204,12 @@ class GemmSm90Base:
     def _producer_regs(self) -> None:
         """Give registers back to the consumers (two consumer warpgroups only)."""
         if cutlass.const_expr(self.num_mma_wg == 2):
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
 
     def _consumer_regs(self) -> None:
         """Take the producer's registers (two consumer warpgroups only)."""
         if cutlass.const_expr(self.num_mma_wg == 2):
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
 
     @cute.jit
     def _store_tile(self, staging, c_pipe, warp_idx, store_warp, buf_base, c_dtype, first, second=None, use_first=None):

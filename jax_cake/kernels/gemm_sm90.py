@@ -60,13 +60,23 @@ cut tile never write C before their sum, so each keeps its share of K in one wgm
 pieces are at most OUTPUT_PROMOTE_EVERY K tiles (the planner plans no more, the FFI
 refuses more).
 
-Ping-pong (`schedule="pingpong"`, fwd/dgrad, 128 x 128 tiles): each consumer
+Ping-pong (`schedule="pingpong"`, fwd/dgrad, 128 x PINGPONG_TILE_N tiles): each consumer
 warpgroup owns a whole tile, and the two take the CTA's tiles in turns: warpgroup 0 runs
 the K loop of tile 0 while warpgroup 1 waits, then warpgroup 1 runs tile 1's K loop while
-warpgroup 0 stores tile 0, and so on (two named barriers pass the turn). With a short K
-loop (dgrad at d_out = 512 is 8 K tiles per tile) the epilogue of one tile then hides
-behind the MMAs of the next instead of stalling the tensor cores. In a (2, 1) cluster both
-CTAs walk the same items, so their warpgroups consume the multicast B stages in step.
+warpgroup 0 stores tile 0, and so on (two named barriers pass the turn as soon as a
+warpgroup has issued its tile's last wgmma). With a short K loop (dgrad at d_out = 512 is
+8 K tiles per tile) the epilogue of one tile then hides behind the MMAs of the next
+instead of stalling the tensor cores; with a long one the wider tiles reuse operands
+better and still hide the epilogue. In a (2, 1) cluster both CTAs walk the same items, so
+their warpgroups consume the multicast B stages in step. A warpgroup holds the whole
+128 x tile_n fp32 accumulator (tile_n registers per thread; the setmaxnreg split follows
+it, gemm_base_sm90.ACC_REGS_WIDE). At 128 x 128 each warpgroup has its own epilogue
+buffers. The wider tiles share one ring of buffers (what the A/B stages leave, e.g.
+5 stages and 3 buffers at 128 x 192), so the epilogues take turns too: a warpgroup
+waits for its epilogue turn (named barriers 5 / 6) before staging its first sub-tile,
+and its store warp passes the turn once its TMA stores have read the ring
+(cp.async.bulk.wait_group.read 0). The next epilogue is the other warpgroup's, at the end
+of its K loop, so the drain costs nothing while K loops are longer than epilogues.
 
 Streamed activations: in the skinny variants (fwd 128 x 64, wgrad 64-row tiles), when d_out
 fits one tile, every tile of x feeds exactly one CTA tile and x is nearly all the traffic;
@@ -110,6 +120,13 @@ _L2_EVICT_FIRST = 0x12F0000000000000
 # the second one promotes half an interval later (a first chain of 8 tiles), so the two
 # drains do not coincide.
 _PROMOTE_EVERY = 16
+# Ping-pong tile widths (tile_m 128). A warpgroup holds the whole 128 x tile_n fp32
+# accumulator (tile_n registers per thread), so 256 would spill; 192 keeps room for the
+# epilogue under the 232 registers a consumer gets.
+PINGPONG_TILE_N = (128, 160, 192)
+# Named barriers of the shared-ring ping-pong epilogue turn (1, 2: the warpgroups' epilogue
+# barriers; 3, 4: the K-loop turn).
+_EPI_TURN_BARRIER_ID = 5
 
 
 class GemmSm90(GemmSm90Base):
@@ -118,8 +135,8 @@ class GemmSm90(GemmSm90Base):
     def __init__(self, variant: GemmVariant):
         if variant.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {variant.tile_m}")
-        if variant.tile_n not in (64, 128, 160, 256):
-            raise ValueError(f"tile_n must be 64, 128, 160 or 256, got {variant.tile_n}")
+        if variant.tile_n not in (64, 128, 160, 192, 256):
+            raise ValueError(f"tile_n must be 64, 128, 160, 192 or 256, got {variant.tile_n}")
         if variant.tile_k != 64:
             raise ValueError(f"tile_k must be 64, got {variant.tile_k}")
         if variant.cluster not in ((1, 1), (2, 1)):
@@ -135,9 +152,17 @@ class GemmSm90(GemmSm90Base):
         if variant.schedule not in ("tiles", "split_tail", "pingpong"):
             raise ValueError(f"schedule must be 'tiles', 'split_tail' or 'pingpong', got {variant.schedule!r}")
         if variant.schedule == "pingpong" and (
-            variant.program == "wgrad" or variant.tile[:2] != (128, 128) or variant.cluster_n != 1
+            variant.program == "wgrad"
+            or variant.tile_m != 128
+            or variant.tile_n not in PINGPONG_TILE_N
+            or variant.cluster_n != 1
         ):
-            raise ValueError("schedule='pingpong' is for fwd/dgrad with 128 x 128 tiles and cluster (cm, 1)")
+            raise ValueError(
+                f"schedule='pingpong' is for fwd/dgrad with 128 x {PINGPONG_TILE_N} tiles and cluster (cm, 1)"
+            )
+        if variant.tile_n == 192 and variant.schedule != "pingpong":
+            # 64 x 192 per consumer warpgroup would work, but no such variant is measured.
+            raise ValueError("tile_n = 192 is for schedule='pingpong'")
         if variant.schedule == "split_tail" and (variant.cluster != (1, 1) or variant.store != "plain"):
             raise ValueError("schedule='split_tail' needs cluster (1, 1) and store='plain'")
         if variant.promote_in not in ("registers", "output"):
@@ -167,7 +192,10 @@ class GemmSm90(GemmSm90Base):
         self.c_dtype = _DTYPES[variant.out_dtype]
         # Consumer warpgroups; the threads that share one tile (its accumulator, stage
         # releases and epilogue): all consumers, or with ping-pong one warpgroup.
-        self._init_cta(2 if self.pingpong else variant.tile_m // 64)
+        # fp32 accumulator registers per consumer thread: a ping-pong warpgroup holds the
+        # whole tile, a cooperative one its 64 rows (twice with the register total).
+        acc_regs = variant.tile_m * variant.tile_n // 128 if self.pingpong else 64 * variant.tile_n // 128
+        self._init_cta(2 if self.pingpong else variant.tile_m // 64, acc_regs * (2 if self.promote else 1))
         self.tile_threads = 128 if self.pingpong else self.mma_threads
         # Epilogue buffers (32-column sub-tiles): a sub-tile waits only for the store that
         # last read its buffer. dgrad gets one per sub-tile (the whole tile): at small
@@ -183,10 +211,23 @@ class GemmSm90(GemmSm90Base):
             # Two fp32 buffers leave room for a fourth A/B stage at 128 x 256 (four
             # would leave three).
             self.epi_stage = 2
-        # Ping-pong: each warpgroup has its own epi_stage buffers.
-        self.epi_buffers = self.epi_stage * (2 if self.pingpong else 1)
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * (self.c_dtype.width // 8) * self.epi_buffers
-        self.ab_stage = self._ring_stages((variant.tile_m + variant.tile_n) * variant.tile_k * 2, epi_bytes)
+        # Ping-pong 128 x 128: each warpgroup has its own epi_stage buffers. Wider
+        # ping-pong tiles (`shared_epi`) share one ring of buffers between the two
+        # warpgroups, whose epilogues take turns (each drains its stores' reads of the
+        # ring before passing the turn, module docstring): the A/B ring gets every stage
+        # that leaves room for two buffers, the buffers fill what remains (up to one per
+        # sub-tile). A tile starts on a drained ring, so its sub-tile count need not be a
+        # multiple of epi_stage.
+        self.shared_epi = self.pingpong and variant.tile_n != 128
+        buffer_bytes = self.epi_tile[0] * self.epi_tile[1] * (self.c_dtype.width // 8)
+        stage_bytes = (variant.tile_m + variant.tile_n) * variant.tile_k * 2
+        if self.shared_epi:
+            self.ab_stage = self._ring_stages(stage_bytes, 2 * buffer_bytes)
+            self.epi_stage = self._fill_buffers(self.ab_stage, stage_bytes, buffer_bytes, sub_tiles)
+            self.epi_buffers = self.epi_stage
+        else:
+            self.epi_buffers = self.epi_stage * (2 if self.pingpong else 1)
+            self.ab_stage = self._ring_stages(stage_bytes, buffer_bytes * self.epi_buffers)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -428,6 +469,8 @@ class GemmSm90(GemmSm90Base):
                 mma_tidx = tidx - 128 * wg_idx
                 thr_mma = tiled_mma.get_slice(0)
                 store_warp, buf_base, epi_barrier_id = 4 * wg_idx, mma_wg * self.epi_stage, EPI_BARRIER_ID + mma_wg
+                if cutlass.const_expr(self.shared_epi):
+                    buf_base = 0
             tCsA = thr_mma.partition_A(sA)
             tCsB = thr_mma.partition_B(sB)
             tCrA = tiled_mma.make_fragment_A(tCsA)
@@ -465,12 +508,20 @@ class GemmSm90(GemmSm90Base):
                 item_begin, item_step = cluster_id + mma_wg * num_clusters, 2 * num_clusters
                 my_turn = pipeline.NamedBarrier(barrier_id=3 + mma_wg, num_threads=256)
                 their_turn = pipeline.NamedBarrier(barrier_id=4 - mma_wg, num_threads=256)
+                # Shared epilogue ring: the turn to stage into it passes the same way, from
+                # the store warp (once its stores have read the ring) to the other
+                # warpgroup (a 160-thread rendezvous: 32 arrive, 128 wait).
+                my_epi = pipeline.NamedBarrier(barrier_id=_EPI_TURN_BARRIER_ID + mma_wg, num_threads=160)
+                their_epi = pipeline.NamedBarrier(barrier_id=_EPI_TURN_BARRIER_ID + 1 - mma_wg, num_threads=160)
                 if mma_wg == 1:
                     # The first tile is warpgroup 0's: skip its stages, give it the turn.
                     read_state.advance(k_tiles)
                     release_state.advance(k_tiles)
                     if cluster_id < num_items:
                         their_turn.arrive()
+                        if cutlass.const_expr(self.shared_epi):
+                            if warp_idx == store_warp:
+                                their_epi.arrive()
             for item in cutlass.range(item_begin, num_items, item_step, unroll=1):
                 tile_id, piece, pieces = self._item(item, dp, rem, splits)
                 pid_mc, pid_n, l_idx, split = self._decode(tile_id, tiles_mc, tiles_n, num_l, raster)
@@ -616,9 +667,17 @@ class GemmSm90(GemmSm90Base):
                             chained,
                         )
                     else:
+                        if cutlass.const_expr(self.shared_epi):
+                            my_epi.arrive_and_wait()
                         self._store_tile(
                             staging, c_pipe, warp_idx, store_warp, buf_base, self.c_dtype, (tma_atom_c, *plain)
                         )
+                        if cutlass.const_expr(self.shared_epi):
+                            # The ring is the other warpgroup's once these stores have read it.
+                            if warp_idx == store_warp:
+                                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                                if item + num_clusters < num_items:
+                                    their_epi.arrive()
                 if cutlass.const_expr(self.pingpong):
                     # Step over the stages of the other warpgroup's next tile.
                     read_state.advance(k_tiles)

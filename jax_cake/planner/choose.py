@@ -45,7 +45,11 @@ def compiled_tiles(program: str, out_dtype: str | None = None) -> tuple[tuple[in
     if program.startswith("router_"):
         family, program = router_variants.VARIANTS, program[len("router_") :]
     else:
-        family = [v for v in variants.VARIANTS if v.cluster == (1, 1) and v.store == "plain"]
+        # Ping-pong-only tiles (128 x 192, 128 x 160 for fwd) have no cooperative variant:
+        # they are reached through the ping-pong rule or force(tile=, schedule="pingpong").
+        family = [
+            v for v in variants.VARIANTS if v.cluster == (1, 1) and v.store == "plain" and v.schedule != "pingpong"
+        ]
     return tuple(
         sorted(
             {
@@ -448,17 +452,27 @@ def plan(
     if op == "wgrad":
         return _wgrad_plan(base, dev, bool(deterministic), out_dtype, tokens, d_in, d_out)
     tile, tile_note = _pick_tile(op, batch, m, n, dev.sm_count, "bfloat16")
+    forced_tile = forced("tile")
+    if forced("schedule") == "tiles" and forced_tile is not None and tuple(forced_tile) in compiled_tiles(op):
+        # A forced tile pins fwd/dgrad only together with a forced schedule (alone it is
+        # the wgrad tile); the ping-pong tile follows in _pingpong_tile.
+        tile, tile_note = tuple(forced_tile), f"{forced_tile[0]}x{forced_tile[1]} tiles (forced)"
     # Walking tiles along N first keeps the activation rows in L2 while the weight tiles stream.
     raster = "n" if n >= _RASTER_N_MIN else "m"
     schedule = "tiles"
-    pingpong_note = _pingpong_rule(op, n, k)
+    pp_tile = _pingpong_tile(op)
+    pingpong_note = _pingpong_rule(op, n, k, pp_tile)
     one_pass = contract.REDUCTION_NONE
-    if pingpong_note and variants.supports(op, _PINGPONG_TILE, (1, 1), "bfloat16", 1, one_pass, schedule="pingpong"):
-        tile, schedule, tile_note = _PINGPONG_TILE, "pingpong", pingpong_note
+    if pingpong_note and pingpong_clusters(op, pp_tile):
+        tile, schedule, tile_note = pp_tile, "pingpong", pingpong_note
     cluster, cluster_note = _pick_cluster(op, tile, m, n, k, "bfloat16", 1, "none", schedule)
     forced_cluster = forced("cluster")
     if forced_cluster and variants.supports(op, tile, forced_cluster, "bfloat16", 1, one_pass, schedule=schedule):
         cluster, cluster_note = forced_cluster, f"; cluster {forced_cluster[0]}x{forced_cluster[1]} (forced)"
+    if not variants.supports(op, tile, cluster, "bfloat16", 1, one_pass, schedule=schedule):
+        # A forced ping-pong tile compiled only in CTA pairs (fwd 128 x 160).
+        cluster = pingpong_clusters(op, tile)[0]
+        cluster_note = f"; cluster {cluster[0]}x{cluster[1]} (the only one compiled for this tile)"
     return Plan(
         **base,
         tile=tile,
@@ -470,11 +484,40 @@ def plan(
     )
 
 
-def _pingpong_rule(op: str, n: int, k: int) -> str:
+def pingpong_clusters(op: str, tile) -> list[tuple[int, int]]:
+    """The CTA clusters the library holds a ping-pong variant of this fwd/dgrad tile in."""
+    return [
+        c
+        for c in ((1, 1), (2, 1))
+        if variants.supports(op, tuple(tile), c, "bfloat16", 1, contract.REDUCTION_NONE, schedule="pingpong")
+    ]
+
+
+def _pingpong_tile(op: str) -> tuple[int, int, int]:
+    """The ping-pong tile: _PINGPONG_TILE, or under force(tile=..., schedule="pingpong") the
+    forced tile where the library holds a ping-pong variant of it for this op (the wider
+    ping-pong tiles are reached only so until a measurement puts them in a rule)."""
+    ft = forced("tile")
+    if forced("schedule") == "pingpong" and ft is not None and op in ("fwd", "dgrad") and pingpong_clusters(op, ft):
+        return tuple(ft)
+    return _PINGPONG_TILE
+
+
+def pingpong_arms(op: str) -> list[dict]:
+    """Every ping-pong variant of a fwd/dgrad op as the force(...) keywords that run it
+    (tile, schedule, cluster), for benchmarks and tuners."""
+    return [
+        dict(tile=v.tile, schedule="pingpong", cluster=v.cluster)
+        for v in variants.VARIANTS
+        if v.program == op and v.schedule == "pingpong" and v.store == "plain"
+    ]
+
+
+def _pingpong_rule(op: str, n: int, k: int, tile=_PINGPONG_TILE) -> str:
     """Why fwd/dgrad run the ping-pong tiles here ("": the cooperative tiles)."""
     forced_schedule = forced("schedule")
     if forced_schedule:
-        return "128x128 ping-pong tiles (forced)" if forced_schedule == "pingpong" else ""
+        return f"{tile[0]}x{tile[1]} ping-pong tiles (forced)" if forced_schedule == "pingpong" else ""
     if op == "dgrad" and _PINGPONG_DGRAD_MIN_K <= k <= _PINGPONG_DGRAD_MAX_K and n >= _PINGPONG_DGRAD_MIN_N:
         return (
             f"128x128 ping-pong tiles ({_PINGPONG_DGRAD_MIN_K} <= K={k} <= {_PINGPONG_DGRAD_MAX_K}: one warpgroup's epilogue "

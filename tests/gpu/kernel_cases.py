@@ -236,18 +236,22 @@ PROMOTE_TO_OUTPUT = _promote_to_output()
 
 
 def _pingpong():
-    """Ping-pong fwd/dgrad (dgrad also in CTA pairs): ragged edges (odd M tile counts leave
-    a pair's second tile out of range), one tile per CTA (warpgroup 1 idle), and many
-    tiles per CTA in both parities."""
+    """Every ping-pong fwd/dgrad variant (128 x 128, and the wider 128 x 160 / 128 x 192
+    whose warpgroups share the epilogue ring; some in CTA pairs): ragged edges (odd M tile
+    counts leave a pair's second tile out of range; N = 1032, 520, 264, 200 leave a ragged
+    last N tile for each width), one tile per CTA (warpgroup 1 idle), and many tiles per
+    CTA in both parities, the last at a Llama shape (8192 x 4096 -> 1024 / 14336 -> 4096
+    dgrad)."""
     cases = []
     shapes = ((1, 777, 1032, 200), (2, 300, 520, 264), (1, 300, 4096, 48), (1, 4096, 1024, 512), (1, 16384, 4096, 512))
+    pp = [v for v in variants.VARIANTS if v.schedule == "pingpong" and v.store == "plain"]
     for shape in shapes:
-        for program, clusters in (("fwd", ((1, 1),)), ("dgrad", ((1, 1), (2, 1)))):
+        for v in pp:
             for raster in (0, 1):
-                for cluster in clusters:
-                    cases.append(
-                        GemmCase(program, shape, (128, 128, 64), raster=raster, cluster=cluster, schedule="pingpong")
-                    )
+                cases.append(GemmCase(v.program, shape, v.tile, raster=raster, cluster=v.cluster, schedule="pingpong"))
+    for v in pp:
+        if v.tile_n != 128:
+            cases.append(GemmCase(v.program, (1, 8192, 4096, 1024), v.tile, raster=1, cluster=v.cluster, schedule="pingpong"))
     return cases
 
 

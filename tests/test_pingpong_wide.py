@@ -1,0 +1,221 @@
+"""The wider ping-pong fwd/dgrad variants (128 x 160, 128 x 192) on CPU: the variant table,
+the planner's forcing of them, their lowering, a model of the kernel's turn barriers, and
+jax_cake.tools.core_bench's case list and arms."""
+
+import importlib.util
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_cake as jc
+from helpers import H200, faked_device
+from jax_cake import contract
+from jax_cake.planner import choose, variants
+
+WIDE = [v for v in variants.VARIANTS if v.schedule == "pingpong" and v.tile_n != 128]
+LLAMA = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024)]
+
+
+def test_wide_pingpong_variants_are_in_the_table():
+    assert {(v.program, v.tile_n, v.cluster) for v in WIDE} == {
+        ("fwd", 192, (1, 1)),
+        ("fwd", 192, (2, 1)),
+        ("fwd", 160, (2, 1)),
+        ("dgrad", 192, (1, 1)),
+        ("dgrad", 192, (2, 1)),
+    }
+    for v in WIDE:
+        assert (v.tile_m, v.tile_k, v.out_dtype, v.store, v.cluster_n) == (128, 64, "bfloat16", "plain", 1)
+        assert v.name.endswith("_pp") and f"128x{v.tile_n}x64_c{v.cluster_m}x1" in v.name
+        assert variants.find_variant(v.program, v.tile, v.cluster, "bfloat16", schedule="pingpong") == v
+        assert variants.supports(v.program, v.tile, v.cluster, "bfloat16", 1, contract.REDUCTION_NONE, "pingpong")
+        # no cooperative twin: the ranking never offers these tiles for schedule "tiles"
+        assert not variants.supports(v.program, v.tile, v.cluster, "bfloat16", 1, 0, "tiles")
+        assert v.tile not in choose.compiled_tiles(v.program)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
+def test_wide_pingpong_shared_memory_and_registers():
+    """Stages fill shared memory after two epilogue buffers; buffers take the rest; the
+    register split stays 40 / 232 (accumulator 160 / 192 registers per thread)."""
+    from jax_cake.kernels.gemm_sm90 import GemmSm90
+
+    for v in WIDE:
+        g = GemmSm90(v)
+        stage = (v.tile_m + v.tile_n) * v.tile_k * 2
+        buf = v.tile_m * 32 * 2
+        used = g.ab_stage * stage + g.epi_buffers * buf
+        assert g.shared_epi and g.epi_buffers == g.epi_stage >= 2, v.name
+        assert used + 2048 <= g.smem_capacity < used + 2048 + min(stage, buf) or g.epi_stage == v.tile_n // 32
+        assert (g.ab_stage, g.epi_stage) == {192: (5, 3), 160: (5, 5)}[v.tile_n], v.name
+        assert (g.producer_regs, g.consumer_regs) == (40, 232)
+    # the 128 x 128 ping-pong keeps its per-warpgroup buffers (measured layout)
+    old = GemmSm90(variants.find_variant("fwd", (128, 128, 64), (1, 1), "bfloat16", schedule="pingpong"))
+    assert (old.shared_epi, old.ab_stage, old.epi_stage, old.epi_buffers) == (False, 5, 4, 8)
+    with pytest.raises(ValueError, match="pingpong"):
+        GemmSm90(variants.GemmVariant("fwd", 128, 256, schedule="pingpong"))
+    with pytest.raises(ValueError, match="192"):
+        GemmSm90(variants.GemmVariant("fwd", 128, 192))
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+@pytest.mark.parametrize("d_in, d_out", LLAMA)
+def test_force_reaches_every_pingpong_variant(op, d_in, d_out):
+    for arm in choose.pingpong_arms(op):
+        with jc.planner.force("det", **arm):
+            p = jc.plan(op, tokens=8192, d_in=d_in, d_out=d_out, device=H200)
+        assert (p.tile, p.cluster, p.schedule) == (arm["tile"], arm["cluster"], "pingpong"), jc.explain(p)
+        assert p.ffi_attributes()["schedule"] == contract.SCHEDULE_PINGPONG
+    # unforced: no measurement yet, so never a wide ping-pong tile
+    p = jc.plan(op, tokens=8192, d_in=d_in, d_out=d_out, device=H200)
+    assert p.tile[1] in (64, 128, 256), jc.explain(p)
+
+
+def test_forced_tile_needs_a_forced_schedule_for_fwd_and_dgrad():
+    args = dict(tokens=8192, d_in=14336, d_out=4096, device=H200)
+    with jc.planner.force("det", tile=(128, 192, 64)):  # alone: the wgrad tile, as before
+        assert jc.plan("fwd", **args).tile == (128, 256, 64)
+    with jc.planner.force("det", tile=(128, 128, 64), schedule="tiles"):
+        p = jc.plan("fwd", **args)
+        assert (p.tile, p.schedule) == ((128, 128, 64), "tiles")
+    with jc.planner.force("det", tile=(128, 256, 64), schedule="pingpong"):  # no such pp: the 128 x 128 one
+        assert jc.plan("dgrad", **args).tile == (128, 128, 64)
+    with jc.planner.force("det", tile=(128, 160, 64), schedule="pingpong", cluster=(1, 1)):
+        p = jc.plan("fwd", **args)  # compiled in pairs only
+        assert (p.tile, p.cluster) == ((128, 160, 64), (2, 1)), jc.explain(p)
+        assert jc.plan("dgrad", **args).tile == (128, 128, 64)  # no dgrad 128 x 160 ping-pong
+
+
+def test_forced_wide_pingpong_lowers_with_its_tile():
+    def step(x, w):
+        loss = lambda x, w: jnp.sum(jc.dense_projection(x, w).astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    specs = (jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((14336, 4096), jnp.bfloat16))
+    with faked_device(), jc.planner.force("det", tile=(128, 192, 64), schedule="pingpong", cluster=(2, 1)):
+        text = jax.jit(step).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    for op in ("fwd", "dgrad"):
+        (call,) = [l for l in text.splitlines() if f"stablehlo.custom_call @jax_cake_{op}(" in l]
+        for attr, want in (("tile_n", 192), ("cluster_m", 2), ("schedule", contract.SCHEDULE_PINGPONG)):
+            assert f"{attr} = {want} : i64" in call, (op, call)
+
+
+def _turn_model(num_items: int, cluster_id: int, num_clusters: int, shared_epi: bool = True):
+    """Runs the consumer warpgroups' barrier program of gemm_sm90's ping-pong (K-loop turn
+    3 / 4, 256 threads; epilogue turn 5 / 6, 160 threads: 32 arrive, 128 wait) on a model
+    of named barriers (a phase completes when its thread count is reached; more is an
+    error). Returns (per warpgroup, the (event, item) order; barrier counts left)."""
+    size = {3: 256, 4: 256, 5: 160, 6: 160}
+    count = {b: 0 for b in size}
+    phase = {b: 0 for b in size}
+    progs = {}
+    for w in (0, 1):
+        ops = []
+        items = list(range(cluster_id + w * num_clusters, num_items, 2 * num_clusters))
+        if w == 1 and cluster_id < num_items:
+            ops.append(("arrive", 4 - 1, 128, None))  # their_turn = barrier 3
+            if shared_epi:
+                ops.append(("arrive", 5, 32, None))  # their_epi = barrier 5
+        for item in items:
+            ops.append(("wait", 3 + w, 128, ("mma", item)))
+            if item + num_clusters < num_items:
+                ops.append(("arrive", 4 - w, 128, None))
+            if shared_epi:
+                ops.append(("wait", 5 + w, 128, ("epi", item)))
+                if item + num_clusters < num_items:
+                    ops.append(("arrive", 6 - w, 32, None))
+        progs[w] = ops
+    pc, blocked, log = {0: 0, 1: 0}, {0: None, 1: None}, []
+    while True:
+        moved = False
+        for w in (0, 1):
+            if blocked[w] is not None:
+                b, ph, tag = blocked[w]
+                if phase[b] == ph:
+                    continue
+                blocked[w] = None
+                log.append(tag)
+                moved = True
+            while pc[w] < len(progs[w]) and blocked[w] is None:
+                kind, b, n, tag = progs[w][pc[w]]
+                pc[w] += 1
+                moved = True
+                count[b] += n
+                assert count[b] <= size[b], f"barrier {b} over-arrived"
+                ph = phase[b]
+                if count[b] == size[b]:
+                    count[b], phase[b] = 0, phase[b] + 1
+                if kind == "wait":
+                    if phase[b] == ph:
+                        blocked[w] = (b, ph, tag)  # logged when the phase completes
+                    else:
+                        log.append(tag)
+        if not moved:
+            break
+    assert all(pc[w] == len(progs[w]) and blocked[w] is None for w in (0, 1)), "the CTA hangs"
+    return log, count
+
+
+@pytest.mark.parametrize("num_items", [0, 1, 2, 3, 131, 132, 133, 264, 4097])
+@pytest.mark.parametrize("cluster_id, num_clusters", [(0, 132), (5, 132), (131, 132), (0, 66), (65, 66)])
+def test_epilogue_turns_alternate_without_stray_arrivals(num_items, cluster_id, num_clusters):
+    log, count = _turn_model(num_items, cluster_id, num_clusters)
+    assert all(c == 0 for c in count.values()), count
+    mine = list(range(cluster_id, num_items, num_clusters))
+    assert [i for kind, i in log if kind == "mma"] == mine
+    assert [i for kind, i in log if kind == "epi"] == mine  # the epilogues in tile order too
+
+
+# ------------------------------------------------------------------ core_bench (CPU side)
+def test_core_bench_cases_and_arms():
+    from jax_cake.tools import bench, core_bench
+
+    pairs = core_bench.parse_pairs(core_bench.DEFAULT_PAIRS)
+    assert pairs == LLAMA
+    cases = core_bench.cases(8192, pairs)
+    assert len(cases) == 8 and cases[0] == ("fwd", 8192, 4096, 14336) and cases[1][0] == "dgrad"
+    with pytest.raises(ValueError, match="d_in:d_out"):
+        core_bench.parse_pairs(["4096x1024"])
+    for op in ("fwd", "dgrad"):
+        arms = core_bench.variant_arms(op)
+        assert arms[0].name == "xla" and arms[0].bench_arm == "xla"
+        names = [a.name for a in arms]
+        assert len(set(names)) == len(names) and len({a.bench_arm for a in arms}) == len(arms)
+        wide = {(v.tile, v.cluster) for v in WIDE if v.program == op}
+        assert wide <= {(a.tile, a.cluster) for a in arms if a.schedule == "pingpong"}
+        assert (128, 256, 64) in {a.tile for a in arms if a.schedule == "tiles"}
+        for a in arms[1:]:
+            spec = bench.parse_arm(a.bench_arm)
+            assert (spec.kind, spec.tile, spec.cluster, spec.schedule) == ("det", a.tile, a.cluster, a.schedule)
+            assert variants.find_variant(op, a.tile, a.cluster, "bfloat16", schedule=a.schedule) is not None
+    assert core_bench.flops(8192, 4096, 14336) == 2 * 8192 * 4096 * 14336
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_core_bench_arms_lower_to_their_variants(op):
+    """Each forced arm's lowering names its tile / cluster / schedule (core_bench checks
+    the same on the GPU before timing)."""
+    from jax_cake.tools import bench, core_bench
+
+    specs = (
+        jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8192, 1024), jnp.bfloat16),
+    )
+    with faked_device():
+        for arm in core_bench.variant_arms(op)[1:]:
+            fn = bench.op_fn(op, bench.jax_projection(bench.parse_arm(arm.bench_arm)))
+            core_bench.check_lowering(arm, op, fn, specs, platforms=("cuda",))
+
+
+def test_core_bench_csv_and_flags():
+    from jax_cake.tools import core_bench
+
+    row = {c: 1 for c in core_bench.COLUMNS}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = core_bench.write_csv(os.path.join(tmp, "sub"), [row])
+        assert open(path).read().splitlines()[0] == ",".join(core_bench.COLUMNS)
+    assert "| op |" in core_bench.table([dict(row, op="fwd")])
