@@ -2,7 +2,8 @@
 
 XLA_FLAGS must be set before jax starts its backends, so it is set here, at import.
 GPU tests (`@pytest.mark.gpu`) run with `pytest -m gpu` on a machine with an NVIDIA GPU
-and the built library, and are skipped elsewhere.
+and the built library (`pytest -m "gpu and not full"`: the quick tier, tests/gpu/conftest.py),
+and are skipped elsewhere.
 """
 
 import os

@@ -84,6 +84,7 @@ def test_shard_map_projection():
 
 
 @pytest.mark.gpu
+@pytest.mark.full  # three examples, each in a fresh process
 def test_examples_on_gpu():
     for name in ("train_step.py", "moe_router.py"):
         stdout = run_example(name, platform="cuda")

@@ -151,6 +151,65 @@ def test_bad_rows_fail_loudly(row, words):
         table_of({**xla_row("wgrad"), **row})
 
 
+# --- the shipped tables: xla rows only within the accuracy contract --------------------------
+
+
+def _shipped():
+    """(file name, SM range, its rows' JSON) of every shipped plan table."""
+    import json
+    import pathlib
+
+    out = []
+    for path in sorted((pathlib.Path(tables.__file__).parent / "tables").glob("*.json")):
+        for rng in json.loads(path.read_text())["sm_ranges"]:
+            out.append((path.name, rng))
+    return out
+
+
+def test_shipped_xla_rows_meet_the_accuracy_contract():
+    """An xla row replaces the kernel, so XLA must meet the op's accuracy contract there.
+    An FP32 output (the FP32 dw) needs XLA's measured error on the row, under 1e-5: XLA's
+    FP32-output dot sums K in one level (1.86e-5 at T 16384, 4096 -> 4096 on the H200),
+    where jax_cake's two-level sum gives 2-5e-6. A BF16 output is rounded once to BF16 by
+    XLA as by the kernel; a recorded error must be under 1e-2."""
+    from jax_cake.tools import plan_rule
+
+    checked = 0
+    for name, rng in _shipped():
+        for row in rng["rows"]:
+            if row["program"] != "xla":
+                continue
+            op, out = row.get("op", "wgrad"), row["out"]
+            limit = plan_rule.rel_err_max(op, out)
+            where = f"{name} {rng['min_sms']} SMs {op} {row['d_in']} -> {row['d_out']} {out} T {row['min_tokens']}"
+            if out == "float32":
+                assert row.get("rel_err") is not None, f"{where}: an FP32 xla row without XLA's measured error"
+            if row.get("rel_err") is not None:
+                assert row["rel_err"] < limit and row.get("rel_err_max") == limit, where
+            checked += 1
+    assert checked  # the sm_90a table's fwd rows
+
+
+def test_shipped_sm90a_keeps_the_kernel_for_fp32_dw_and_xla_for_its_fwd_rows():
+    """The FP32-wgrad xla rows left the sm_90a table (into its dropped list, which the
+    planner does not read): the H200 plans its kernel there under both `deterministic`;
+    the fwd rows (BF16 output) still send those points to XLA."""
+    ((_, rng),) = [(n, r) for n, r in _shipped() if n == "sm_90a.json"]
+    dropped = rng["dropped"]
+    assert {(d["op"], d["out"], d["program"]) for d in dropped} == {("wgrad", "float32", "xla")}
+    measured = {(d["d_out"], d["tokens"]): d["rel_err"] for d in dropped if d["rel_err"] is not None}
+    assert measured == {(4096, 16384): 1.86e-5, (1024, 16384): 1.86e-5}
+    for d in dropped:
+        for deterministic in (True, False):
+            p = plan_at("wgrad", d["tokens"], d_in=d["d_in"], d_out=d["d_out"], out="float32", deterministic=deterministic)
+            assert p.uses_kernel, jc.explain(p)
+    fwd = [r for r in rng["rows"] if r["program"] == "xla"]
+    assert fwd and {(r["op"], r["out"]) for r in fwd} == {("fwd", "bfloat16")}
+    for r in fwd:
+        p = plan_at("fwd", r["min_tokens"], d_in=r["d_in"], d_out=r["d_out"])
+        assert not p.uses_kernel and "records XLA's dot faster here" in p.reason
+
+
 # --- what runs: values, gradients, lowering, remat ------------------------------------------
 
 

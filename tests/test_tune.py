@@ -15,13 +15,15 @@ SPLIT_A = {"program": "split", "tile": [64, 256, 64], "splits": 8, "reduction": 
 SPLIT_B = {"program": "split", "tile": [128, 256, 64], "splits": 4, "reduction": "arrival"}
 
 
-def samples_for(point, arm, *, op=0.93, contention=1.01, steps=0.99, det_us=100.0, runs=2, groups=8):
-    """Samples as a tune child writes them: det and `arm` in every cell of the rule."""
+def samples_for(point, arm, *, op=0.93, contention=1.01, steps=0.99, det_us=100.0, runs=2, groups=8, err=3e-6):
+    """Samples as a tune child writes them: det and `arm` in every cell of the rule; the
+    plain wgrad samples carry each arm's dw error (det's 2e-6, the arm's `err`)."""
     out = []
 
     def add(op_name, mode, run, ratio, tags=None):
         det = [det_us * (1 + 0.01 * g) for g in range(groups)]
-        for name, times in (("det", det), (arm, [d * ratio for d in det])):
+        for name, times, rel_err in (("det", det, 2e-6), (arm, [d * ratio for d in det], err)):
+            errors = {"rel_err": rel_err} if op_name == "wgrad" and not tags else {}
             out.append(
                 {
                     **point.__dict__,
@@ -31,6 +33,7 @@ def samples_for(point, arm, *, op=0.93, contention=1.01, steps=0.99, det_us=100.
                     "run": run,
                     "arm": name,
                     "groups_us": times,
+                    **errors,
                 }
             )
 
@@ -204,14 +207,25 @@ class TableTest(parameterized.TestCase):
         )
 
 
-def xla_samples_for(op, pt, ratio, *, base="det", modes=plan_rule.MODES, runs=2, groups=8, first_run=0):
-    """Paired groups of `base` and XLA's dot (tune.XLA_ARM) at one cell, as a tune child writes them."""
+def xla_samples_for(op, pt, ratio, *, base="det", modes=plan_rule.MODES, runs=2, groups=8, first_run=0, err=4e-6):
+    """Paired groups of `base` and XLA's dot (tune.XLA_ARM) at one cell, as a tune child
+    writes them, with each arm's output error (base 2e-6, XLA `err`)."""
     out = []
     for mode in modes:
         for run in range(first_run, first_run + runs):
             det = [100.0 * (1 + 0.01 * g) for g in range(groups)]
-            for name, times in ((base, det), (tune.XLA_ARM, [d * ratio for d in det])):
-                out.append({**pt.__dict__, "op": op, "mode": mode, "run": run, "arm": name, "groups_us": times})
+            for name, times, rel_err in ((base, det, 2e-6), (tune.XLA_ARM, [d * ratio for d in det], err)):
+                out.append(
+                    {
+                        **pt.__dict__,
+                        "op": op,
+                        "mode": mode,
+                        "run": run,
+                        "arm": name,
+                        "groups_us": times,
+                        "rel_err": rel_err,
+                    }
+                )
     return out
 
 
@@ -324,6 +338,105 @@ class XlaRowsTest(parameterized.TestCase):
         self.assertEqual(self.read(rows, "wgrad", 16384, out="float32", d_out=48, deterministic=True), det_true)
 
 
+class AccuracyContractTest(parameterized.TestCase):
+    """A row replaces the kernel only where its arm's measured error meets the op's
+    contract (plan_rule.rel_err_max); an arm faster in every run but over it is dropped,
+    and the tuner records it with its error."""
+
+    def read(self, table, op, tokens, out="float32", d_out=4096, deterministic=True):
+        with tables.use_table(tables.parse(table)):
+            return tables.verdict(
+                "sm_90a", 132, 4096, d_out, out, tokens, op=op, deterministic=deterministic
+            ).program
+
+    def test_xla_faster_in_every_run_but_over_the_fp32_contract_gets_no_row(self):
+        # The measured case: XLA's FP32-output dot at T 16384, 4096 -> 4096 beat det in
+        # every run, and its dw was 1.86e-5 from float64 (the contract is 1e-5).
+        pt = bench.Point(16384, 4096, 4096, "float32")
+        samples = xla_samples_for("wgrad", pt, 0.927, err=1.86e-5)
+        (x,) = tune.choose_xla(samples, [("wgrad", pt)])
+        self.assertTrue(all(c.passed for c in x.verdict.checks if c.condition == "a"))  # faster in every run
+        self.assertFalse(x.beats_det)
+        self.assertEqual((x.rel_err, x.rel_err_max), (1.86e-5, 1e-5))
+        self.assertEqual(tune.xla_table_rows([x], "d"), [])
+        (dropped,) = tune.dropped_arms([], [x])
+        self.assertEqual((dropped.op, dropped.arm, dropped.rel_err), ("wgrad", tune.XLA_ARM, 1.86e-5))
+        self.assertIn("error 1.86e-05 misses the accuracy contract 1e-05", dropped.describe())
+        self.assertIn("time ratio 0.927", dropped.describe())
+        table = tune.build_table("sm_90a", 132, "test", [], dropped=[dropped.record("2026-12-02")])
+        (rng,) = table["sm_ranges"]
+        self.assertEqual(rng["rows"], [])
+        (note,) = rng["dropped"]
+        self.assertEqual(
+            {k: note[k] for k in ("op", "d_in", "d_out", "out", "tokens", "program", "rel_err", "rel_err_max")},
+            dict(op="wgrad", d_in=4096, d_out=4096, out="float32", tokens=16384, program="xla", rel_err=1.86e-5,
+                 rel_err_max=1e-5),
+        )
+        self.assertIn("d: wgrad float32 err=1.86e-05 >= 1e-05 FAIL", note["evidence"])
+        self.assertEqual(self.read(table, "wgrad", 16384), "det")  # the planner keeps the kernel
+
+    def test_xla_faster_and_within_the_contract_gets_its_row(self):
+        pt = bench.Point(16384, 4096, 4096, "float32")
+        (x,) = tune.choose_xla(xla_samples_for("wgrad", pt, 0.927, err=6e-6), [("wgrad", pt)])
+        self.assertTrue(x.beats_det)
+        self.assertIsNone(x.dropped)
+        (row,) = tune.xla_table_rows([x], "d")
+        self.assertEqual((row["program"], row["rel_err"], row["rel_err_max"]), ("xla", 6e-6, 1e-5))
+        self.assertIn("d: wgrad float32 err=6.00e-06 < 1e-05", row["evidence"])
+        self.assertEqual(self.read(tune.build_table("sm_90a", 132, "t", [row]), "wgrad", 16384), "xla")
+
+    def test_one_run_over_the_contract_is_enough_to_drop(self):
+        pt = bench.Point(16384, 4096, 4096, "float32")
+        samples = xla_samples_for("wgrad", pt, 0.9, runs=1, err=6e-6)
+        samples += xla_samples_for("wgrad", pt, 0.9, runs=1, first_run=1, err=1.1e-5)
+        (x,) = tune.choose_xla(samples, [("wgrad", pt)])
+        self.assertFalse(x.beats_det)
+        self.assertEqual(x.rel_err, 1.1e-5)
+
+    def test_samples_without_errors_give_no_row(self):
+        pt = bench.Point(16384, 4096, 4096, "float32")
+        samples = [{k: v for k, v in s.items() if k != "rel_err"} for s in xla_samples_for("wgrad", pt, 0.9)]
+        (x,) = tune.choose_xla(samples, [("wgrad", pt)])
+        self.assertFalse(x.beats_det)
+        self.assertIn("no error measured", x.evidence())
+        self.assertEqual(tune.xla_table_rows([x], "d"), [])
+
+    def test_bf16_outputs_have_the_bf16_contract(self):
+        """XLA's fwd rounds once to BF16 as the kernel does: 2.3e-3 is within 1e-2, on the
+        BF16 row key even where the cell was timed on an FP32 weight."""
+        f32_point = bench.Point(16384, 4096, 192, "float32")
+        (x,) = tune.choose_xla(xla_samples_for("fwd", f32_point, 0.6, err=2.3e-3), [("fwd", f32_point)])
+        (row,) = tune.xla_table_rows([x], "d")
+        self.assertEqual((row["op"], row["out"], row["rel_err"], row["rel_err_max"]), ("fwd", "bfloat16", 2.3e-3, 1e-2))
+        (x,) = tune.choose_xla(xla_samples_for("fwd", f32_point, 0.6, err=1.5e-2), [("fwd", f32_point)])
+        self.assertEqual((x.beats_det, x.dropped.rel_err_max), (False, 1e-2))
+
+    def test_a_split_candidate_over_the_contract_is_dropped(self):
+        a, b = "split/t64x256x64", "split/t128x256x64"
+        pt = point(16384)
+        samples = dedupe_det(samples_for(pt, a, op=0.85, err=2e-5) + samples_for(pt, b, op=0.95))
+        plans = {pt.label: {a: SPLIT_A, b: SPLIT_B}}
+        (choice,) = tune.choose(samples, plans, [a, b])
+        self.assertEqual(choice.arm, b)  # a is faster but over 1e-5: the slower accurate one wins
+        (dropped,) = choice.dropped
+        self.assertEqual((dropped.arm, dropped.rel_err, dropped.ratio), (a, 2e-5, 0.85))
+        self.assertEqual(dropped.record("d")["program"], "split")
+        (only_a,) = tune.choose(samples_for(pt, a, op=0.85, err=2e-5), {pt.label: {a: SPLIT_A}}, [a])
+        self.assertIsNone(only_a.arm)
+        self.assertIn("(d) wgrad float32 err=2.00e-05 >= 1e-05", only_a.evidence)
+        self.assertEqual(tune.table_rows([only_a]), [])
+        self.assertEqual([d.arm for d in tune.dropped_arms([only_a], [])], [a])
+
+    def test_keep_rows_keeps_the_notes_of_unmeasured_shapes(self):
+        old = {"op": "wgrad", "d_in": 4096, "d_out": 1024, "out": "float32", "tokens": 16384, "program": "xla"}
+        other = {**old, "d_out": 512}
+        existing = {"arch": "sm_90a", "sm_ranges": [{"min_sms": 132, "max_sms": 132, "rows": [], "dropped": [old, other]}]}
+        measured = {tune.row_key(other)}
+        table = tune.build_table("sm_90a", 132, "new", [], existing, measured, [{**other, "rel_err": 2e-5}])
+        self.assertEqual(table["sm_ranges"][0]["dropped"], [old, {**other, "rel_err": 2e-5}])
+        self.assertNotIn("dropped", tune.build_table("sm_90a", 132, "new", [], existing)["sm_ranges"][0])
+
+
 class KeepRowsTest(absltest.TestCase):
     def test_rows_of_unmeasured_shapes_stay(self):
         old_xla = {"op": "fwd", "d_in": 4096, "d_out": 96, "out": "bfloat16", "program": "xla"}
@@ -349,6 +462,9 @@ class CommandLineTest(absltest.TestCase):
         self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
         self.assertIn("(point, candidate) pairs passed (a) in graph mode", proc.stderr)
         self.assertIn("T=256 256->48 float32:", proc.stderr)
+        # every arm's output error was measured beside its time: (d) ran on real numbers
+        self.assertRegex(proc.stderr, r"wgrad T=256 256->48 float32: \S+ \(XLA/det worst run r=[\d.]+, XLA error \d")
+        self.assertIn("d: wgrad float32 err=", proc.stderr)
         self.assertIn("no GPU: the verdicts above, but no plan table", proc.stderr)
 
 

@@ -68,6 +68,7 @@ import contextlib
 import csv
 import dataclasses
 import datetime
+import functools
 import glob
 import json
 import math
@@ -410,6 +411,55 @@ def make_inputs(point: Point, flush_mb: int, seed: int = 0):
     return buf, x, w, dy
 
 
+# --- output error ---------------------------------------------------------------------------
+
+ERROR_OPS = ("fwd", "dgrad", "wgrad")  # the single-GEMM ops whose output error tune measures
+ERROR_ROWS = 4096  # at most this many output rows, evenly spaced, enter the error
+
+
+def error_stride(rows: int) -> int:
+    """The stride of the output rows the error is measured on: every row up to ERROR_ROWS,
+    else evenly spaced ones (fwd / dgrad at T = 16384: every 4th token; wgrad: d_out rows)."""
+    return max(1, math.ceil(rows / ERROR_ROWS))
+
+
+def _rel_err64(op: str, stride: int, x, w, dy, out):
+    import jax
+    import jax.numpy as jnp
+
+    f64, hi = jnp.float64, jax.lax.Precision.HIGHEST
+    wb = w.astype(jnp.bfloat16).astype(f64)  # fwd and dgrad run on w rounded to BF16
+    if op == "fwd":
+        ref = jnp.matmul(x[::stride].astype(f64), wb.T, precision=hi)
+    elif op == "dgrad":
+        ref = jnp.matmul(dy[::stride].astype(f64), wb, precision=hi)
+    else:
+        ref = jnp.matmul(dy[:, ::stride].astype(f64).T, x.astype(f64), precision=hi)
+    o = out[::stride].astype(f64)
+    err = jnp.linalg.norm((o - ref).ravel()) / jnp.maximum(jnp.linalg.norm(ref.ravel()), 1e-300)
+    return jnp.where(jnp.all(jnp.isfinite(o)), err, jnp.inf)
+
+
+@functools.cache
+def _rel_err64_jit():
+    import jax
+
+    return jax.jit(_rel_err64, static_argnums=(0, 1))
+
+
+def output_error(op: str, x, w, dy, out) -> float:
+    """||out - ref|| / ||ref|| of one dense op's output (fwd: y [T, d_out]; dgrad: dx
+    [T, d_in]; wgrad: dw [d_out, d_in]) against float64 from the same BF16 operands (x and
+    dy; w rounded to BF16 for fwd and dgrad, as the op rounds it), on the output rows of
+    `error_stride`; inf where out holds a NaN or Inf. The tuner's condition (d)."""
+    import jax
+
+    if op not in ERROR_OPS:
+        raise ValueError(f"output_error: op {op!r} is not one of {ERROR_OPS}")
+    with jax.enable_x64(True):
+        return float(_rel_err64_jit()(op, error_stride(out.shape[0]), x, w, dy, out))
+
+
 # --- timers ---------------------------------------------------------------------------------
 
 BUSY_KERNEL_TAG = "jax_cake_busy"  # tune's SM-holding kernel: not part of any step
@@ -610,11 +660,14 @@ def measure_point(
     flush_mb: int,
     around_call: Callable = contextlib.nullcontext,
     keep: Callable | None = None,
+    errors: dict | None = None,
 ) -> dict[str, list[float | None]]:
     """{arm name: per-group median step time in us} for one point and op.
 
     around_call(): a context manager entered around each arm call; keep: a step filter
-    (both for tune's busy kernel). A group none of whose steps was kept is None.
+    (both for tune's busy kernel). A group none of whose steps was kept is None. errors:
+    a dict to fill with {jax arm: output_error of the warm-up call's first step} (dense
+    fwd, dgrad and wgrad; the timed steps run the same program on the same inputs).
     """
     import jax
 
@@ -628,7 +681,10 @@ def measure_point(
         compiled[a.name] = _compiled[key]
     timer = make_timer(timer_kind, buf, steps)
     for a in jax_arms:  # warm-up: graph instantiation, autotuning, lazy loading
-        timer.buf = compiled[a.name](timer.buf, x, w, dy)[0]
+        timer.buf, outs = compiled[a.name](timer.buf, x, w, dy)
+        if errors is not None and op in ERROR_OPS and point.family == "dense":
+            errors[a.name] = output_error(op, x, w, dy, outs[0][0])
+        del outs
     jax.block_until_ready(timer.buf)
 
     def call(name):
@@ -718,10 +774,13 @@ def collect(
     tags: dict | None = None,
     around_call: Callable = contextlib.nullcontext,
     keep: Callable | None = None,
+    errors: bool = False,
 ) -> list[dict]:
     """Samples for every point x op in this process: one dict per arm with its groups.
 
     tags are copied into every sample (tune's contention cell: busy SMs, launch order).
+    errors: each sample of a dense fwd, dgrad or wgrad also gets "rel_err", its arm's
+    output_error (None for an arm without one, e.g. cuBLAS).
     """
     samples, total, t0 = [], len(points) * len(ops), time.time()
     for i, (point, op) in enumerate((p, o) for p in points for o in ops):
@@ -730,8 +789,9 @@ def collect(
             file=sys.stderr,
             flush=True,
         )
+        errs = {} if errors and op in ERROR_OPS and point.family == "dense" else None
         for arm, groups_us in measure_point(
-            point, op, arms, timer_kind, steps, groups, flush_mb, around_call, keep
+            point, op, arms, timer_kind, steps, groups, flush_mb, around_call, keep, errs
         ).items():
             samples.append(
                 {
@@ -742,6 +802,7 @@ def collect(
                     "run": run,
                     "arm": arm,
                     "groups_us": groups_us,
+                    **({"rel_err": errs.get(arm)} if errs is not None else {}),
                 }
             )
     return samples

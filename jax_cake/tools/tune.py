@@ -10,10 +10,20 @@ fwd and dgrad once per (T, d_in, d_out), on the BF16 weight, as their plans are)
 against det in the same paired groups. The screen times it in graph mode with the split
 candidates; the cells whose XLA passed (a) there get eager run 0, then both modes for
 the other runs (`--runs`), in one child per (run, mode) over all such cells. A cell where
-XLA passes (a) in every run of both modes (plan_rule.decide_xla), and at a wgrad point
+XLA passes (a) in every run of both modes and (d) (plan_rule.decide_xla), and at a wgrad point
 that keeps split also against that split program (timed with it in the full
 measurement), gets an xla row; where XLA beat det but not the kept split, the split row
 comes first and the xla row serves deterministic=True.
+
+Accuracy (plan_rule's condition (d)): beside its times every child measures each arm's
+output error at the fwd, dgrad and wgrad cells, ||out - ref|| / ||ref|| of the warm-up
+call's first step against a float64 reference of the same BF16 operands
+(bench.output_error; on at most bench.ERROR_ROWS evenly spaced output rows). A row may
+replace the kernel only where its arm's error, in every run, is under the op's contract
+(plan_rule.rel_err_max: FP32 dw 1e-5, BF16 outputs 1e-2). An arm that wins on time but
+misses it gets no row: the tuner prints it ("accuracy contract: ... dropped") and the
+table's SM range lists it under "dropped" with its error (the planner does not read that
+list). Every xla row records XLA's worst error (`rel_err`) and the contract (`rel_err_max`).
 
 Per point (T, d_in, d_out, out dtype) and candidate split program (`split/tMxNxK` per
 arrival-order wgrad tile of jax_cake.planner.variants, optionally `--splits` counts),
@@ -192,7 +202,7 @@ def run_tune_child(
     samples = []
     for op in dict.fromkeys(op for op, _ in cells):
         op_arms = arms if op in TUNE_OPS else [a for a in arms if a.kind != "split"]
-        samples += bench.collect([p for o, p in cells if o == op], [op], op_arms, mode, run, **common)
+        samples += bench.collect([p for o, p in cells if o == op], [op], op_arms, mode, run, **common, errors=True)
     if FLAGS.contention != "none" and timer_kind != "device":
         print("condition (b) skipped: it needs the GPU's device timeline", file=sys.stderr)
     elif FLAGS.contention != "none":
@@ -232,8 +242,23 @@ def _pair(det: Sequence, cand: Sequence) -> plan_rule.PairedRun | None:
     return plan_rule.PairedRun(tuple(d for d, _ in pairs), tuple(c for _, c in pairs)) if pairs else None
 
 
+def _point_of(s: Mapping) -> bench.Point:
+    return bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"])
+
+
+def arm_errors(samples: Sequence[dict], op: str, point: bench.Point, arm: str) -> list[float | None]:
+    """The arm's measured output errors at one (op, point), one per sample without a busy
+    kernel (per run and mode); None where a sample carries none."""
+    return [
+        s.get("rel_err")
+        for s in samples
+        if s.get("busy_sms") is None and s["op"] == op and s["arm"] == arm and _point_of(s) == point
+    ]
+
+
 def verdicts(samples: Sequence[dict], candidate: str) -> dict[bench.Point, plan_rule.Verdict]:
-    """The plan rule for `candidate` against det at every point the samples hold."""
+    """The plan rule for `candidate` against det at every point the samples hold, (d) on
+    the candidate's dw errors in its wgrad samples."""
     groups: dict[tuple, list] = {}
     for s in samples:
         key = (
@@ -261,7 +286,8 @@ def verdicts(samples: Sequence[dict], candidate: str) -> dict[bench.Point, plan_
                 op_runs.setdefault(mode, []).append(paired)
             else:
                 steps.setdefault((op, mode), []).append(paired)
-        out[point] = plan_rule.decide(op_runs, contention, steps)
+        errors = arm_errors(samples, "wgrad", point, candidate)
+        out[point] = plan_rule.decide(op_runs, contention, steps, errors=errors, out=point.out)
     return out
 
 
@@ -269,11 +295,12 @@ def screen_survivors(
     samples: Sequence[dict], candidates: Sequence[str]
 ) -> tuple[dict[bench.Point, list[str]], dict[tuple[bench.Point, str], plan_rule.Check]]:
     """The screen's verdicts: ({point: candidates that passed (a) in its graph-mode run},
-    {(point, candidate): the failed (a) check}). Only plain wgrad samples count."""
+    {(point, candidate): the failed (a) check}). Only plain wgrad samples count. (d) waits
+    for the full measurement, so an arm it drops is recorded with all its runs."""
     times = {}
     for s in samples:
         if s["op"] == "wgrad" and s["mode"] == "g" and s.get("busy_sms") is None:
-            times[(bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"]), s["arm"])] = s["groups_us"]
+            times[(_point_of(s), s["arm"])] = s["groups_us"]
     survivors, screened = {}, {}
     for (point, arm), det in sorted(times.items(), key=lambda kv: dataclasses.astuple(kv[0][0])):
         if arm != "det":
@@ -301,6 +328,54 @@ class Choice:
     arm: str | None  # the winning split arm, None = deterministic program
     plan: Mapping | None  # that arm's plan fields (program, tile, splits, reduction)
     evidence: str
+    dropped: tuple[Dropped, ...] = ()  # candidates that met the timing conditions but not (d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropped:
+    """An arm that met the rule's timing conditions at one (op, point) but whose measured
+    error misses the op's accuracy contract: no row for it; the table records it."""
+
+    op: str
+    point: bench.Point
+    arm: str
+    out: str  # the plan's out dtype (the row key's)
+    rel_err: float | None  # the worst measured error
+    ratio: float | None  # its worst per-run median paired time ratio against the baseline
+    evidence: str
+
+    @property
+    def rel_err_max(self) -> float:
+        return plan_rule.rel_err_max(self.op, self.out)
+
+    def describe(self) -> str:
+        err = "no error measured" if self.rel_err is None else f"error {self.rel_err:.3g}"
+        ratio = "" if self.ratio is None else f" (time ratio {self.ratio:.3f})"
+        return (
+            f"{self.op} {self.point.label}: {self.arm} dropped: faster{ratio} but its {err} misses the "
+            f"accuracy contract {self.rel_err_max:.0e}"
+        )
+
+    def record(self, date: str) -> dict:
+        """The table's note of it (a range's "dropped" list; the planner does not read it)."""
+        return {
+            "op": self.op,
+            "d_in": self.point.d_in,
+            "d_out": self.point.d_out,
+            "out": self.out,
+            "tokens": self.point.tokens,
+            "program": "xla" if self.arm == XLA_ARM else "split",
+            "arm": self.arm,
+            "rel_err": None if self.rel_err is None else float(f"{self.rel_err:.3g}"),
+            "rel_err_max": self.rel_err_max,
+            "ratio": None if self.ratio is None else round(self.ratio, 4),
+            "source": f"jax_cake.tools.tune {date}",
+            "evidence": self.evidence,
+        }
+
+
+def _split_ratio(samples: Sequence[dict], point: bench.Point, cand: str) -> float | None:
+    return plan_rule.worst_ratio(paired_op_runs(samples, "wgrad", point, "det", cand))
 
 
 def choose(
@@ -317,6 +392,19 @@ def choose(
     points = {p for v in by_candidate.values() for p in v} | {p for p, _ in screened}
     choices = []
     for point in sorted(points, key=lambda p: dataclasses.astuple(p)):
+        dropped = tuple(
+            Dropped(
+                "wgrad",
+                point,
+                c,
+                point.out,
+                plan_rule.worst_error(arm_errors(samples, "wgrad", point, c)),
+                _split_ratio(samples, point, c),
+                by_candidate[c][point].evidence(),
+            )
+            for c in candidates
+            if by_candidate[c].get(point) and by_candidate[c][point].dropped_for_accuracy
+        )
         passing = [c for c in candidates if by_candidate[c].get(point) and by_candidate[c][point].keep_split]
         if not passing:
             why = []
@@ -325,10 +413,11 @@ def choose(
                     why.append(f"{c} failed " + ", ".join(f"({f.condition}) {f.cell} {f.detail}" for f in v.failed))
                 elif check := screened.get((point, c)):
                     why.append(f"{c} failed the screen ({check.condition}) {check.cell} {check.detail}")
-            choices.append(Choice(point, None, None, "; ".join(why)))
+            choices.append(Choice(point, None, None, "; ".join(why), dropped))
             continue
         best = min(passing, key=lambda c: medians.get((point, "wgrad", "g", c), float("inf")))
-        choices.append(Choice(point, best, plans.get(point.label, {}).get(best), by_candidate[best][point].evidence()))
+        plan = plans.get(point.label, {}).get(best)
+        choices.append(Choice(point, best, plan, by_candidate[best][point].evidence(), dropped))
     return choices
 
 
@@ -413,10 +502,11 @@ class XlaChoice:
 
     op: str
     point: bench.Point
-    verdict: plan_rule.Verdict  # XLA vs det
+    verdict: plan_rule.Verdict  # XLA vs det, (a) and (d)
     ratio: float | None  # XLA/det, the highest per-run median paired ratio
     split_arm: str | None = None
     split_verdict: plan_rule.Verdict | None = None  # XLA vs split_arm
+    rel_err: float | None = None  # XLA's worst measured output error
 
     @property
     def beats_det(self) -> bool:
@@ -430,6 +520,17 @@ class XlaChoice:
     def row_out(self) -> str:
         """The plan's out dtype the row is keyed by: w's for wgrad, BF16 for fwd/dgrad."""
         return self.point.out if self.op == "wgrad" else "bfloat16"
+
+    @property
+    def rel_err_max(self) -> float:
+        return plan_rule.rel_err_max(self.op, self.row_out)
+
+    @property
+    def dropped(self) -> Dropped | None:
+        """XLA beat det on time in every run but missed the accuracy contract."""
+        if not self.verdict.dropped_for_accuracy:
+            return None
+        return Dropped(self.op, self.point, XLA_ARM, self.row_out, self.rel_err, self.ratio, self.evidence())
 
     def evidence(self) -> str:
         text = f"vs det {self.verdict.evidence()}"
@@ -447,17 +548,30 @@ def choose_xla(
 ) -> list[XlaChoice]:
     """Per cell, plan_rule.decide_xla of XLA against det (xla_samples: the screen's and the
     follow-up runs) and, where `choices` keep a split arm at a wgrad point, against it
-    (split_samples: the full measurement, which times XLA with the split arms)."""
+    (split_samples: the full measurement, which times XLA with the split arms); (d) in
+    both on XLA's output errors in every sample of the cell."""
     split_of = {c.point: c.arm for c in choices if c.arm is not None}
     out = []
     for op, point in cells:
+        row_out = point.out if op == "wgrad" else "bfloat16"
+        errors = arm_errors(xla_samples, op, point, XLA_ARM) + arm_errors(split_samples, op, point, XLA_ARM)
+        decide = lambda runs: plan_rule.decide_xla(runs, gemm=op, out=row_out, errors=errors)  # noqa: E731
         runs = paired_op_runs(xla_samples, op, point, "det", XLA_ARM)
         arm = split_of.get(point) if op == "wgrad" else None
         split_verdict = None
         if arm is not None:
-            split_runs = paired_op_runs(split_samples, "wgrad", point, arm, XLA_ARM)
-            split_verdict = plan_rule.decide_xla(split_runs)
-        out.append(XlaChoice(op, point, plan_rule.decide_xla(runs), plan_rule.worst_ratio(runs), arm, split_verdict))
+            split_verdict = decide(paired_op_runs(split_samples, "wgrad", point, arm, XLA_ARM))
+        out.append(
+            XlaChoice(
+                op,
+                point,
+                decide(runs),
+                plan_rule.worst_ratio(runs),
+                arm,
+                split_verdict,
+                plan_rule.worst_error(errors),
+            )
+        )
     return out
 
 
@@ -466,7 +580,10 @@ def yield_to_xla(choices: Sequence[Choice], xla: Sequence[XlaChoice]) -> list[Ch
     deterministic (their T is then excluded from the split row; the xla row covers it)."""
     beaten = {x.point for x in xla if x.op == "wgrad" and x.beats_det and x.beats_split}
     return [
-        Choice(c.point, None, None, f"XLA beat {c.arm}: {c.evidence}") if c.point in beaten else c for c in choices
+        dataclasses.replace(c, arm=None, plan=None, evidence=f"XLA beat {c.arm}: {c.evidence}")
+        if c.point in beaten
+        else c
+        for c in choices
     ]
 
 
@@ -475,7 +592,8 @@ def xla_table_rows(xla: Sequence[XlaChoice], date: str) -> list[dict]:
     covers only its measured token count. XLA's own speed depends on T's alignment (its
     FP32 wgrad at 4096 -> 48 takes 3x longer at T = 16172 than at 16384), so a win at two
     token counts says nothing about the ones between. They go after the split rows (a
-    split row first serves deterministic=False)."""
+    split row first serves deterministic=False). Each records XLA's worst measured error
+    (`rel_err`) and the contract it met (`rel_err_max`)."""
     rows = []
     winners = sorted(
         (x for x in xla if x.beats_det),
@@ -493,11 +611,18 @@ def xla_table_rows(xla: Sequence[XlaChoice], date: str) -> list[dict]:
                 "program": "xla",
                 "exclude_tokens": [],
                 "ratio": round(x.ratio, 4),
+                "rel_err": float(f"{x.rel_err:.3g}"),
+                "rel_err_max": x.rel_err_max,
                 "source": f"jax_cake.tools.tune {date}",
                 "evidence": f"T={x.point.tokens} xla: {x.evidence()}",
             }
         )
     return rows
+
+
+def dropped_arms(choices: Sequence[Choice], xla: Sequence[XlaChoice]) -> list[Dropped]:
+    """Every arm the accuracy contract dropped: split candidates, then XLA's cells."""
+    return [d for c in choices for d in c.dropped] + [x.dropped for x in xla if x.dropped is not None]
 
 
 def row_key(row: Mapping) -> tuple:
@@ -512,16 +637,24 @@ def build_table(
     rows: Sequence[dict],
     existing: Mapping | None = None,
     measured: set | None = None,
+    dropped: Sequence[dict] = (),
 ) -> dict:
     """The table JSON: `existing` with its range for exactly `sms` SMs replaced by `rows`;
-    with `measured` (row keys, `row_key`), that range's rows of other keys stay, first."""
+    with `measured` (row keys, `row_key`), that range's rows of other keys stay, first.
+    `dropped` (Dropped.record of the arms the accuracy contract dropped) goes into the
+    range's "dropped" list, a note the planner does not read; with `measured`, earlier
+    notes of other keys stay too."""
     ranges = [r for r in (existing or {}).get("sm_ranges", []) if (r["min_sms"], r.get("max_sms")) != (sms, sms)]
-    kept = []
+    kept, kept_dropped = [], []
     if measured is not None:
         for r in (existing or {}).get("sm_ranges", []):
             if (r["min_sms"], r.get("max_sms")) == (sms, sms):
                 kept = [row for row in r["rows"] if row_key(row) not in measured]
-    ranges.append({"min_sms": sms, "max_sms": sms, "rows": kept + list(rows)})
+                kept_dropped = [d for d in r.get("dropped", []) if row_key(d) not in measured]
+    rng = {"min_sms": sms, "max_sms": sms, "rows": kept + list(rows)}
+    if kept_dropped or dropped:
+        rng["dropped"] = kept_dropped + list(dropped)
+    ranges.append(rng)
     ranges.sort(key=lambda r: r["min_sms"])
     return {"arch": arch, "source": source, "sm_ranges": ranges}
 
@@ -617,7 +750,15 @@ def main(argv):
     for x in xla_choices:
         won = "XLA" if x.beats_det and (x.split_arm is None or x.beats_split) else "jax_cake"
         ratio = "n/a" if x.ratio is None else f"{x.ratio:.3f}"
-        print(f"{x.op} {x.point.label}: {won} (XLA/det worst run r={ratio})\n  {x.evidence()}", file=sys.stderr)
+        err = "n/a" if x.rel_err is None else f"{x.rel_err:.3g}"
+        print(
+            f"{x.op} {x.point.label}: {won} (XLA/det worst run r={ratio}, XLA error {err}, "
+            f"contract {x.rel_err_max:.0e})\n  {x.evidence()}",
+            file=sys.stderr,
+        )
+    dropped = dropped_arms(choices, xla_choices)
+    for d in dropped:
+        print(f"accuracy contract: {d.describe()}", file=sys.stderr)
     if not header["sms"]:
         if FLAGS.write:
             raise app.UsageError("--write needs a GPU measurement (the children saw no SM count)")
@@ -640,7 +781,8 @@ def main(argv):
         measured |= {(op, p.d_in, p.d_out, p.out if op == "wgrad" else "bfloat16", 1) for op, p in cells}
         if existing is not None and existing.get("source") and existing["source"] != source:
             source = f"{source}; rows of other shapes kept from: {existing['source']}"
-    table = build_table(arch, header["sms"], source, rows, existing, measured)
+    notes = [d.record(header["date"]) for d in dropped]
+    table = build_table(arch, header["sms"], source, rows, existing, measured, notes)
     text = json.dumps(table, indent=1) + "\n"
     if FLAGS.write:
         path.write_text(text)

@@ -1,9 +1,13 @@
 """GPU test set-up: the library registered once per session, and the `slow` cases.
 
 Every test here that touches the GPU is marked `gpu` (skipped without a GPU by
-tests/conftest.py). `slow`-marked cases (the seed grid beyond its first T) are skipped
-unless the -m expression names them: `pytest -m gpu tests` runs the default set,
-`pytest -m "gpu and slow" tests` the rest.
+tests/conftest.py). Tiers:
+- `pytest -m "gpu and not full" tests`: the quick tier, every compiled program once
+  (kernel_cases.params keeps the cheapest case per program, reduction, raster and
+  output dtype and marks the others `full`), determinism, CUDA graphs and the public API;
+- `pytest -m gpu tests`: the full tier, the quick tier and every `full` case;
+- `pytest -m "gpu and slow" tests`: the `slow` cases (the seed grid beyond its first T),
+  skipped unless the -m expression names them.
 """
 
 import pathlib

@@ -3,6 +3,11 @@
 A GemmCase names one FFI call (program, shape, tile, dtype, split-K, raster, cluster,
 schedule), a RouterCase one router call; `variant()` is the compiled program a call runs,
 so a CPU test can check that the cases cover every entry of the variant lists.
+
+Tiers (`params`): of each case list a test runs, the quick tier keeps one case per
+`tier_key` (the compiled program, its reduction, raster and output dtype), the cheapest
+that is not slow and fills a tile; every other case is marked `full`. So `pytest -m "gpu and not full"`
+still calls every compiled program the list calls, and `pytest -m gpu` runs them all.
 """
 
 from __future__ import annotations
@@ -66,6 +71,26 @@ class GemmCase:
         if self.schedule != "tiles":
             parts.append(self.schedule)
         return "_".join(parts) + f"-B{B}_T{T}_{d_in}to{d_out}"
+
+    @property
+    def cost(self) -> int:
+        """Multiply-adds of the call (the quick tier takes the cheapest case per tier_key)."""
+        B, T, d_in, d_out = self.shape
+        return B * T * d_in * d_out
+
+    @property
+    def tier_key(self) -> tuple:
+        """What the quick tier runs once: the target, the compiled program, how the K
+        splits are summed, the raster and the output dtype (the ordered reduce writes it)."""
+        return (self.target, self.variant().name, self.reduction, self.raster, self.out_dtype)
+
+    @property
+    def fills_a_tile(self) -> bool:
+        """At least one whole M x N tile and two K tiles (per split): the main loop runs
+        (the quick tier prefers such a case to a one-row or K-below-a-tile edge case)."""
+        B, T, d_in, d_out = self.shape
+        m, n, k = {"fwd": (T, d_out, d_in), "dgrad": (T, d_in, d_out), "wgrad": (d_out, d_in, T)}[self.program]
+        return m >= self.tile[0] and n >= self.tile[1] and k >= 2 * self.tile[2] * self.splits
 
     def variant(self) -> variants.GemmVariant | None:
         """The compiled program this call runs (None: no such program)."""
@@ -345,6 +370,19 @@ class RouterCase:
         return router_variants.find_variant(self.program, h.ROUTER_TILE)
 
     @property
+    def cost(self) -> int:
+        return self.T * self.d * self.E
+
+    @property
+    def fills_a_tile(self) -> bool:
+        return min(self.T, self.d, self.E) >= max(h.ROUTER_TILE[:2])
+
+    @property
+    def tier_key(self) -> tuple:
+        """The compiled program, and for wgrad whether K is split (the ordered reduce)."""
+        return (self.target, self.variant().name, self.splits > 1)
+
+    @property
     def id(self):
         s = f"_s{self.splits}" if self.program == "wgrad" else ""
         return f"{self.program}{s}-T{self.T}_d{self.d}_E{self.E}"
@@ -374,8 +412,37 @@ ROUTER_CASES = [
 ]
 
 
-def params(cases):
-    """pytest.param per case, id naming the program, tile and shape; `slow` ones marked."""
+def quick_tier(cases, xfail=()) -> list[int]:
+    """Indices of the quick tier's cases of a list: per tier_key, the cheapest case that is
+    not slow, whose shape is not an expected failure (`xfail`) and that fills a tile if
+    one does; first in list order among equals."""
+
+    def rank(c):
+        return (getattr(c, "slow", False), getattr(c, "shape", None) in xfail, not c.fills_a_tile, c.cost)
+
+    best: dict[tuple, int] = {}
+    for i, c in enumerate(cases):
+        j = best.get(c.tier_key)
+        if j is None or rank(c) < rank(cases[j]):
+            best[c.tier_key] = i
+    return sorted(best.values())
+
+
+def params(cases, xfail=None):
+    """pytest.param per case, id naming the program, tile and shape. Marks: `slow` (the seed
+    grid beyond its first T), `full` on every case outside quick_tier(cases), and
+    xfail[shape] (a mark, e.g. a strict expected failure) on the cases of that shape."""
     import pytest
 
-    return [pytest.param(c, id=c.id, marks=(pytest.mark.slow,) if c.slow else ()) for c in cases]
+    quick = set(quick_tier(cases, xfail or ()))
+    out = []
+    for i, c in enumerate(cases):
+        marks = []
+        if getattr(c, "slow", False):
+            marks.append(pytest.mark.slow)
+        if i not in quick:
+            marks.append(pytest.mark.full)
+        if xfail and getattr(c, "shape", None) in xfail:
+            marks.append(xfail[c.shape])
+        out.append(pytest.param(c, id=c.id, marks=tuple(marks)))
+    return out

@@ -159,6 +159,7 @@ def test_disable_env_runs_xla_with_the_same_values(monkeypatch):
         assert h.rel_err(a, b)[0] < 1e-2
 
 
+@pytest.mark.full  # the example in a fresh process
 def test_flax_train_example_on_gpu():
     from test_flax import run_flax_example
 

@@ -55,6 +55,7 @@ def test_graph_matches_eager(graph_results):
         x = dx
 
 
+@pytest.mark.full  # a fresh process compiles the chain again
 def test_custom_calls_run_inside_a_command_buffer(tmp_path):
     """XLA's thunk sequence of the chain holds a command buffer with the custom calls inside
     it. XLA's dump flags must be set before jax starts, so a fresh process compiles it."""

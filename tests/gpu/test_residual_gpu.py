@@ -29,6 +29,24 @@ from jax_cake.planner.residual import plan_residual
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_library")]
 
+# Strict expected failures, as measured on an H200 (jax 0.11.2, 2026-12-02): a pass fails
+# the run, so these marks go when the kernel passes. The tests of the separate add
+# (what residual= runs while the kernel is held back) and the small fused calls that pass
+# carry none.
+DOWN_PROJECTION_FAILS = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="the fused residual kernel at T 8192, 14336 -> 4096 (every reduce-add fwd tile): |y - (r + x w^T)| "
+    "reached 6.56 of the bound on the H200 (2026-12-02); small and ragged shapes pass",
+)
+HELD_BACK = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="the fused residual kernel is held back (planner.residual.RESIDUAL_KERNELS_ENABLED = False; its check "
+    "failed at T 8192, 14336 -> 4096 on the H200, 2026-12-02): residual= plans the forward and a separate add, "
+    "not the fused call this test checks",
+)
+
 # (B, T, d_in, d_out) through the public op: the down projection, ragged and batched shapes.
 API_CASES = [(1, 8192, 14336, 4096), (1, 1000, 512, 264), (1, 37, 136, 64), (3, 129, 264, 72)]
 
@@ -89,7 +107,9 @@ def _case_inputs(case):
     return x, w, _residual_for(("kernel",) + case.shape, (b, t, d_out), d_in)
 
 
-@pytest.mark.parametrize("case", cases.params(cases.RESIDUAL_CASES))
+@pytest.mark.parametrize(
+    "case", cases.params(cases.RESIDUAL_CASES, xfail={(1, 8192, 14336, 4096): DOWN_PROJECTION_FAILS})
+)
 def test_fused_call_against_float64(case):
     x, w, r = _case_inputs(case)
     fn = _fused_call(case)
@@ -143,6 +163,7 @@ def _plan(b, t, d_in, d_out):
     return p
 
 
+@HELD_BACK
 @pytest.mark.parametrize("case", API_CASES, ids=lambda c: "B{}_T{}_{}to{}".format(*c))
 def test_public_op_values_and_gradients(case):
     b = case[0]
@@ -177,6 +198,7 @@ def test_public_op_is_bitwise_repeatable():
     h.assert_repeatable(lambda: fn(x, w, jnp.copy(r)), h.REPEATS, f"{case}")
 
 
+@HELD_BACK
 @pytest.mark.parametrize("case", API_CASES[:2], ids=lambda c: "B{}_T{}_{}to{}".format(*c))
 def test_donated_residual_is_updated_in_place(case):
     """The compiled module of a jit with r donated: the fused call, no plain forward, and no
@@ -214,6 +236,7 @@ def test_xla_parity_of_the_down_projection():
     assert worst <= 1.0, f"jax_cake vs XLA: the largest gap is {worst:.2f} of the bound"
 
 
+@HELD_BACK
 def test_the_planned_variants_are_in_the_library():
     from jax_cake import native
     from jax_cake.planner import variants

@@ -9,12 +9,12 @@ import pytest
 from jax_cake import contract
 
 import gpu_helpers as h
-from kernel_cases import ROUTER_CASES
+from kernel_cases import ROUTER_CASES, params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_library")]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in ROUTER_CASES])
+@pytest.mark.parametrize("case", params(ROUTER_CASES))
 def test_router_matches_float64(case):
     out, ref = case.run_and_ref()
     err, bad = h.rel_err(out, ref)
