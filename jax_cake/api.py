@@ -80,11 +80,10 @@ def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None,
         it (Auto axes), and a reduction over a sharded d_in becomes a reduce-scatter where
         the asked-for sharding allows one.
       residual: keyword-only, None (default) or a bfloat16 array of y's shape [...,
-        d_out]: returns residual + x @ w.T. The kernel that makes the add in the
-        forward (in the residual's buffer) is held back for now
-        (RESIDUAL_KERNELS_ENABLED in jax_cake/planner/residual.py): the op runs the
-        forward and a separate add, with the same values: bf16(residual + bf16(x @
-        w.T)), those of `residual + dense_projection(x, w)`. The residual's gradient is
+        d_out]: returns residual + x @ w.T. The forward kernel adds its bf16 tiles into
+        the residual's buffer (in place under jit where the residual is donated or an
+        intermediate): bf16(residual + bf16(x @ w.T)), bit for bit the values of
+        `residual + dense_projection(x, w)` on the same tile. The residual's gradient is
         dy, with the residual's sharding. With grad_accumulator= or out_sharding= the
         add is always a separate one.
 
@@ -126,8 +125,8 @@ def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=Non
       grad_accumulator: keyword-only, None or a float32 [B, d_out, d_in] running sum of
         w's gradient, as in dense_projection.
       out_sharding: keyword-only, the sharding of y, as in dense_projection.
-      residual: keyword-only, None or a bfloat16 [B, T, d_out] array added to y, as in
-        dense_projection (for now the forward and a separate add).
+      residual: keyword-only, None or a bfloat16 [B, T, d_out] array added to y in the
+        forward kernel, as in dense_projection.
 
     Returns:
       y: [B, T, d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype.

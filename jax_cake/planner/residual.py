@@ -4,9 +4,10 @@
 forward's bf16 tiles into the residual inside the kernel (jax_cake_fwd_residual,
 docs/ffi_contract.md): one pass over K on the bf16 reduce-add ("add" store) fwd variant
 of the tile, each finished tile rounded to bf16 and TMA reduce-added into r, so
-y = bf16(r + bf16(x w^T)), one add per element (bitwise reproducible). While those
-kernels are held back (RESIDUAL_KERNELS_ENABLED below, False today) it returns the
-ordinary forward plan (op "fwd"): the forward and a separate add.
+y = bf16(r + bf16(x w^T)), one add per element (bitwise reproducible): bit for bit the
+plain forward of the same tile followed by a bf16 add. With RESIDUAL_KERNELS_ENABLED
+(below) set to False it returns the ordinary forward plan (op "fwd"): the forward and a
+separate add, with the same values.
 
 The tile comes from the forward planner's ranking (jax_cake.planner.choose, the same
 rules as a plain forward), restricted to what `variants.supports(..., accumulate=True)`
@@ -31,10 +32,11 @@ from jax_cake.planner.overrides import forced
 from jax_cake.planner.plan_type import Plan
 
 OP = "fwd_residual"
-# The fused residual kernels are held back (the op runs the forward and a separate add)
-# until tests/gpu/test_residual_gpu.py passes at every shape on the GPU; the result is in
-# docs/benchmarks.md, "Residual add in the forward".
-RESIDUAL_KERNELS_ENABLED = False
+# A switch to hold the fused residual kernels back (the op then runs the forward and a
+# separate add, with the same values). On: tests/gpu/test_residual_gpu.py passes at every
+# shape on the H200, the down projection 8192 x 14336 -> 4096 included (docs/benchmarks.md,
+# "Residual add in the forward").
+RESIDUAL_KERNELS_ENABLED = True
 
 
 @functools.cache

@@ -303,38 +303,3 @@ def test_params_mark_full_slow_and_expected_failures():
     assert [p.values[0].shape == big for p in got] == ["xfail" in n for n in names]
     grid = cases.params(cases.SEED_GRID)
     assert all("full" in [m.name for m in p.marks] for p in grid if p.values[0].slow)
-
-
-def _marks(fn):
-    return {m.name: m for m in getattr(fn, "pytestmark", [])}
-
-
-def test_residual_expected_failures_are_the_fused_kernel_tests():
-    """Strict xfail exactly on what exercises the held-back fused residual kernel and fails
-    on the H200: the fused call at 8192 x 14336 -> 4096, and the tests that need the planner
-    to plan the fused call. The separate-add path and the fused calls that pass stay normal."""
-    import test_residual_gpu as t
-
-    held = {"test_public_op_values_and_gradients", "test_donated_residual_is_updated_in_place",
-            "test_the_planned_variants_are_in_the_library"}
-    normal = {"test_public_op_is_bitwise_repeatable", "test_xla_parity_of_the_down_projection",
-              "test_fused_call_is_r_plus_the_plain_forward_bit_for_bit"}
-    for name in held | normal | {"test_fused_call_against_float64"}:
-        marks = _marks(getattr(t, name))
-        xfail = marks.get("xfail")
-        if name in held:
-            assert xfail is not None and xfail.kwargs["strict"] and xfail.kwargs["raises"] is AssertionError, name
-            assert "RESIDUAL_KERNELS_ENABLED" in xfail.kwargs["reason"]
-        else:
-            assert xfail is None, name
-        if name in ("test_fused_call_against_float64", "test_fused_call_is_r_plus_the_plain_forward_bit_for_bit"):
-            per_case = [
-                (p.values[0].shape, [m for m in p.marks if m.name == "xfail"]) for p in marks["parametrize"].args[1]
-            ]
-            failing = {shape for shape, xf in per_case if xf}
-            if name == "test_fused_call_against_float64":
-                assert failing == {(1, 8192, 14336, 4096)}
-                (xf,) = next(xf for shape, xf in per_case if xf)
-                assert xf.kwargs["strict"] and "6.56 of the bound" in xf.kwargs["reason"]
-            else:
-                assert failing == set()
