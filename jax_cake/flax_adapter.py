@@ -9,7 +9,7 @@ kernels uncast.
                      dot_general=jc.dot_general, promote_dtype=jc.promote_dtype)
 
 `dot_general` routes projection-shaped contractions to jax_cake's kernels and sends
-everything else to `lax.dot_general` unchanged:
+everything else to `lax.dot_general`:
 
 - routed: a bfloat16 lhs whose contracting axes are its trailing axes, against a
   bfloat16 or float32 rhs whose contracting axes are either its leading axes (Flax's
@@ -20,15 +20,27 @@ everything else to `lax.dot_general` unchanged:
   `lax.dot_general` of the same bf16 operands.
 - everything else (float32 or other activation dtypes, batch dimensions on both sides
   as in attention, axes that would need a transpose, preferred_element_type float32, a
-  non-default precision, bad dimension numbers, ...) is exactly `lax.dot_general`.
+  non-default precision, out_sharding, bad dimension numbers, ...) is `lax.dot_general`
+  with the caller's arguments, unchanged except for a float32 master rhs (below).
 
-The one difference from `lax.dot_general`: a bfloat16 lhs against a float32 rhs (with
-preferred_element_type None or bfloat16) is the master-weight case. The rhs is rounded to
-bfloat16 for the product and the result is bfloat16 (lax would compute a float32
-result), which is what Flax computes with its default promote_dtype (it casts the
-kernel to the layer's dtype first); the rhs's gradient is float32, written from the
-kernel's FP32 accumulator rather than rounded to bfloat16. `promote_dtype` below is what
-lets the float32 kernel reach `dot_general` uncast.
+The master weight: a bfloat16 lhs against a float32 rhs. That is the FP32 kernel that
+`promote_dtype` below passes through uncast, where Flax's own promote_dtype casts it to
+the layer's dtype (bfloat16) before the layer calls its dot_general, whatever the
+preferred_element_type, precision or layout. So on every path the rhs is rounded to
+bfloat16 first:
+
+- routed, the kernels round it; the result is bfloat16 and the rhs's gradient is
+  float32, written from the kernel's FP32 accumulator rather than rounded to bfloat16
+  (the one difference from Flax's default promote, and the point of the hooks);
+- not routed, the call is `lax.dot_general(lhs, rhs.astype(bfloat16), ...)` with the
+  caller's other arguments: bitwise what the layer computes, value and gradients, with
+  Flax's default promote_dtype and `lax.dot_general`.
+
+The rule goes by the dtypes alone (dot_general cannot tell who called it), so a direct
+call with a bfloat16 lhs and a float32 rhs rounds the rhs too, where `lax.dot_general`
+would contract the float32 values as they are. To contract bfloat16 activations against
+float32 values in float32, cast the lhs to float32: float32 operands are
+`lax.dot_general` unchanged, as is a float32 lhs against a bfloat16 rhs.
 
 The Flax layout [d_in, d_out] runs without a transpose of the weight: with
 w_kn = [K, N] (N contiguous), y = x w_kn is the dgrad GEMM (dgrad(dy=x, w=w_kn)), the
@@ -123,9 +135,11 @@ def dot_general(
     `_dot_general=` to `jnp.einsum`. See the module docstring for what is routed; the
     rest is `lax.dot_general` unchanged.
 
-    A bfloat16 lhs against a float32 rhs is a master weight: the product uses the rhs
-    rounded to bfloat16 and returns bfloat16 (as Flax's default promotion computes),
-    and the rhs's gradient is float32 from the FP32 accumulator.
+    A bfloat16 lhs against a float32 rhs is a master weight: on every path the product
+    uses the rhs rounded to bfloat16, as Flax's default promote_dtype would have cast it.
+    Routed, the result is bfloat16 and the rhs's gradient is float32 from the FP32
+    accumulator; not routed (preferred_element_type float32 included), it is
+    `lax.dot_general(lhs, rhs.astype(bfloat16), ...)` exactly.
 
     deterministic: keyword-only, as in `jax_cake.dense_projection` (True: bitwise
     reproducible weight gradients; False lets the planner pick a split-K program whose
@@ -133,24 +147,28 @@ def dot_general(
     """
     deterministic = validation.check_deterministic("dot_general", deterministic)
     arrays = hasattr(lhs, "dtype") and hasattr(rhs, "dtype") and hasattr(lhs, "shape") and hasattr(rhs, "shape")
-    bf16_result = preferred_element_type is None or jnp.dtype(preferred_element_type) == _BF16
-    if not (arrays and jnp.dtype(lhs.dtype) == _BF16 and jnp.dtype(rhs.dtype) in (_BF16, _F32) and bf16_result):
+    if not (arrays and jnp.dtype(lhs.dtype) == _BF16 and jnp.dtype(rhs.dtype) in (_BF16, _F32)):
         return lax.dot_general(
             lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding
         )
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    bf16_result = preferred_element_type is None or jnp.dtype(preferred_element_type) == _BF16
     layout = _layout(lhs, rhs, dimension_numbers)
     routed = (
-        layout is not None
+        bf16_result
+        and layout is not None
         and out_sharding is None
         and _is_default_precision(precision)
         and 0 not in lhs.shape
         and 0 not in rhs.shape
     )
     if not routed:
-        # lax unchanged; a float32 master rhs gets the bfloat16 rounding the kernels give it.
+        # lax with the caller's arguments; a float32 master rhs is rounded to bfloat16 first,
+        # as Flax's promote_dtype would have cast it (see the module docstring).
+        if rhs.dtype == _F32:
+            rhs = rhs.astype(_BF16)
         return lax.dot_general(
-            lhs, rhs.astype(_BF16), dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding
+            lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding
         )
     c = len(dimension_numbers[0][0])
     lead = lhs.shape[: lhs.ndim - c]
@@ -202,10 +220,15 @@ def promote_dtype(*args, dtype=None, inexact: bool = True):
     bias), dtype=...)` (one tuple; returns a tuple).
 
     Use it only together with `dot_general=jax_cake.dot_general`, on layers whose
-    (inputs, kernel, bias) reach that dot_general: nn.Dense, nn.DenseGeneral, nnx.Linear,
-    nnx.LinearGeneral (and MultiHeadAttention's qkv/out promote functions). Not for
-    attention functions (their triple is query, key, value), convolutions or einsum
-    layers, where the uncast kernel would reach a plain XLA op.
+    (inputs, kernel, bias) reach that dot_general as its (lhs, rhs): nn.Dense,
+    nn.DenseGeneral, nnx.Linear, nnx.LinearGeneral (and MultiHeadAttention's qkv/out
+    promote functions). There every call computes what Flax's promote_dtype would give,
+    bitwise where dot_general does not route it (see `dot_general`). Not for attention
+    functions (their triple is query, key, value), convolutions, or the Einsum layers,
+    where the uncast kernel would reach a plain XLA op or `jnp.einsum`, which picks a
+    float32 result from a float32 operand itself. nnx.Einsum runs its projection on
+    jax_cake with `einsum_op=functools.partial(jnp.einsum, _dot_general=jax_cake.dot_general)`
+    and Flax's own promote_dtype (the kernel is then cast before the contraction).
     """
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
         return _promote(tuple(args[0]), dtype, inexact)
