@@ -11,8 +11,8 @@ FP32 master is a pass XLA runs anyway, and the interleave happens inside that fu
   elementwise pass right after the GEMM, not yet inside the kernel; the kernel epilogue
   that replaces it must give the same values.
 - saved for the backward: x, the weights as given (no copy) and gu, named
-  jax_cake.remat.PREACTIVATION_NAME so a remat policy can keep it (else the backward
-  runs the forward GEMM again).
+  jax_cake.remat.PREACTIVATION_NAME before h is computed from it, so a remat policy can
+  keep it (else the backward runs the forward GEMM again) and recompute h from it.
 - backward: (dg, du) = jax_cake.reference.gate_grad(dh, g, u) (bf16, from the saved
   bf16 g, u), interleaved as W's rows; dx is ONE dgrad GEMM over K = 2F; dWg and dWu
   come from jax_cake.pipeline.fused.weight_gradients (one wgrad over 2F split by rows,
@@ -36,7 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_cake import primitives, reference, remat
+from jax_cake import primitives, reference
 from jax_cake.pipeline import fused
 from jax_cake.primitives import partitioning
 
@@ -71,7 +71,7 @@ def _gated(x3, w_gate, w_up, options: Options):
 
 def _gated_fwd(x3, w_gate, w_up, options):
     h, gu = _forward(x3, w_gate, w_up, options)
-    return h, (x3, w_gate, w_up, remat.name_preactivation(gu))
+    return h, (x3, w_gate, w_up, gu)  # gu is named for the remat policies (primitives.fwd_gated)
 
 
 def _gated_bwd(options, saved, dh):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jax_cake import reference
+from jax_cake import reference, remat
 from jax_cake.planner import Plan
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import plan as make_plan
@@ -229,8 +229,10 @@ def fwd_gated(x, w, plan: Plan, activation: str, *, out_sharding=None):
 
     Today the epilogue is an XLA elementwise pass right after the "store" GEMM (the
     activation is not yet inside the kernel); a kernel epilogue that writes h and gu from
-    the accumulator tile replaces the pass with the same values."""
-    gu = fwd(x, w, plan, out_sharding=out_sharding)
+    the accumulator tile replaces the pass with the same values. gu is named
+    remat.PREACTIVATION_NAME before the pass reads it: under a remat policy that saves it,
+    h is recomputed from it elementwise, without the GEMM."""
+    gu = remat.name_preactivation(fwd(x, w, plan, out_sharding=out_sharding))
     g, u = deinterleave(gu, -1)
     return reference.gate(g, u, activation), gu
 
