@@ -20,9 +20,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cake as jc
 from helpers import assert_raises_naming, f64, faked_device, rand, rel_err
-from jax_cake import contract, reference
+from jax_cake import contract
 from jax_cake.pipeline.fused import WIDE_D_OUT
-from test_partitioning import _dims, collectives
+from test_partitioning import collectives
 
 BF, F32 = jnp.bfloat16, jnp.float32
 ACTS = ("silu", "gelu")
@@ -197,7 +197,7 @@ def test_swiglu_mlp_matches_the_composition_and_float64(activation, w_dtype, wit
         dy2 = dy.reshape(-1, d_out)
         dh = jnp.dot(dy2, wd.astype(BF), preferred_element_type=F32).astype(BF).reshape(*lead, f)
         dwd = jnp.dot(dy2.T, h.reshape(-1, f), preferred_element_type=F32).astype(wd.dtype)
-        hh, dx, dwg, dwu, _, _ = _composition(x, wg, wu, dh, activation)
+        _, dx, dwg, dwu, _, _ = _composition(x, wg, wu, dh, activation)
         return y2.reshape(*lead, d_out), dx, dwg, dwu, dwd, h
 
     cy, cdx, cdwg, cdwu, cdwd, h = jax.jit(composition)(x, wg, wu, wd, dy, r)
@@ -510,6 +510,10 @@ def test_d_ff_sharded_gives_the_unsharded_values_and_gathers_nothing(mlp, f, exp
 
 
 _TUPLE_COLLECTIVE = re.compile(r"= \(([^=]*?)\) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\(")
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in shape[shape.index("[") + 1 : -1].split(",") if d)
 
 
 def _collectives(text):
