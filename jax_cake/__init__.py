@@ -3,11 +3,19 @@
 import jax_cake as jc
 y = jc.dense_projection(x, w, deterministic=True)    # y = x @ w.T
 q, k, v = jc.fused_projections(x, (wq, wk, wv))      # one GEMM launch each for fwd, dx, dw
+y = jc.swiglu_mlp(x, w_gate, w_up, w_down)            # silu(x @ w_gate.T) * (x @ w_up.T) @ w_down.T
 print(jc.explain(jc.plan("wgrad", tokens=16384, d_in=4096, d_out=48)))
 """
 
 from jax_cake import remat
-from jax_cake.api import batched_projection, dense_projection, fused_projections, router_logits
+from jax_cake.api import (
+    batched_projection,
+    dense_projection,
+    fused_projections,
+    gated_projection,
+    router_logits,
+    swiglu_mlp,
+)
 from jax_cake.flax_adapter import dot_general, promote_dtype
 from jax_cake.planner import Plan, explain, plan
 
@@ -20,8 +28,10 @@ __all__ = [
     "dot_general",
     "explain",
     "fused_projections",
+    "gated_projection",
     "plan",
     "promote_dtype",
     "remat",
     "router_logits",
+    "swiglu_mlp",
 ]

@@ -1,4 +1,5 @@
-"""The public ops: dense, batched and fused projections and the FP32 router GEMM.
+"""The public ops: dense, batched, fused and gated projections, the SwiGLU MLP and the
+FP32 router GEMM.
 
 Each op validates its arguments (jax_cake.pipeline.validation: a bad argument raises a
 TypeError or ValueError naming it, at trace time, before anything runs), brings them to
@@ -8,8 +9,8 @@ inside one `jax.custom_vjp`. Each output is named for the remat policies
 (jax_cake.remat).
 
 The options of the projections are epilogues of their GEMMs: `residual=` adds into the
-forward GEMM's output, `grad_accumulator=` into the weight gradient's
-(docs/architecture.md).
+forward GEMM's output, `grad_accumulator=` into the weight gradient's; the gated
+projection's activation is its forward GEMM's "gated" epilogue (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_cake import remat
-from jax_cake.pipeline import fused, projection, router, validation
+from jax_cake.pipeline import fused, gated, projection, router, validation
 from jax_cake.primitives import partitioning
 
 
@@ -174,6 +175,100 @@ def fused_projections(x, ws: Sequence[Any], *, deterministic: bool = True) -> tu
     lead = x.shape[:-1]
     ys = fused.project_fused(_batch_of_one(x), tuple(ws), deterministic=deterministic)
     return tuple(remat.name_output(jnp.reshape(y, lead + (y.shape[-1],))) for y in ys)
+
+
+def _gated_operands(fn, x, w_gate, w_up, activation, deterministic):
+    deterministic = validation.check_deterministic(fn, deterministic)
+    activation = validation.check_activation(fn, activation)
+    validation.check_activations(fn, x)
+    validation.check_gated_weights(fn, w_gate, w_up, x.shape[-1])
+    return activation, deterministic
+
+
+def gated_projection(x, w_gate, w_up, *, activation: str = "silu", deterministic: bool = True):
+    """h = act(x @ w_gate.T) * (x @ w_up.T): the SwiGLU ("silu") / GeGLU ("gelu") input
+    projection of an MLP, with one GEMM launch each for the forward, dx and dw.
+
+    Values (jax_cake.reference.gate / gate_grad): g = bf16(x w_gate^T) and u = bf16(x
+    w_up^T), each the GEMM's FP32 accumulator rounded once (the pre-activation, which the
+    backward saves); h = bf16(act(g) * u) computed in FP32 from the bf16 g and u. For a
+    bf16 cotangent dh: dg = bf16(dh * u * act'(g)), du = bf16(dh * act(g)) in FP32 from
+    the saved g, u; dx = [dg | du] @ [w_gate; w_up] as ONE GEMM over K = 2 d_ff (one FP32
+    sum, rounded once); dw_gate, dw_up from the wgrad's FP32 accumulator in each weight's
+    dtype. The forward is one GEMM over the gate and up rows interleaved
+    (jax_cake.pipeline.gated); the activation runs today as an XLA elementwise pass right
+    after it (not yet inside the kernel), with the values a kernel epilogue will keep.
+
+    Args:
+      x: [..., d_in] bfloat16 activations (any number of leading token dimensions).
+      w_gate, w_up: [d_ff, d_in] bfloat16 or float32 weights of the same shape (a float32
+        weight is a master weight, as in dense_projection). Keep them apart: with d_ff
+        sharded (both on their first axis, column-parallel) every shard computes its own
+        h columns with no gather of x or of the weights.
+      activation: keyword-only, "silu" (z sigmoid(z), SwiGLU; default) or "gelu" (the
+        tanh approximation, jax.nn.gelu(approximate=True), GeGLU).
+      deterministic: keyword-only, as in dense_projection.
+
+    Returns:
+      h: [..., d_ff] bfloat16. Gradients: dx bfloat16, dw_gate and dw_up in their
+      weights' dtypes. Under jax.checkpoint, jc.remat.save_gated_preactivation (or
+      save_projections) keeps the pre-activation so the backward does not run the
+      forward GEMM again.
+
+    Raises (at trace time): TypeError / ValueError naming the bad argument.
+    """
+    fn = "gated_projection"
+    activation, deterministic = _gated_operands(fn, x, w_gate, w_up, activation, deterministic)
+    lead, d_ff = x.shape[:-1], w_gate.shape[0]
+    h3 = gated.project_gated(_batch_of_one(x), w_gate, w_up, activation=activation, deterministic=deterministic)
+    return remat.name_output(jnp.reshape(h3, lead + (d_ff,)))
+
+
+def swiglu_mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", residual=None, deterministic: bool = True):
+    """y = [residual +] gated_projection(x, w_gate, w_up) @ w_down.T: a SwiGLU / GeGLU MLP.
+
+    The gated projection as in gated_projection; the down projection is the projection
+    pipeline's (dense_projection's values), with residual= as its forward GEMM's "add"
+    epilogue (the fused residual kernel on the GPU). h is not an output: under
+    jax.checkpoint with jc.remat.save_gated_preactivation (or save_projections) the
+    backward keeps the pre-activation [gate | up] and recomputes h from it elementwise,
+    running no GEMM twice.
+
+    Args:
+      x: [..., d_in] bfloat16.
+      w_gate, w_up: [d_ff, d_in] bfloat16 or float32, as in gated_projection.
+      w_down: [d_out, d_ff] bfloat16 or float32.
+      activation: keyword-only, "silu" (default) or "gelu", as in gated_projection.
+      residual: keyword-only, None (default) or a bfloat16 [..., d_out] array: returns
+        bf16(residual + bf16(h @ w_down.T)), as dense_projection's residual=.
+      deterministic: keyword-only, as in dense_projection (every GEMM of the MLP).
+
+    Returns:
+      y: [..., d_out] bfloat16. Gradients: dx bfloat16, each weight's in its dtype, the
+      residual's dy.
+
+    Raises (at trace time): TypeError / ValueError naming the bad argument.
+    """
+    fn = "swiglu_mlp"
+    activation, deterministic = _gated_operands(fn, x, w_gate, w_up, activation, deterministic)
+    d_ff = w_gate.shape[0]
+    validation.check_down_weight(fn, w_down, d_ff)
+    lead, d_out = x.shape[:-1], w_down.shape[0]
+    if residual is not None:
+        validation.check_residual(fn, residual, lead + (d_out,))
+    h3 = gated.project_gated(_batch_of_one(x), w_gate, w_up, activation=activation, deterministic=deterministic)
+    return _run_projection(
+        fn,
+        h3,
+        jnp.reshape(w_down, (1,) + w_down.shape),
+        residual,
+        None if residual is None else _batch_of_one(residual),
+        None,
+        deterministic,
+        None,
+        None,
+        lambda y3: jnp.reshape(y3, lead + (d_out,)),
+    )
 
 
 def router_logits(x, w, *, deterministic: bool = True):

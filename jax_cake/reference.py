@@ -3,7 +3,9 @@
 Runs on CPU, on GPUs without jax_cake kernels, and for shapes the kernels do not take.
 Semantics match the kernels: BF16 operands, FP32 accumulation, one rounding to the
 output dtype at the end; the router splits each FP32 operand into hi + lo BF16 parts and
-accumulates hi*hi + hi*lo + lo*hi in FP32 (BF16x3).
+accumulates hi*hi + hi*lo + lo*hi in FP32 (BF16x3). The gated epilogue (SwiGLU /
+GeGLU: `gate`, `gate_grad`) is defined here too, once, for the XLA pass that runs it
+today and for the kernel epilogue that is to replace that pass with the same values.
 
 All GEMMs take a leading batch dimension: x [B, T, d_in], w [B, d_out, d_in],
 dy [B, T, d_out] (docs/ffi_contract.md).
@@ -11,6 +13,7 @@ dy [B, T, d_out] (docs/ffi_contract.md).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -82,3 +85,47 @@ def router_dgrad(g, w):
 def router_wgrad(g, x):
     """dw[E, d] (f32) = g[T, E]^T . x[T, d] by BF16x3."""
     return _bf16x3(g, x, 0, 0)
+
+
+# --- the gated epilogue (SwiGLU / GeGLU): its values, defined once ---------------------------
+#
+# From the bf16 pre-activation g = bf16(x Wg^T), u = bf16(x Wu^T) (each the GEMM's FP32
+# accumulator rounded once):
+#
+#   forward   h  = bf16(act(g) * u)                     in FP32 from the bf16 g, u
+#   backward  dg = bf16(dh * u * act'(g)),  du = bf16(dh * act(g))   in FP32 from the
+#             bf16 dh, g, u
+#
+# act is "silu" (z sigmoid(z)) or "gelu" (the tanh approximation, jax.nn.gelu with
+# approximate=True). A kernel epilogue computing these on the accumulator tile must give
+# the same values.
+
+ACTIVATIONS = ("silu", "gelu")
+_GELU_C = 0.7978845608028654  # sqrt(2 / pi), as jax.nn.gelu's
+_GELU_A = 0.044715
+
+
+def _act_and_slope(z, activation: str):
+    """(act(z), act'(z)) for FP32 z."""
+    if activation == "silu":
+        s = jax.nn.sigmoid(z)
+        return z * s, s * (1.0 + z * (1.0 - s))
+    if activation == "gelu":
+        t = jnp.tanh(_GELU_C * (z + _GELU_A * (z * z * z)))
+        value = jax.nn.gelu(z, approximate=True)
+        slope = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * (_GELU_C * (1.0 + 3.0 * _GELU_A * (z * z)))
+        return value, slope
+    raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+
+
+def gate(g, u, activation: str):
+    """h = bf16(act(g) * u), in FP32 from bf16 g, u (the gated epilogue's forward value)."""
+    value, _ = _act_and_slope(g.astype(_F32), activation)
+    return (value * u.astype(_F32)).astype(_BF16)
+
+
+def gate_grad(dh, g, u, activation: str):
+    """(dg, du) = (bf16(dh * u * act'(g)), bf16(dh * act(g))), in FP32 from bf16 dh, g, u."""
+    value, slope = _act_and_slope(g.astype(_F32), activation)
+    dh = dh.astype(_F32)
+    return (dh * u.astype(_F32) * slope).astype(_BF16), (dh * value).astype(_BF16)

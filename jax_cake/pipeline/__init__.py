@@ -4,5 +4,6 @@ the GEMM primitives.
   validation.py  the operand checks of every public entry point, with their messages
   projection.py  the projection (dense, batched, Flax layout) and its epilogue options
   fused.py       several weights over one input, one GEMM per pass
+  gated.py       the gated (SwiGLU / GeGLU) projection: the forward GEMM's gated epilogue
   router.py      the FP32 router GEMM (BF16x3)
 """

@@ -57,7 +57,9 @@ def _split_columns(y, widths: tuple[int, ...]):
     return tuple(out)
 
 
-def _fused_plans(x3, w_cat, deterministic: bool, w_dtypes: tuple[str, ...]):
+def stacked_plans(x3, w_cat, deterministic: bool, w_dtypes: tuple[str, ...]):
+    """(forward, input-grad, weight-grad) plans of the GEMMs over the stacked weight
+    w_cat [D, d_in] (the weight-grad plan writes FP32 when any weight is FP32)."""
     return projection.plans(x3, w_cat[None], projection.Options(deterministic, _wgrad_dtype(w_dtypes)))
 
 
@@ -85,20 +87,22 @@ def _fused(x3, ws, deterministic: bool, w_dtypes: tuple[str, ...], w_specs):
 def _fused_fwd(x3, ws, deterministic, w_dtypes, w_specs):
     del w_specs
     w_cat = _stack_bf16(ws)
-    fwd_plan, _, _ = _fused_plans(x3, w_cat, deterministic, w_dtypes)
+    fwd_plan, _, _ = stacked_plans(x3, w_cat, deterministic, w_dtypes)
     y = primitives.fwd(x3, w_cat[None], fwd_plan)
     return _split_columns(y, tuple(w.shape[0] for w in ws)), (x3, w_cat)
 
 
-def _fused_bwd(deterministic, w_dtypes, w_specs, saved, dys):
-    """w_specs: the weights' PartitionSpecs under Explicit axes (static), else None: each
-    cotangent must carry its primal's sharding type there."""
-    x3, w_cat = saved
-    _, dgrad_plan, wgrad_plan = _fused_plans(x3, w_cat, deterministic, w_dtypes)
-    dy = jnp.concatenate([d.astype(_BF16) for d in dys], axis=-1)
-    (x_spec,) = partitioning.explicit_specs(x3) or (None,)
-    dx = primitives.dgrad(dy, w_cat[None], dgrad_plan, out_sharding=x_spec)
-    if min(d.shape[-1] for d in dys) >= WIDE_D_OUT:
+def weight_gradients(x3, w_cat, dy, parts, split, *, deterministic: bool, w_dtypes: tuple[str, ...], w_specs):
+    """The weights' gradients (dw_i in w_i's dtype) over one x3 [1, T, d_in].
+
+    dy [1, T, D]: the cotangent of the stacked GEMM's output (its columns in w_cat's row
+    order); parts: the per-weight cotangents dy_i [1, T, d_out_i]; split: dw [D, d_in] ->
+    the dw_i (w_cat's row order undone). Every d_out_i >= WIDE_D_OUT: one wgrad per weight
+    from parts, straight into w_i's dtype; else ONE wgrad over D from dy, split by rows
+    (module docstring). w_specs: the weights' PartitionSpecs under Explicit axes (static),
+    else None: each gradient is asked for, and resharded to, its weight's sharding.
+    """
+    if min(d.shape[-1] for d in parts) >= WIDE_D_OUT:
         dws = [
             primitives.wgrad(
                 d.astype(_BF16),
@@ -107,19 +111,47 @@ def _fused_bwd(deterministic, w_dtypes, w_specs, saved, dys):
                 deterministic=deterministic,
                 out_sharding=None if w_specs is None else P(None, *spec),
             )[0]
-            for d, dtype, spec in zip(dys, w_dtypes, w_specs or [None] * len(dys))
+            for d, dtype, spec in zip(parts, w_dtypes, w_specs or [None] * len(parts))
         ]
     else:
+        _, _, wgrad_plan = stacked_plans(x3, w_cat, deterministic, w_dtypes)
         dw = primitives.wgrad(dy, x3, wgrad_plan, deterministic=deterministic)[0]  # [D, d_in], the plan's dtype
-        dws, start = [], 0
-        for d, dtype in zip(dys, w_dtypes):
-            width = d.shape[-1]
-            dws.append(jax.lax.slice_in_dim(dw, start, start + width, axis=0).astype(dtype))
-            start += width
-    (dx,) = partitioning.as_primal_types((dx,), (x3,))
+        dws = [piece.astype(dtype) for piece, dtype in zip(split(dw), w_dtypes)]
     if w_specs is not None:
         dws = [partitioning.reshard_to(dw, spec) for dw, spec in zip(dws, w_specs)]
-    return dx, tuple(dws)
+    return tuple(dws)
+
+
+def _split_rows(dw, widths: tuple[int, ...]):
+    out, start = [], 0
+    for width in widths:
+        out.append(jax.lax.slice_in_dim(dw, start, start + width, axis=0))
+        start += width
+    return tuple(out)
+
+
+def _fused_bwd(deterministic, w_dtypes, w_specs, saved, dys):
+    """w_specs: the weights' PartitionSpecs under Explicit axes (static), else None: each
+    cotangent must carry its primal's sharding type there."""
+    x3, w_cat = saved
+    _, dgrad_plan, _ = stacked_plans(x3, w_cat, deterministic, w_dtypes)
+    dys = tuple(d.astype(_BF16) for d in dys)
+    dy = jnp.concatenate(dys, axis=-1)
+    (x_spec,) = partitioning.explicit_specs(x3) or (None,)
+    dx = primitives.dgrad(dy, w_cat[None], dgrad_plan, out_sharding=x_spec)
+    widths = tuple(d.shape[-1] for d in dys)
+    dws = weight_gradients(
+        x3,
+        w_cat,
+        dy,
+        dys,
+        lambda dw: _split_rows(dw, widths),
+        deterministic=deterministic,
+        w_dtypes=w_dtypes,
+        w_specs=w_specs,
+    )
+    (dx,) = partitioning.as_primal_types((dx,), (x3,))
+    return dx, dws
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

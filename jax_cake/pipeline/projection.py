@@ -9,10 +9,10 @@ them is static `Options`, and each option is an epilogue of one of the three GEM
     input-grad GEMM    dx = dy w             (no option today)
     weight-grad GEMM   dw = dy^T x           accumulate: the "add" epilogue, acc + dw
 
-The gated activation of a SwiGLU MLP plugs in the same way: an epilogue of the forward
-GEMM (h = act(g) * u from the gate/up accumulator) and of the down projection's
-input-grad GEMM (d[gate|up] from the saved pre-activation), options of this pipeline,
-not a module beside it.
+The gated activation of a SwiGLU MLP is an epilogue of the forward GEMM of the gate/up
+projection (jax_cake.pipeline.gated: today an XLA pass after the GEMM); its backward
+epilogue (d[gate|up] from the saved pre-activation) is to go on this pipeline's input-grad
+GEMM of the down projection.
 
 Layouts: "nk" is jax_cake's own w [d_out, d_in]; "kn" is Flax's kernel [d_in, d_out]
 run without a transpose: with w_kn = [K, N], y = x w_kn is the dgrad GEMM, the input

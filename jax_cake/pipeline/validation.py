@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_cake import reference
 from jax_cake.primitives import partitioning
 
 _ACTIVATION_HINT = " (cast activations with x.astype(jnp.bfloat16))"
@@ -110,6 +111,44 @@ def check_weights(fn: str, ws, d_in: int) -> None:
                 f"{fn}: {name}.shape[1] (d_in={w.shape[1]}) must equal x's last dimension (d_in={d_in}); "
                 f"every weight is [d_out, d_in] over the same x"
             )
+
+
+def check_activation(fn: str, activation: Any) -> str:
+    """activation: one of the gated epilogue's names (reference.ACTIVATIONS)."""
+    if not isinstance(activation, str) or activation not in reference.ACTIVATIONS:
+        names = " or ".join(repr(a) for a in reference.ACTIVATIONS)
+        raise ValueError(f"{fn}: activation must be {names}, got {type(activation).__name__} {activation!r}")
+    return activation
+
+
+def check_gated_weights(fn: str, w_gate, w_up, d_in: int) -> None:
+    """w_gate and w_up: [F, d_in] bf16 or f32 weights of the same shape over x."""
+    for name, w in (("w_gate", w_gate), ("w_up", w_up)):
+        check_array(fn, name, w)
+        check_dtype(fn, name, w, (jnp.bfloat16, jnp.float32), "")
+        check_rank(fn, name, w, 2, "[d_ff, d_in]")
+        if w.shape[1] != d_in:
+            raise ValueError(
+                f"{fn}: {name}.shape[1] (d_in={w.shape[1]}) must equal x's last dimension (d_in={d_in}); "
+                f"{name} is [d_ff, d_in]"
+            )
+    if tuple(w_gate.shape) != tuple(w_up.shape):
+        raise ValueError(
+            f"{fn}: w_gate and w_up must have the same shape [d_ff, d_in], got w_gate {tuple(w_gate.shape)} "
+            f"and w_up {tuple(w_up.shape)}"
+        )
+
+
+def check_down_weight(fn: str, w_down, d_ff: int) -> None:
+    """w_down: [d_out, d_ff] bf16 or f32, its d_in the gated projection's d_ff."""
+    check_array(fn, "w_down", w_down)
+    check_dtype(fn, "w_down", w_down, (jnp.bfloat16, jnp.float32), "")
+    check_rank(fn, "w_down", w_down, 2, "[d_out, d_ff]")
+    if w_down.shape[1] != d_ff:
+        raise ValueError(
+            f"{fn}: w_down.shape[1] (d_ff={w_down.shape[1]}) must equal w_gate.shape[0] (d_ff={d_ff}); "
+            "w_down is [d_out, d_ff]"
+        )
 
 
 def check_router_operands(fn: str, x, w, deterministic: Any) -> bool:

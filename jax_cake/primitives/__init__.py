@@ -10,7 +10,29 @@ rules next to the calls.
   call.py          (role, plan, epilogue) -> the call with both rules around it
 """
 
-from jax_cake.primitives.call import dgrad, fwd, router_dgrad, router_fwd, router_wgrad, wgrad
+from jax_cake.primitives.call import (
+    deinterleave,
+    dgrad,
+    fwd,
+    fwd_gated,
+    interleave,
+    router_dgrad,
+    router_fwd,
+    router_wgrad,
+    wgrad,
+)
 from jax_cake.primitives.gemm import router_ffi_operands, targets_from
 
-__all__ = ["dgrad", "fwd", "router_dgrad", "router_ffi_operands", "router_fwd", "router_wgrad", "targets_from", "wgrad"]
+__all__ = [
+    "deinterleave",
+    "dgrad",
+    "fwd",
+    "fwd_gated",
+    "interleave",
+    "router_dgrad",
+    "router_ffi_operands",
+    "router_fwd",
+    "router_wgrad",
+    "targets_from",
+    "wgrad",
+]
