@@ -9,7 +9,17 @@ weight gradient comes back in float32 straight from the wgrad accumulator. The b
 rematerialized with `jax_cake.remat.save_projections`: projection outputs are saved,
 everything else (norms, attention softmax, SiLU) is recomputed in the backward.
 
-Task: regress a fixed random linear map of the input tokens (loss must go down).
+Task: regress a fixed random linear map of the input tokens. The loss must fall: the
+script exits with status 1 if the last step's loss is not below 0.9 x the first's.
+
+Adam's learning rate is scaled with the width. Adam moves every weight entry by about
+the rate per step, in a sign pattern that for this dense target is not aligned with a
+fresh input, so a projection's output moves by about lr x sqrt(d_in): a fixed 3e-3,
+which trains d_model=128, makes d_model=2048 diverge (on the XLA path as on the
+kernels), while a 1 / d_model rate is stable but slow there. The default peak
+rate is 3e-3 x sqrt(128 / d_model), reached by a linear warmup over the first tenth of
+the steps; --lr and --warmup_steps override them.
+
 Runs on CPU (XLA fallback) and on a supported GPU (AOT kernels):
 
     python examples/train_step.py
@@ -19,6 +29,7 @@ Runs on CPU (XLA fallback) and on a supported GPU (AOT kernels):
 import functools
 import math
 import statistics
+import sys
 import time
 
 from absl import app, flags, logging
@@ -33,7 +44,10 @@ flags.DEFINE_integer("batch", 8, "Sequences per step.")
 flags.DEFINE_integer("seq", 64, "Tokens per sequence.")
 flags.DEFINE_integer("d_model", 128, "Model width; a multiple of 8 keeps the GPU kernels eligible.")
 flags.DEFINE_integer("heads", 4, "Attention heads; must divide d_model.")
-flags.DEFINE_float("lr", 3e-3, "Adam learning rate.")
+flags.DEFINE_float(
+    "lr", None, "Peak Adam learning rate (default: 3e-3 * sqrt(128 / d_model), the rate scaled with the width)."
+)
+flags.DEFINE_integer("warmup_steps", None, "Steps of linear learning-rate warmup (default: a tenth of --steps).")
 flags.DEFINE_integer("seed", 0, "Seed for weights, data and the target map.")
 flags.DEFINE_bool(
     "deterministic",
@@ -43,6 +57,12 @@ flags.DEFINE_bool(
 flags.DEFINE_integer("log_every", 10, "Print the loss every this many steps.")
 
 BF16, F32 = jnp.bfloat16, jnp.float32
+BASE_LR, BASE_WIDTH = 3e-3, 128  # a rate that trains d_model=128, and that width
+
+
+def default_lr(d_model: int) -> float:
+    """The rate scaled with the width (see the module docstring)."""
+    return BASE_LR * math.sqrt(BASE_WIDTH / d_model)
 
 
 def init_params(key, d_model):
@@ -96,8 +116,13 @@ def block(params, x, *, heads, deterministic):
     return x + proj(jax.nn.silu(gate) * up, "w_down")
 
 
+def learning_rate(step, lr, warmup_steps):
+    """Linear warmup from lr / warmup_steps to lr, then constant."""
+    return lr * jnp.minimum(1.0, (step + 1) / max(warmup_steps, 1))
+
+
 def adam(params, grads, state, step, lr, b1=0.9, b2=0.999, eps=1e-8):
-    """Plain-jax Adam on the float32 master weights; state = (m, v)."""
+    """Plain-jax Adam on the float32 master weights; state = (m, v); lr may be traced."""
     m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state[0], grads)
     v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state[1], grads)
     t = step + 1
@@ -106,7 +131,7 @@ def adam(params, grads, state, step, lr, b1=0.9, b2=0.999, eps=1e-8):
     return params, (m, v)
 
 
-def make_train_step(target_map, *, batch, seq, heads, lr, deterministic, data_key):
+def make_train_step(target_map, *, batch, seq, heads, lr, warmup_steps, deterministic, data_key):
     remat_block = jax.checkpoint(
         lambda p, x: block(p, x, heads=heads, deterministic=deterministic), policy=jax_cake.remat.save_projections
     )
@@ -121,7 +146,7 @@ def make_train_step(target_map, *, batch, seq, heads, lr, deterministic, data_ke
         # Fresh synthetic batch per step, generated on the device (no host transfer).
         x = jax.random.normal(jax.random.fold_in(data_key, step), (batch, seq, target_map.shape[0]), F32).astype(BF16)
         loss, grads = jax.value_and_grad(loss_fn)(params, x)
-        params, opt_state = adam(params, grads, opt_state, step, lr)
+        params, opt_state = adam(params, grads, opt_state, step, learning_rate(step, lr, warmup_steps))
         return params, opt_state, loss
 
     return train_step
@@ -133,6 +158,8 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     if FLAGS.d_model % FLAGS.heads or FLAGS.steps < 2:
         raise app.UsageError("need d_model % heads == 0 and steps >= 2")
+    lr = default_lr(FLAGS.d_model) if FLAGS.lr is None else FLAGS.lr
+    warmup_steps = FLAGS.steps // 10 if FLAGS.warmup_steps is None else FLAGS.warmup_steps
     param_key, map_key, data_key = jax.random.split(jax.random.key(FLAGS.seed), 3)
     params = init_params(param_key, FLAGS.d_model)
     target_map = jax.random.normal(map_key, (FLAGS.d_model,) * 2, F32) / math.sqrt(FLAGS.d_model)
@@ -142,13 +169,15 @@ def main(argv):
         batch=FLAGS.batch,
         seq=FLAGS.seq,
         heads=FLAGS.heads,
-        lr=FLAGS.lr,
+        lr=lr,
+        warmup_steps=warmup_steps,
         deterministic=FLAGS.deterministic,
         data_key=data_key,
     )
     print(
         f"backend {jax.default_backend()}, tokens/step {FLAGS.batch * FLAGS.seq}, "
-        f"d_model {FLAGS.d_model}, deterministic {FLAGS.deterministic}"
+        f"d_model {FLAGS.d_model}, deterministic {FLAGS.deterministic}, "
+        f"Adam lr {lr:.3g} after {warmup_steps} warmup steps"
     )
     # What the MLP down-projection's weight gradient runs (kernel program or XLA) and why.
     print(
@@ -177,7 +206,11 @@ def main(argv):
         f"median step time {1e3 * statistics.median(times[1:]):.3f} ms "
         f"over {FLAGS.steps - 1} steps (first step with compile {1e3 * times[0]:.0f} ms)"
     )
+    if not losses[-1] < 0.9 * losses[0]:
+        print(f"FAIL: the loss did not fall (lr {lr:.3g}; try a smaller --lr or more --steps)", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main)  # exits with main's return value

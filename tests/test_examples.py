@@ -17,10 +17,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 STEP_LOSS = re.compile(r"^step\s+(\d+)\s+loss\s+([0-9.eE+-]+)", re.MULTILINE)
 
 
-def run_example(name, *flags, platform="cpu"):
+def run_process(name, *flags, platform="cpu"):
     env = dict(os.environ, JAX_PLATFORMS=platform)
     env.pop("XLA_FLAGS", None)  # the shard_map example sets its own device count
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(REPO / "examples" / name), *flags],
         cwd=REPO,
         env=env,
@@ -28,6 +28,10 @@ def run_example(name, *flags, platform="cpu"):
         text=True,
         timeout=180,
     )
+
+
+def run_example(name, *flags, platform="cpu"):
+    proc = run_process(name, *flags, platform=platform)
     assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -40,18 +44,27 @@ def assert_loss_went_down(stdout):
 
 
 def test_train_step():
-    assert_loss_went_down(
-        run_example(
-            "train_step.py",
-            "--steps=12",
-            "--batch=2",
-            "--seq=16",
-            "--d_model=32",
-            "--heads=2",
-            "--lr=1e-2",
-            "--log_every=1",
-        )
+    """The default learning rate and warmup, at a small size."""
+    stdout = run_example(
+        "train_step.py", "--steps=12", "--batch=2", "--seq=16", "--d_model=32", "--heads=2", "--log_every=1"
     )
+    assert_loss_went_down(stdout)
+    assert "Adam lr 0.006 after 1 warmup steps" in stdout  # 3e-3 * sqrt(128 / 32)
+
+
+def test_train_step_wide():
+    """At 4x the default width the width-scaled default still trains (a rate that trains
+    d_model=128 stalls or diverges at 1024-2048)."""
+    stdout = run_example(
+        "train_step.py", "--steps=30", "--batch=2", "--seq=32", "--d_model=512", "--heads=8", "--log_every=1"
+    )
+    assert_loss_went_down(stdout)
+    assert "Adam lr 0.0015 after 3 warmup steps" in stdout  # 3e-3 * sqrt(128 / 512)
+
+
+def test_train_step_fails_when_the_loss_does_not_fall():
+    proc = run_process("train_step.py", "--steps=3", "--batch=8", "--seq=16", "--d_model=32", "--heads=2", "--lr=0")
+    assert proc.returncode == 1 and "the loss did not fall" in proc.stderr, proc.stdout + proc.stderr
 
 
 def test_moe_router():
