@@ -431,9 +431,12 @@ class AccuracyContractTest(parameterized.TestCase):
         old = {"op": "wgrad", "d_in": 4096, "d_out": 1024, "out": "float32", "tokens": 16384, "program": "xla"}
         other = {**old, "d_out": 512}
         existing = {"arch": "sm_90a", "sm_ranges": [{"min_sms": 132, "max_sms": 132, "rows": [], "dropped": [old, other]}]}
-        measured = {tune.row_key(other)}
+        measured = {(tune.row_key(other), 16384)}
         table = tune.build_table("sm_90a", 132, "new", [], existing, measured, [{**other, "rel_err": 2e-5}])
         self.assertEqual(table["sm_ranges"][0]["dropped"], [old, {**other, "rel_err": 2e-5}])
+        # The same shape measured at another T keeps the note of the T it was not run at.
+        at_8192 = tune.build_table("sm_90a", 132, "new", [], existing, {(tune.row_key(old), 8192)})
+        self.assertEqual(at_8192["sm_ranges"][0]["dropped"], [old, other])
         self.assertNotIn("dropped", tune.build_table("sm_90a", 132, "new", [], existing)["sm_ranges"][0])
 
 
@@ -444,9 +447,14 @@ class KeepRowsTest(absltest.TestCase):
         remeasured = {"op": "fwd", "d_in": 5120, "d_out": 96, "out": "bfloat16", "program": "xla"}
         rng = {"min_sms": 132, "max_sms": 132, "rows": [old_xla, old_split, remeasured]}
         existing = {"arch": "sm_90a", "sm_ranges": [rng]}
-        measured = {tune.row_key(remeasured), tune.row_key(old_split)}
+        measured = {(tune.row_key(remeasured), 8192), (tune.row_key(old_split), 16384)}
         table = tune.build_table("sm_90a", 132, "new", [{"new": 1}], existing, measured)
         self.assertEqual(table["sm_ranges"][0]["rows"], [old_xla, {"new": 1}])
+        # A row of one token count stays when only another T of its shape is measured.
+        at_16384 = {**remeasured, "min_tokens": 16384, "max_tokens": 16384}
+        existing = {"arch": "sm_90a", "sm_ranges": [{**rng, "rows": [at_16384]}]}
+        table = tune.build_table("sm_90a", 132, "new", [], existing, {(tune.row_key(remeasured), 8192)})
+        self.assertEqual(table["sm_ranges"][0]["rows"], [at_16384])
         self.assertEqual(tune.build_table("sm_90a", 132, "new", [], existing)["sm_ranges"][0]["rows"], [])
 
 

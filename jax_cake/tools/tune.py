@@ -630,6 +630,16 @@ def row_key(row: Mapping) -> tuple:
     return (row.get("op", "wgrad"), row["d_in"], row["d_out"], row["out"], row.get("batch", 1))
 
 
+def _remeasured(entry: Mapping, measured: set) -> bool:
+    """Whether this run measured what a table entry says: its key at a token count it
+    covers (a row's [min_tokens, max_tokens], a dropped note's tokens; an entry without
+    token counts covers every T). `measured` holds (row_key, T) pairs."""
+    key = row_key(entry)
+    lo = entry.get("min_tokens", entry.get("tokens"))
+    hi = entry.get("max_tokens", entry.get("tokens"))
+    return any(k == key and (lo is None or lo <= t) and (hi is None or t <= hi) for k, t in measured)
+
+
 def build_table(
     arch: str,
     sms: int,
@@ -640,17 +650,17 @@ def build_table(
     dropped: Sequence[dict] = (),
 ) -> dict:
     """The table JSON: `existing` with its range for exactly `sms` SMs replaced by `rows`;
-    with `measured` (row keys, `row_key`), that range's rows of other keys stay, first.
-    `dropped` (Dropped.record of the arms the accuracy contract dropped) goes into the
-    range's "dropped" list, a note the planner does not read; with `measured`, earlier
-    notes of other keys stay too."""
+    with `measured` ((row_key, T) pairs), that range's rows this run did not measure (other
+    keys, or token counts the run did not time) stay, first. `dropped` (Dropped.record of
+    the arms the accuracy contract dropped) goes into the range's "dropped" list, a note the
+    planner does not read; with `measured`, earlier notes this run did not measure stay too."""
     ranges = [r for r in (existing or {}).get("sm_ranges", []) if (r["min_sms"], r.get("max_sms")) != (sms, sms)]
     kept, kept_dropped = [], []
     if measured is not None:
         for r in (existing or {}).get("sm_ranges", []):
             if (r["min_sms"], r.get("max_sms")) == (sms, sms):
-                kept = [row for row in r["rows"] if row_key(row) not in measured]
-                kept_dropped = [d for d in r.get("dropped", []) if row_key(d) not in measured]
+                kept = [row for row in r["rows"] if not _remeasured(row, measured)]
+                kept_dropped = [d for d in r.get("dropped", []) if not _remeasured(d, measured)]
     rng = {"min_sms": sms, "max_sms": sms, "rows": kept + list(rows)}
     if kept_dropped or dropped:
         rng["dropped"] = kept_dropped + list(dropped)
@@ -777,8 +787,8 @@ def main(argv):
     rows = table_rows(choices) + xla_table_rows(xla_choices, header["date"])
     measured = None
     if FLAGS.keep_rows:  # the keys this run measured: split rows of every point, xla rows of every cell
-        measured = {("wgrad", p.d_in, p.d_out, p.out, 1) for p in points}
-        measured |= {(op, p.d_in, p.d_out, p.out if op == "wgrad" else "bfloat16", 1) for op, p in cells}
+        measured = {(("wgrad", p.d_in, p.d_out, p.out, 1), p.tokens) for p in points}
+        measured |= {((op, p.d_in, p.d_out, p.out if op == "wgrad" else "bfloat16", 1), p.tokens) for op, p in cells}
         if existing is not None and existing.get("source") and existing["source"] != source:
             source = f"{source}; rows of other shapes kept from: {existing['source']}"
     notes = [d.record(header["date"]) for d in dropped]
