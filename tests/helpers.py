@@ -43,3 +43,14 @@ def faked_device(device=H200):
     """Plans inside the block target `device` (abstract mesh of one device)."""
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
         yield
+
+
+def cuda_text(fn, *args) -> str:
+    """jit(fn) over args lowered for CUDA on the faked H200 (StableHLO text)."""
+    with faked_device():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def custom_call_lines(text: str, target: str) -> list[str]:
+    """The lines of a lowered text that call `target` (a whole target name)."""
+    return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_cake as jc
-from helpers import assert_raises_naming, faked_device, rand
+from helpers import assert_raises_naming, faked_device, rand, custom_call_lines
 from jax_cake import primitives
 from jax_cake.pipeline import projection
 from jax_cake.primitives import gemm
@@ -149,7 +149,7 @@ def test_no_accumulating_variant_falls_back_to_wgrad_and_an_add(monkeypatch, cap
         text = _step_text(8192, 5120, 1024)
     assert p.op == "wgrad" and p.uses_kernel and "separate add" in p.reason
     assert any("separate add" in r.getMessage() for r in caplog.records)
-    assert _calls(text, "jax_cake_wgrad_accumulate") == [] and len(_calls(text, "jax_cake_wgrad")) == 1
+    assert custom_call_lines(text, "jax_cake_wgrad_accumulate") == [] and len(custom_call_lines(text, "jax_cake_wgrad")) == 1
     assert _f32_adds(text, 1024, 5120), "the fallback must add dw into the sum"
 
 
@@ -162,10 +162,6 @@ def test_unaligned_shapes_run_the_xla_reference_on_cuda():
 
 
 # --- the CUDA lowering of a scan step ---------------------------------------------------
-
-
-def _calls(text: str, target: str) -> list[str]:
-    return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
 
 
 def _f32_adds(text: str, d_out: int, d_in: int) -> list[str]:
@@ -198,7 +194,7 @@ def test_scan_step_lowers_to_the_accumulating_call_in_place(t, d_in, d_out):
     with faked_device():
         text = _step_text(t, d_in, d_out)
         p = plan_accumulate(tokens=t, d_in=d_in, d_out=d_out)
-    (call,) = _calls(text, "jax_cake_wgrad_accumulate")
+    (call,) = custom_call_lines(text, "jax_cake_wgrad_accumulate")
     # acc (operand 2) is the result 0's buffer; the donated sum is the step's output.
     alias = "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], operand_index = 2"
     assert alias in call
@@ -209,7 +205,7 @@ def test_scan_step_lowers_to_the_accumulating_call_in_place(t, d_in, d_out):
     assert f"tensor<1x{d_out}x{d_in}xf32>, tensor<{p.workspace_bytes}xui8>" in call
     # No wgrad, no dgrad (dx is unused), no XLA GEMM and no separate add or reduce over dw.
     for target in ("jax_cake_wgrad", "jax_cake_dgrad"):
-        assert _calls(text, target) == [], target
+        assert custom_call_lines(text, target) == [], target
     assert "dot_general" not in text
     assert _f32_adds(text, d_out, d_in) == []
     assert not re.search(rf"stablehlo\.reduce.*tensor<1x{d_out}x{d_in}xf32>", text)
@@ -358,9 +354,9 @@ def test_vmap_of_an_accumulating_step_lowers_to_one_call_and_equals_the_loop(in_
         text = jax.jit(_vmapped_step(in_axes)).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
         p = plan_accumulate(tokens=t, d_in=d_in, d_out=d_out, batch=v)
     assert "while" not in text
-    (call,) = _calls(text, "jax_cake_wgrad_accumulate")
+    (call,) = custom_call_lines(text, "jax_cake_wgrad_accumulate")
     assert f"tensor<{v}x{d_out}x{d_in}xf32>, tensor<{p.workspace_bytes}xui8>" in call  # V folded into B
-    assert _calls(text, "jax_cake_wgrad") == []
+    assert custom_call_lines(text, "jax_cake_wgrad") == []
     # CPU values: those of a per-element loop.
     small = [(16, 32), (16, 32), (24, 32), (24, 16)]
     args = [rand(30 + i, ((3,) if a == 0 else ()) + s, d) for i, (a, s, d) in enumerate(zip(in_axes, small, dtypes))]

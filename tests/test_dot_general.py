@@ -11,16 +11,11 @@ import pytest
 from jax import lax
 
 import jax_cake as jc
-from helpers import f64, faked_device, rand, rel_err
+from helpers import f64, faked_device, rand, rel_err, cuda_text
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 BF16_TOL = 1e-2
 FP32_WGRAD_TOL = 1e-5
-
-
-def _cuda_text(fn, *args) -> str:
-    with faked_device():
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _calls(text: str) -> list[str]:
@@ -107,7 +102,7 @@ def test_einsum_hook_routes_projections():
     x, w = rand(9, (2, 8, 32), BF16), rand(10, (32, 16), BF16)
     y = jnp.einsum("btd,df->btf", x, w, _dot_general=jc.dot_general)
     assert rel_err(y, np.einsum("btd,df->btf", f64(x), f64(w))) < BF16_TOL
-    text = _cuda_text(lambda x, w: jnp.einsum("btd,df->btf", x, w, _dot_general=jc.dot_general), x, w)
+    text = cuda_text(lambda x, w: jnp.einsum("btd,df->btf", x, w, _dot_general=jc.dot_general), x, w)
     assert _calls(text) == ["jax_cake_dgrad"]
 
 
@@ -134,7 +129,7 @@ def test_output_carries_the_checkpoint_name():
 
 @pytest.mark.parametrize("w_dtype", [F32, BF16])
 def test_flax_layout_lowers_to_the_three_gemms_without_a_transpose(w_dtype):
-    text = _cuda_text(_grad_step(KN), _spec((4, 256, 128), BF16), _spec((128, 64), w_dtype))
+    text = cuda_text(_grad_step(KN), _spec((4, 256, 128), BF16), _spec((128, 64), w_dtype))
     # forward = dgrad GEMM, dx = fwd GEMM, dw = wgrad GEMM with swapped operands
     assert sorted(_calls(text)) == ["jax_cake_dgrad", "jax_cake_fwd", "jax_cake_wgrad"], text
     assert "stablehlo.transpose" not in text and "dot_general" not in text
@@ -145,13 +140,13 @@ def test_flax_layout_lowers_to_the_three_gemms_without_a_transpose(w_dtype):
 
 def test_dense_general_lowers_to_the_gemms_without_a_transpose():
     dn = (((2, 3), (0, 1)), ((), ()))
-    text = _cuda_text(_grad_step(dn), _spec((2, 64, 4, 32), BF16), _spec((4, 32, 96), F32))
+    text = cuda_text(_grad_step(dn), _spec((2, 64, 4, 32), BF16), _spec((4, 32, 96), F32))
     assert sorted(_calls(text)) == ["jax_cake_dgrad", "jax_cake_fwd", "jax_cake_wgrad"], text
     assert "stablehlo.transpose" not in text
 
 
 def test_jax_cake_layout_lowers_to_dense_projection():
-    text = _cuda_text(_grad_step((((1,), (1,)), ((), ()))), _spec((256, 128), BF16), _spec((64, 128), F32))
+    text = cuda_text(_grad_step((((1,), (1,)), ((), ()))), _spec((256, 128), BF16), _spec((64, 128), F32))
     assert sorted(_calls(text)) == ["jax_cake_dgrad", "jax_cake_fwd", "jax_cake_wgrad"], text
     assert "stablehlo.transpose" not in text
 
@@ -162,9 +157,9 @@ def test_disable_env_sends_everything_to_xla(monkeypatch):
     before = jax.jit(step)(x, w)
     monkeypatch.setenv("JAX_CAKE_DISABLE", "1")
     specs = (_spec(x.shape, BF16), _spec(w.shape, F32))
-    text = _cuda_text(_grad_step(KN2), *specs)
+    text = cuda_text(_grad_step(KN2), *specs)
     assert "custom_call @jax_cake" not in text and "dot_general" in text
-    text = _cuda_text(lambda x, w: jc.dense_projection(x, w.T), *specs)
+    text = cuda_text(lambda x, w: jc.dense_projection(x, w.T), *specs)
     assert "custom_call @jax_cake" not in text
     with faked_device():
         assert not jc.plan("fwd", tokens=4096, d_in=4096, d_out=4096).uses_kernel
@@ -172,7 +167,7 @@ def test_disable_env_sends_everything_to_xla(monkeypatch):
     for a, b in zip(before, after):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     monkeypatch.setenv("JAX_CAKE_DISABLE", "0")
-    assert _calls(_cuda_text(_grad_step(KN2), *specs))
+    assert _calls(cuda_text(_grad_step(KN2), *specs))
 
 
 # --- what stays lax.dot_general --------------------------------------------------------------
@@ -205,7 +200,7 @@ def test_non_projections_are_lax_dot_general_unchanged(case):
     assert _jaxpr(jc.dot_general, x, w, dimension_numbers=dn, **kw) == _jaxpr(
         lax.dot_general, x, w, dimension_numbers=dn, **kw
     )
-    text = _cuda_text(lambda x, w: jc.dot_general(x, w, dn, **kw), x, w)
+    text = cuda_text(lambda x, w: jc.dot_general(x, w, dn, **kw), x, w)
     assert "custom_call @jax_cake" not in text
 
 
@@ -219,7 +214,7 @@ def test_attention_einsum_stays_on_lax():
 
     for dtype in (F32, BF16):
         q, k, v = (rand(i, (2, 16, 4, 32), dtype) for i in (20, 21, 22))
-        text = _cuda_text(attention, q, k, v)
+        text = cuda_text(attention, q, k, v)
         assert "custom_call @jax_cake" not in text and text.count("dot_general") == 2
         plain = _jaxpr(lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k), q, k)
         assert _jaxpr(lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k, _dot_general=jc.dot_general), q, k) == plain

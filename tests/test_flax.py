@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import jax_cake as jc
-from helpers import f64, faked_device, rand, rel_err
+from helpers import f64, rand, rel_err, cuda_text
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 BF16_TOL = 1e-2
@@ -167,11 +167,6 @@ def _specs(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
-def _cuda_text(fn, *args) -> str:
-    with faked_device():
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 def _count(text, target):
     return sum(f"stablehlo.custom_call @{target}(" in line for line in text.splitlines())
 
@@ -181,7 +176,7 @@ def test_linen_train_step_lowers_every_dense_to_jax_cake_without_transposes():
     x = jax.ShapeDtypeStruct((256, 32), BF16)
     params = _specs(jax.eval_shape(MLP(False).init, jax.random.key(0), x))
     grad = jax.grad(lambda p, x: jnp.sum(model.apply(p, x).astype(F32) ** 2))
-    text = _cuda_text(grad, params, x)
+    text = cuda_text(grad, params, x)
     # three layers: forward on the dgrad GEMM, weight gradient on wgrad, dx on fwd
     assert (_count(text, "jax_cake_dgrad"), _count(text, "jax_cake_wgrad")) == (3, 3), text
     assert _count(text, "jax_cake_fwd") >= 2
@@ -206,7 +201,7 @@ def test_nnx_model_lowers_to_jax_cake_and_attention_to_lax():
 
     graphdef, state = nnx.split(Attention(nnx.Rngs(0)))
     forward = lambda state, x: nnx.merge(graphdef, state)(x)
-    text = _cuda_text(forward, _specs(state), jax.ShapeDtypeStruct((2, 32, 64), BF16))
+    text = cuda_text(forward, _specs(state), jax.ShapeDtypeStruct((2, 32, 64), BF16))
     assert _count(text, "jax_cake_dgrad") == 3 and text.count("stablehlo.custom_call @jax_cake") == 3, text
     assert text.count("stablehlo.dot_general") == 2  # QK^T and PV
 
@@ -219,7 +214,7 @@ def test_disable_env_lowers_the_flax_model_to_xla_with_equal_values(monkeypatch)
     before = jax.jit(grad)(params, x)
     monkeypatch.setenv("JAX_CAKE_DISABLE", "1")
     grad2 = lambda p, x: jax.grad(lambda p: jnp.sum(model.apply(p, x).astype(F32) ** 2))(p)
-    text = _cuda_text(grad2, _specs(params), x)
+    text = cuda_text(grad2, _specs(params), x)
     assert "custom_call @jax_cake" not in text and "dot_general" in text
     after = jax.jit(grad2)(params, x)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), before, after)

@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_cake as jc
-from helpers import f64, faked_device, rand, rel_err
+from helpers import f64, faked_device, rand, rel_err, cuda_text, custom_call_lines
 
 BF, F32 = jnp.bfloat16, jnp.float32
 BF16_ULP = 2.0**-7  # bf16 spacing relative to the value (8 significand bits)
@@ -214,15 +214,6 @@ def test_checkpoint_with_save_projections_keeps_the_fused_forward(policy, dots):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _cuda_text(fn, *args) -> str:
-    with faked_device():
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def _calls(text, target):
-    return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
-
-
 def _skinny_step(x, ws):
     def loss(x, ws):
         return sum(jnp.sum(jnp.sin(y.astype(F32))) for y in jc.fused_projections(x, ws))
@@ -234,8 +225,8 @@ def test_cuda_lowering_is_one_custom_call_per_gemm_with_the_summed_plans():
     """4 skinny heads on a faked H200: fwd, dgrad and wgrad once each, on D = 224."""
     t, d_in = 16231, 4096
     ws = [_s((d, d_in), F32) for d in (48, 64, 48, 64)]
-    text = _cuda_text(_skinny_step, _s((t, d_in), BF), ws)
-    fwd, dgrad, wgrad = (_calls(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
+    text = cuda_text(_skinny_step, _s((t, d_in), BF), ws)
+    fwd, dgrad, wgrad = (custom_call_lines(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
     assert (len(fwd), len(dgrad), len(wgrad)) == (1, 1, 1), text
     assert "dot_general" not in text
     assert f"(tensor<1x{t}x{d_in}xbf16>, tensor<1x224x{d_in}xbf16>) -> tensor<1x{t}x224xbf16>" in fwd[0]
@@ -252,8 +243,8 @@ def test_wide_weights_take_one_wgrad_each_into_their_own_dtype():
     each dw_i its own wgrad in w_i's dtype (no [D, d_in] buffer split afterwards)."""
     t, d_in, d_outs = 1024, 512, (1024, 512)
     ws = [_s((d_outs[0], d_in), F32), _s((d_outs[1], d_in), BF)]
-    text = _cuda_text(_skinny_step, _s((t, d_in), BF), ws)
-    fwd, dgrad, wgrad = (_calls(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
+    text = cuda_text(_skinny_step, _s((t, d_in), BF), ws)
+    fwd, dgrad, wgrad = (custom_call_lines(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
     assert (len(fwd), len(dgrad), len(wgrad)) == (1, 1, 2), text
     assert f"-> tensor<1x{t}x1536xbf16>" in fwd[0] and f"(tensor<1x{t}x1536xbf16>, " in dgrad[0]
     assert "-> (tensor<1x1024x512xf32>," in wgrad[0] or "-> (tensor<1x1024x512xf32>," in wgrad[1]
@@ -269,7 +260,7 @@ def test_wide_weights_take_one_wgrad_each_into_their_own_dtype():
 
 def test_cuda_lowering_all_bf16_weights_take_a_bf16_wgrad():
     ws = [_s((d, 256), BF) for d in (64, 128)]
-    wgrad = _calls(_cuda_text(_skinny_step, _s((512, 256), BF), ws), "jax_cake_wgrad")
+    wgrad = custom_call_lines(cuda_text(_skinny_step, _s((512, 256), BF), ws), "jax_cake_wgrad")
     assert len(wgrad) == 1 and "-> (tensor<1x192x256xbf16>," in wgrad[0]
 
 

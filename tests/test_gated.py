@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cake as jc
-from helpers import assert_raises_naming, f64, faked_device, rand, rel_err
+from helpers import assert_raises_naming, f64, rand, rel_err, cuda_text, custom_call_lines
 from jax_cake import contract
 from jax_cake.pipeline.fused import WIDE_D_OUT
 from test_partitioning import collectives
@@ -313,17 +313,8 @@ def test_checkpoint_recomputes_the_same_values(policy, mlp):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _cuda_text(fn, *args) -> str:
-    with faked_device():
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def _calls(text, target):
-    return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
-
-
 def _counts(text):
-    return tuple(len(_calls(text, f"jax_cake_{op}")) for op in ("fwd", "dgrad", "wgrad"))
+    return tuple(len(custom_call_lines(text, f"jax_cake_{op}")) for op in ("fwd", "dgrad", "wgrad"))
 
 
 T, D_IN, F, D_OUT = 1024, 256, 128, 256
@@ -342,9 +333,9 @@ ARGS = (_s((T, D_IN), BF), _s((F, D_IN), F32), _s((F, D_IN), F32), _s((D_OUT, F)
 def test_checkpoint_policies_in_the_cuda_lowering(policy, gated_fwd, mlp_fwd):
     """Forward GEMMs in the lowered step: the down projection's forward runs once (its
     backward needs h, recomputed from gu without a GEMM where gu is saved)."""
-    gated = _cuda_text(_remat_grads(POLICIES[policy], False), *ARGS)
+    gated = cuda_text(_remat_grads(POLICIES[policy], False), *ARGS)
     assert _counts(gated) == (gated_fwd, 1, 1) and "dot_general" not in gated
-    mlp = _cuda_text(_remat_grads(POLICIES[policy], True), *ARGS)
+    mlp = cuda_text(_remat_grads(POLICIES[policy], True), *ARGS)
     assert _counts(mlp) == (mlp_fwd, 2, 2) and "dot_general" not in mlp
 
 
@@ -358,12 +349,12 @@ def _step(x, wg, wu, wd, r):
 @pytest.mark.parametrize("f", [F, WIDE_D_OUT])
 def test_cuda_lowering_one_fwd_over_2f_one_dgrad_over_k_2f(f):
     args = (_s((T, D_IN), BF), _s((f, D_IN), F32), _s((f, D_IN), BF), _s((D_OUT, f), F32), _s((T, D_OUT), BF))
-    text = _cuda_text(_step, *args)
-    fwd, dgrad, wgrad = (_calls(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
+    text = cuda_text(_step, *args)
+    fwd, dgrad, wgrad = (custom_call_lines(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
     assert "dot_general" not in text
     # the gate/up forward (the down projection's is the fused residual call)
     assert len(fwd) == 1 and f"(tensor<1x{T}x{D_IN}xbf16>, tensor<1x{2 * f}x{D_IN}xbf16>) -> tensor<1x{T}x{2 * f}xbf16>" in fwd[0]
-    (residual,) = _calls(text, "jax_cake_fwd_residual")
+    (residual,) = custom_call_lines(text, "jax_cake_fwd_residual")
     assert f"(tensor<1x{T}x{f}xbf16>, tensor<1x{D_OUT}x{f}xbf16>, tensor<1x{T}x{D_OUT}xbf16>)" in residual
     # dgrads: the down projection's dh, and ONE dx over K = 2F
     assert len(dgrad) == 2
@@ -385,11 +376,11 @@ def test_deterministic_lowering_has_no_arrival_order_reduction():
         return lambda x, wg, wu: jax.grad(loss, argnums=(0, 1, 2))(x, wg, wu)
 
     args = (_s((t, d_in), BF), _s((f, d_in), F32), _s((f, d_in), F32))
-    (wgrad,) = _calls(_cuda_text(step(), *args), "jax_cake_wgrad")
+    (wgrad,) = custom_call_lines(cuda_text(step(), *args), "jax_cake_wgrad")
     reduction = int(re.search(r"\breduction = (\d+) : i64", wgrad).group(1))
     assert reduction != contract.REDUCTION_ARRIVAL and int(re.search(r"\bsplits = (\d+)", wgrad).group(1)) > 1
     with jc.planner.force("split"):
-        (forced,) = _calls(_cuda_text(step(), *args), "jax_cake_wgrad")
+        (forced,) = custom_call_lines(cuda_text(step(), *args), "jax_cake_wgrad")
     assert int(re.search(r"\breduction = (\d+) : i64", forced).group(1)) == contract.REDUCTION_ARRIVAL
 
 

@@ -7,16 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_cake as jc
-from helpers import faked_device
-
-
-def _cuda_text(fn, *args) -> str:
-    with faked_device():
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def _calls(text: str, target: str) -> list[str]:
-    return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
+from helpers import faked_device, cuda_text, custom_call_lines
 
 
 def _attr(call: str, name: str) -> int:
@@ -38,8 +29,8 @@ def _train_step(deterministic=True):
 @pytest.mark.parametrize("t,d_in,d_out", [(16172, 4096, 48), (16231, 5120, 512), (16384, 4096, 4096), (37, 64, 32)])
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
 def test_step_lowers_to_one_custom_call_per_gemm_with_the_plan(t, d_in, d_out, w_dtype, kernel_rules_only):
-    text = _cuda_text(_train_step(), _spec((t, d_in), jnp.bfloat16), _spec((d_out, d_in), w_dtype))
-    fwd, dgrad, wgrad = (_calls(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
+    text = cuda_text(_train_step(), _spec((t, d_in), jnp.bfloat16), _spec((d_out, d_in), w_dtype))
+    fwd, dgrad, wgrad = (custom_call_lines(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
     assert (len(fwd), len(dgrad), len(wgrad)) == (1, 1, 1), text
     assert "dot_general" not in text  # no XLA GEMM left on the CUDA path
     with faked_device():
@@ -62,7 +53,7 @@ def test_skinny_wgrad_splits_k_to_fill_the_h200():
 
 
 def test_unaligned_shape_lowers_to_xla_on_cuda():
-    text = _cuda_text(_train_step(), _spec((37, 20), jnp.bfloat16), _spec((12, 20), jnp.float32))
+    text = cuda_text(_train_step(), _spec((37, 20), jnp.bfloat16), _spec((12, 20), jnp.float32))
     assert "custom_call @jax_cake" not in text
     assert text.count("dot_general") >= 3
 
@@ -78,8 +69,8 @@ def test_batched_projection_is_one_launch_for_the_batch():
             x, w
         )
 
-    text = _cuda_text(step, _spec((16, 4096, 128), jnp.bfloat16), _spec((16, 512, 128), jnp.bfloat16))
-    fwd = _calls(text, "jax_cake_fwd")
+    text = cuda_text(step, _spec((16, 4096, 128), jnp.bfloat16), _spec((16, 512, 128), jnp.bfloat16))
+    fwd = custom_call_lines(text, "jax_cake_fwd")
     assert len(fwd) == 1 and "(tensor<16x4096x128xbf16>, tensor<16x512x128xbf16>) -> tensor<16x4096x512xbf16>" in fwd[0]
 
 
@@ -113,10 +104,10 @@ def _two_layer_loss(policy):
 )
 def test_checkpoint_recomputes_the_forward_unless_the_policy_saves_it(policy, fwd_calls):
     args = (_spec((1024, 256), jnp.bfloat16), _spec((512, 256), jnp.float32), _spec((256, 512), jnp.float32))
-    text = _cuda_text(_two_layer_loss(policy), *args)
-    assert len(_calls(text, "jax_cake_fwd")) == fwd_calls
-    assert len(_calls(text, "jax_cake_dgrad")) == 1  # x is not differentiated: only the second layer needs dx
-    assert len(_calls(text, "jax_cake_wgrad")) == 2
+    text = cuda_text(_two_layer_loss(policy), *args)
+    assert len(custom_call_lines(text, "jax_cake_fwd")) == fwd_calls
+    assert len(custom_call_lines(text, "jax_cake_dgrad")) == 1  # x is not differentiated: only the second layer needs dx
+    assert len(custom_call_lines(text, "jax_cake_wgrad")) == 2
 
 
 def test_router_step_lowers_to_the_three_router_custom_calls(monkeypatch):
@@ -125,8 +116,8 @@ def test_router_step_lowers_to_the_three_router_custom_calls(monkeypatch):
     def step(x, w):
         return jax.grad(lambda x, w: jnp.sum(jc.router_logits(x, w) ** 2), argnums=(0, 1))(x, w)
 
-    text = _cuda_text(step, _spec((16231, 4096), jnp.float32), _spec((256, 4096), jnp.float32))
-    calls = {op: _calls(text, f"jax_cake_router_{op}") for op in ("fwd", "dgrad", "wgrad")}
+    text = cuda_text(step, _spec((16231, 4096), jnp.float32), _spec((256, 4096), jnp.float32))
+    calls = {op: custom_call_lines(text, f"jax_cake_router_{op}") for op in ("fwd", "dgrad", "wgrad")}
     assert all(len(c) == 1 for c in calls.values()), calls
     # x goes as fp32 (split on chip); w and g as bf16 (hi, lo) pairs split once by XLA.
     w16, g16 = "tensor<256x4096xbf16>", "tensor<16231x256xbf16>"
@@ -193,18 +184,18 @@ def test_targets_from_names_another_builds_targets():
 
     args = (_spec((16384, 4096), jnp.bfloat16), _spec((48, 4096), jnp.float32))
     with primitives.targets_from("before__"):
-        text = _cuda_text(_train_step(), *args)
+        text = cuda_text(_train_step(), *args)
     for op in ("fwd", "dgrad", "wgrad"):
-        assert len(_calls(text, f"before__jax_cake_{op}")) == 1, text
+        assert len(custom_call_lines(text, f"before__jax_cake_{op}")) == 1, text
     assert "@jax_cake_" not in text
-    text = _cuda_text(_train_step(), *args)
-    assert len(_calls(text, "jax_cake_fwd")) == 1 and "before__" not in text
+    text = cuda_text(_train_step(), *args)
+    assert len(custom_call_lines(text, "jax_cake_fwd")) == 1 and "before__" not in text
 
 
 def test_forced_pingpong_lowers_fwd_and_dgrad_with_schedule_2():
     with jc.planner.force("det", schedule="pingpong"):
-        text = _cuda_text(_train_step(), _spec((4096, 1024), jnp.bfloat16), _spec((512, 1024), jnp.float32))
-    (fwd,), (dgrad,), (wgrad,) = (_calls(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
+        text = cuda_text(_train_step(), _spec((4096, 1024), jnp.bfloat16), _spec((512, 1024), jnp.float32))
+    (fwd,), (dgrad,), (wgrad,) = (custom_call_lines(text, f"jax_cake_{op}") for op in ("fwd", "dgrad", "wgrad"))
     for call, pair in ((fwd, 1), (dgrad, 2)):  # dgrad (N = 1024, K = 512) pairs CTAs; no fwd pp pair is built
         assert (_attr(call, "schedule"), _attr(call, "tile_m"), _attr(call, "tile_n")) == (2, 128, 128)
         assert (_attr(call, "cluster_m"), _attr(call, "splits")) == (pair, 1)
@@ -212,8 +203,8 @@ def test_forced_pingpong_lowers_fwd_and_dgrad_with_schedule_2():
 
 
 def test_split_tail_lowers_with_schedule_1_and_reduction_3():
-    text = _cuda_text(_train_step(), _spec((16384, 5120), jnp.bfloat16), _spec((1024, 5120), jnp.bfloat16))
-    (wgrad,) = _calls(text, "jax_cake_wgrad")
+    text = cuda_text(_train_step(), _spec((16384, 5120), jnp.bfloat16), _spec((1024, 5120), jnp.bfloat16))
+    (wgrad,) = custom_call_lines(text, "jax_cake_wgrad")
     assert (_attr(wgrad, "schedule"), _attr(wgrad, "reduction"), _attr(wgrad, "splits")) == (1, 3, 4)
-    (fwd,) = _calls(text, "jax_cake_fwd")
+    (fwd,) = custom_call_lines(text, "jax_cake_fwd")
     assert _attr(fwd, "schedule") == 0

@@ -9,7 +9,7 @@ import pytest
 
 import jax_cake as jc
 from jax_cake.planner import tables
-from helpers import H200, faked_device, rand
+from helpers import H200, rand, cuda_text
 
 H100 = jax.sharding.AbstractDevice("NVIDIA H100", 114, "cuda")
 SOURCE = "jax_cake.tools.tune 2026-12-02 on NVIDIA H200 (132 SMs)"
@@ -264,11 +264,6 @@ def test_values_and_grads_equal_the_kernel_less_reference(monkeypatch, w_dtype, 
     np.testing.assert_array_equal(np.asarray(got[1][1]), np.asarray(dw))
 
 
-def _cuda_text(fn, *args) -> str:
-    with faked_device():
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 def test_cuda_lowering_runs_xla_only_for_the_row_op():
     spec = jax.ShapeDtypeStruct
 
@@ -278,7 +273,7 @@ def test_cuda_lowering_runs_xla_only_for_the_row_op():
 
     args = (spec((16384, 4096), jnp.bfloat16), spec((96, 4096), jnp.float32))
     with tables.use_table(table_of(xla_row("wgrad", out="float32"))):
-        text = _cuda_text(step, *args)
+        text = cuda_text(step, *args)
     assert "custom_call @jax_cake_fwd(" in text and "custom_call @jax_cake_dgrad(" in text
     assert "custom_call @jax_cake_wgrad(" not in text
     dots = [line for line in text.splitlines() if "dot_general" in line]
@@ -298,7 +293,7 @@ def test_remat_policy_saves_the_xla_output_by_name(policy, xla_fwds):
     spec = jax.ShapeDtypeStruct
     args = (spec((1024, 256), jnp.bfloat16), spec((512, 256), jnp.float32), spec((256, 512), jnp.float32))
     with tables.use_table(table_of(xla_row("fwd", d_in=256, d_out=512, lo=1024, hi=1024))):
-        text = _cuda_text(grad, *args)
+        text = cuda_text(grad, *args)
     fwd_dots = [line for line in text.splitlines() if "dot_general" in line and "-> tensor<1x1024x512xf32>" in line]
     assert len(fwd_dots) == xla_fwds, text
     assert text.count("custom_call @jax_cake_fwd(") == 1  # the second layer: its kernel, run once

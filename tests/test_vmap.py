@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_cake as jc
-from helpers import faked_device, rand
+from helpers import rand, cuda_text
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 V, T, K, O = 3, 24, 32, 16
@@ -105,11 +105,6 @@ def test_vmap_of_batched_projection_and_router_equals_the_loop():
 # --- the CUDA lowering: no loop, one custom call per GEMM ------------------------------------
 
 
-def _cuda_text(fn, *args) -> str:
-    with faked_device():
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 def _calls(text, op):
     return [line for line in text.splitlines() if f"stablehlo.custom_call @jax_cake_{op}(" in line]
 
@@ -120,7 +115,7 @@ def _spec(shape, dtype):
 
 def test_vmap_with_a_shared_weight_lowers_to_one_call_on_the_folded_tokens():
     f = jax.vmap(jc.dense_projection, in_axes=(0, None))
-    text = _cuda_text(f, _spec((8, 512, 256), BF16), _spec((128, 256), F32))
+    text = cuda_text(f, _spec((8, 512, 256), BF16), _spec((128, 256), F32))
     assert "while" not in text
     (call,) = _calls(text, "fwd")
     assert "(tensor<1x4096x256xbf16>, tensor<1x128x256xbf16>) -> tensor<1x4096x128xbf16>" in call
@@ -128,7 +123,7 @@ def test_vmap_with_a_shared_weight_lowers_to_one_call_on_the_folded_tokens():
 
 def test_vmap_with_per_batch_weights_lowers_to_the_batched_program():
     f = jax.vmap(jc.dense_projection)
-    text = _cuda_text(f, _spec((8, 512, 256), BF16), _spec((8, 128, 256), F32))
+    text = cuda_text(f, _spec((8, 512, 256), BF16), _spec((8, 128, 256), F32))
     assert "while" not in text
     (call,) = _calls(text, "fwd")
     assert "(tensor<8x512x256xbf16>, tensor<8x128x256xbf16>) -> tensor<8x512x128xbf16>" in call
@@ -142,14 +137,14 @@ def test_grad_of_vmap_and_vmap_of_grad_lower_without_a_loop(in_axes):
     vmapped = jax.vmap(jc.dense_projection, in_axes=in_axes)
     whole = jax.grad(lambda x, w: jnp.sum(vmapped(x, w).astype(F32) ** 2), argnums=(0, 1))
     for fn in (jax.vmap(per_entry, in_axes=in_axes), whole):
-        text = _cuda_text(fn, *args)
+        text = cuda_text(fn, *args)
         assert "while" not in text
         assert [len(_calls(text, op)) for op in ("fwd", "dgrad", "wgrad")] == [1, 1, 1], text
 
 
 def test_vmap_of_the_router_lowers_without_a_loop():
     f = jax.vmap(jax.grad(lambda x, w: jnp.sum(jc.router_logits(x, w) ** 2), argnums=(0, 1)), in_axes=(0, None))
-    text = _cuda_text(f, _spec((4, 1024, 512), F32), _spec((256, 512), F32))
+    text = cuda_text(f, _spec((4, 1024, 512), F32), _spec((256, 512), F32))
     assert "while" not in text
     (fwd,) = _calls(text, "router_fwd")
     assert "tensor<4096x512xf32>" in fwd  # the vmapped tokens folded into one call

@@ -94,6 +94,17 @@ def check_batched_operands(fn: str, x, w, deterministic: Any) -> bool:
     return deterministic
 
 
+def _check_weight_over_x(fn: str, name: str, w, d_in: int, layout: str, note: str) -> None:
+    """A rank-2 bf16 or f32 weight whose second dimension is x's d_in."""
+    check_array(fn, name, w)
+    check_dtype(fn, name, w, (jnp.bfloat16, jnp.float32), "")
+    check_rank(fn, name, w, 2, layout)
+    if w.shape[1] != d_in:
+        raise ValueError(
+            f"{fn}: {name}.shape[1] (d_in={w.shape[1]}) must equal x's last dimension (d_in={d_in}); {note}"
+        )
+
+
 def check_weights(fn: str, ws, d_in: int) -> None:
     """ws: a non-empty list or tuple of [d_out_i, d_in] bf16 or f32 weights over one x."""
     if not isinstance(ws, (list, tuple)):
@@ -102,15 +113,7 @@ def check_weights(fn: str, ws, d_in: int) -> None:
     if not ws:
         raise ValueError(f"{fn}: ws must hold at least one weight, got an empty {type(ws).__name__}")
     for i, w in enumerate(ws):
-        name = f"ws[{i}]"
-        check_array(fn, name, w)
-        check_dtype(fn, name, w, (jnp.bfloat16, jnp.float32), "")
-        check_rank(fn, name, w, 2, "[d_out, d_in]")
-        if w.shape[1] != d_in:
-            raise ValueError(
-                f"{fn}: {name}.shape[1] (d_in={w.shape[1]}) must equal x's last dimension (d_in={d_in}); "
-                f"every weight is [d_out, d_in] over the same x"
-            )
+        _check_weight_over_x(fn, f"ws[{i}]", w, d_in, "[d_out, d_in]", "every weight is [d_out, d_in] over the same x")
 
 
 def check_activation(fn: str, activation: Any) -> str:
@@ -124,14 +127,7 @@ def check_activation(fn: str, activation: Any) -> str:
 def check_gated_weights(fn: str, w_gate, w_up, d_in: int) -> None:
     """w_gate and w_up: [F, d_in] bf16 or f32 weights of the same shape over x."""
     for name, w in (("w_gate", w_gate), ("w_up", w_up)):
-        check_array(fn, name, w)
-        check_dtype(fn, name, w, (jnp.bfloat16, jnp.float32), "")
-        check_rank(fn, name, w, 2, "[d_ff, d_in]")
-        if w.shape[1] != d_in:
-            raise ValueError(
-                f"{fn}: {name}.shape[1] (d_in={w.shape[1]}) must equal x's last dimension (d_in={d_in}); "
-                f"{name} is [d_ff, d_in]"
-            )
+        _check_weight_over_x(fn, name, w, d_in, "[d_ff, d_in]", f"{name} is [d_ff, d_in]")
     if tuple(w_gate.shape) != tuple(w_up.shape):
         raise ValueError(
             f"{fn}: w_gate and w_up must have the same shape [d_ff, d_in], got w_gate {tuple(w_gate.shape)} "
