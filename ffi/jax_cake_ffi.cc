@@ -1,5 +1,5 @@
 // XLA FFI handlers of jax_cake: jax_cake_fwd, jax_cake_dgrad, jax_cake_wgrad,
-// jax_cake_wgrad_accumulate, jax_cake_fwd_residual.
+// jax_cake_wgrad_accumulate, jax_cake_fwd_residual, jax_cake_fwd_gated.
 //
 // The contract (operands, attributes, workspace) is docs/ffi_contract.md. Each handler
 // maps its buffers onto one GEMM C[M, N] = sum_k A[m, k] B[n, k] (batch L), picks the
@@ -27,7 +27,9 @@ namespace jax_cake {
 
 struct GemmArgs {
   Operand a, b, c;
-  Operand ws;  // split-tail workspace (flags, partial tiles); a placeholder for the other schedules
+  // The variant's second tensor: the split tail's workspace (flags, partial tiles), the
+  // gated epilogue's h; a placeholder (never read) for the others.
+  Operand aux;
   int32_t splits;
   int32_t raster;
   int32_t max_ctas;  // persistent grid size: the SM count
@@ -41,7 +43,7 @@ struct Variant {
   const char* program;
   int64_t tile_m, tile_n, tile_k, cluster_m, cluster_n;
   int out_dtype;  // OutDtype
-  bool reduce_add;
+  int store;          // a kStore* code: plain, reduce-add, gated
   int schedule;       // a kSchedule* code
   int promote_every;  // > 0: fp32 wgrad adds chains of this many K tiles into dw itself (TMA store, reduce-add)
   LoadFn load;
@@ -67,7 +69,7 @@ struct VariantKey {
   const char* program;
   int64_t tile_m, tile_n, tile_k, cluster_m, cluster_n;
   int out_dtype;
-  bool reduce_add;
+  int64_t store;
   int64_t schedule;
 };
 
@@ -75,7 +77,7 @@ const Variant* FindVariant(const VariantKey& k) {
   return FindEntry(kVariants, kNumVariants, [&](const Variant& v) {
     return std::strcmp(v.program, k.program) == 0 && v.tile_m == k.tile_m && v.tile_n == k.tile_n &&
            v.tile_k == k.tile_k && v.cluster_m == k.cluster_m && v.cluster_n == k.cluster_n &&
-           v.out_dtype == k.out_dtype && v.reduce_add == k.reduce_add && v.schedule == k.schedule;
+           v.out_dtype == k.out_dtype && v.store == k.store && v.schedule == k.schedule;
   });
 }
 
@@ -86,7 +88,9 @@ ffi::Error NoVariant(const VariantKey& k) {
                 "rebuild with python -m jax_cake.build or fix the plan",
                 k.program, (long long)k.tile_m, (long long)k.tile_n, (long long)k.tile_k, (long long)k.cluster_m,
                 (long long)k.cluster_n, k.out_dtype == kF32 ? "float32" : "bfloat16",
-                k.reduce_add ? ", reduce-add store" : "",
+                k.store == kStoreAdd ? ", reduce-add store"
+                : k.store == kStoreGatedSilu ? ", gated silu epilogue"
+                : k.store == kStoreGatedGelu ? ", gated gelu epilogue" : "",
                 k.schedule == kScheduleSplitTail ? ", split tail" : (k.schedule == kSchedulePingpong ? ", ping-pong" : ""));
   return ffi::Error::InvalidArgument(buf);
 }
@@ -95,13 +99,14 @@ ffi::Error NoVariant(const VariantKey& k) {
 struct Attrs {
   int64_t tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule;
 
-  VariantKey Key(const char* program, int out_dtype, bool reduce_add, int64_t sched) const {
-    return {program, tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, reduce_add, sched};
+  VariantKey Key(const char* program, int out_dtype, int64_t store, int64_t sched) const {
+    return {program, tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, store, sched};
   }
 };
 
 ffi::Error Launch(const Variant* v, GemmArgs args, cudaStream_t stream) {
-  if (v->schedule != kScheduleSplitTail) args.ws = {args.c.data, {1, 1, 1}, {8, 8}};  // never read
+  if (v->schedule != kScheduleSplitTail && v->store != kStoreGatedSilu && v->store != kStoreGatedGelu)
+    args.aux = {args.c.data, {1, 1, 1}, {8, 8}};  // never read
   return LaunchEntry("jax_cake", v, args, g_modules, stream);
 }
 
@@ -167,7 +172,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ff
                                        ": shapes must be x[B,T,d_in], w[B,d_out,d_in], y[B,T,d_out]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
   JC_RETURN_IF_ERROR(CheckWidths(kFwdTarget, d_in, d_out));
-  const VariantKey key = at.Key("fwd", kBf16, false, schedule);
+  const VariantKey key = at.Key("fwd", kBf16, kStorePlain, schedule);
   const Variant* v = FindVariant(key);
   if (!v) return NoVariant(key);
   GemmArgs g;
@@ -196,7 +201,7 @@ ffi::Error DgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
                                        ": shapes must be dy[B,T,d_out], w[B,d_out,d_in], dx[B,T,d_in]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
   JC_RETURN_IF_ERROR(CheckWidths(kDgradTarget, d_in, d_out));
-  const VariantKey key = at.Key("dgrad", kBf16, false, schedule);
+  const VariantKey key = at.Key("dgrad", kBf16, kStorePlain, schedule);
   const Variant* v = FindVariant(key);
   if (!v) return NoVariant(key);
   GemmArgs g;
@@ -249,7 +254,7 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
   g.raster = static_cast<int32_t>(raster);
 
   if (reduction == kReductionNone) {
-    const VariantKey key = at.Key("wgrad", out_dtype, false, kScheduleTiles);
+    const VariantKey key = at.Key("wgrad", out_dtype, kStorePlain, kScheduleTiles);
     const Variant* v = FindVariant(key);
     if (!v) return NoVariant(key);
     g.c = KMajor(dw->untyped_data(), d_out, d_in, B);
@@ -269,7 +274,7 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     if (ws_bytes < need)
       return ffi::Error::InvalidArgument(who + ": workspace has " + std::to_string(ws_bytes) +
                                          " bytes, the split tail needs " + std::to_string(need));
-    const VariantKey key = at.Key("wgrad", out_dtype, false, kScheduleSplitTail);
+    const VariantKey key = at.Key("wgrad", out_dtype, kStorePlain, kScheduleSplitTail);
     const Variant* v = FindVariant(key);
     if (!v) return NoVariant(key);
     // A cut tile's pieces keep their whole share of K in one chain (they cannot write dw
@@ -282,7 +287,7 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     JC_RETURN_IF_ERROR(ZeroFill(ws, flag_words * 4, stream));
     const int64_t words = std::max<int64_t>(need / 4, 1), pitch = (words + 7) / 8 * 8;
     g.c = KMajor(dw->untyped_data(), d_out, d_in, B);
-    g.ws = {ws, {words, 1, 1}, {pitch, pitch}};
+    g.aux = {ws, {words, 1, 1}, {pitch, pitch}};
     return Launch(v, g, stream);
   }
 
@@ -292,7 +297,7 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     if (ws_bytes < need)
       return ffi::Error::InvalidArgument(who + ": workspace has " + std::to_string(ws_bytes) +
                                          " bytes, ordered split-K needs " + std::to_string(need));
-    const VariantKey key = at.Key("wgrad", kF32, false, kScheduleTiles);
+    const VariantKey key = at.Key("wgrad", kF32, kStorePlain, kScheduleTiles);
     const Variant* v = FindVariant(key);
     // Ordered partials need the variant that keeps its total in registers.
     if (!v || v->promote_every > 0) return NoVariant(key);
@@ -307,7 +312,7 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
 
   // kReductionArrival: every split reduce-adds (TMA, fp32) its tile into an fp32
   // accumulator: dw itself when fp32, else the workspace, then converted to bf16.
-  const VariantKey key = at.Key("wgrad", kF32, true, kScheduleTiles);
+  const VariantKey key = at.Key("wgrad", kF32, kStoreAdd, kScheduleTiles);
   const Variant* v = FindVariant(key);
   if (!v) return NoVariant(key);
   void* acc = dw->untyped_data();
@@ -366,7 +371,7 @@ ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, f
   JC_RETURN_IF_ERROR(CheckWidths(kWgradAccumulateTarget, d_in, d_out));
   const int64_t count = B * d_out * d_in;
   // splits 1: the reduce-add variant; ordered partials: the variant that keeps its total in registers.
-  const VariantKey key = at.Key("wgrad", kF32, !ordered, kScheduleTiles);
+  const VariantKey key = at.Key("wgrad", kF32, ordered ? kStorePlain : kStoreAdd, kScheduleTiles);
   const Variant* v = FindVariant(key);
   if (!v || v->promote_every > 0) return NoVariant(key);
   const int64_t ws_bytes = static_cast<int64_t>(workspace->size_bytes());
@@ -422,7 +427,7 @@ ffi::Error FwdResidualImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::B
     return ffi::Error::InvalidArgument(who + ": shapes must be x[B,T,d_in], w[B,d_out,d_in], r and y[B,T,d_out]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
   JC_RETURN_IF_ERROR(CheckWidths(kFwdResidualTarget, d_in, d_out));
-  const VariantKey key = at.Key("fwd", kBf16, true, kScheduleTiles);
+  const VariantKey key = at.Key("fwd", kBf16, kStoreAdd, kScheduleTiles);
   const Variant* v = FindVariant(key);
   if (!v) return NoVariant(key);
   if (y->untyped_data() != r.untyped_data()) {
@@ -434,6 +439,49 @@ ffi::Error FwdResidualImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::B
   g.a = KMajor(x.untyped_data(), T, d_in, B);
   g.b = KMajor(w.untyped_data(), d_out, d_in, B);
   g.c = KMajor(y->untyped_data(), T, d_out, B);
+  g.splits = 1;
+  g.raster = static_cast<int32_t>(raster);
+  return Launch(v, g, stream);
+}
+
+// ------------------------------------------------------------------ gated epilogue
+// gu[B, T, 2F] = x[B, T, d_in] . w[B, 2F, d_in]^T and h[B, T, F] = bf16(act(g) * u)
+// (M = T, N = 2F, K = d_in). w holds the gate and up rows interleaved in blocks of
+// kGateBlock = 16 (rows 32j .. 32j + 15: gate rows 16j .. 16j + 15; the next 16: the same
+// up rows), so gu
+// has that column order and each 32-column sub-tile of the accumulator makes 16 columns
+// of h in the epilogue. One pass over K: bitwise reproducible.
+ffi::Error FwdGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                        ffi::Result<ffi::Buffer<ffi::BF16>> gu, ffi::Result<ffi::Buffer<ffi::BF16>> h, int64_t tile_m,
+                        int64_t tile_n, int64_t tile_k, int64_t cluster_m, int64_t cluster_n, int64_t splits,
+                        int64_t reduction, int64_t raster, int64_t schedule, int64_t activation) {
+  const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
+  const std::string who = kFwdGatedTarget;
+  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
+  JC_RETURN_IF_ERROR(CheckCommonAttrs(kFwdGatedTarget, at));
+  JC_RETURN_IF_ERROR(CheckOnePass(kFwdGatedTarget, at));
+  if (activation < 0 || activation >= kNumActivations)
+    return ffi::Error::InvalidArgument(who + ": activation must be " + kActivationChoices);
+  JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
+  Shapes s;
+  if (!s.Bind(x.dimensions(), "BTI") || !s.Bind(w.dimensions(), "BOI") || !s.Bind(gu->dimensions(), "BTO") ||
+      !s.Bind(h->dimensions(), "BTF"))
+    return ffi::Error::InvalidArgument(who + ": shapes must be x[B,T,d_in], w[B,2F,d_in], gu[B,T,2F], h[B,T,F]");
+  const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'], F = s['F'];
+  if (d_out != 2 * F || F % kGateBlock != 0)
+    return ffi::Error::InvalidArgument(who + ": w must have 2F rows with F a multiple of " +
+                                       std::to_string(kGateBlock) + ", got " +
+                                       std::to_string(d_out) + " rows and h width " + std::to_string(F));
+  JC_RETURN_IF_ERROR(CheckWidths(kFwdGatedTarget, d_in, d_out));
+  const VariantKey key = at.Key("fwd", kBf16, activation == kActivationSilu ? kStoreGatedSilu : kStoreGatedGelu, schedule);
+  const Variant* v = FindVariant(key);
+  if (!v) return NoVariant(key);
+  GemmArgs g;
+  g.a = KMajor(x.untyped_data(), T, d_in, B);
+  g.b = KMajor(w.untyped_data(), d_out, d_in, B);
+  g.c = KMajor(gu->untyped_data(), T, d_out, B);
+  g.aux = KMajor(h->untyped_data(), T, F, B);
   g.splits = 1;
   g.raster = static_cast<int32_t>(raster);
   return Launch(v, g, stream);
@@ -495,6 +543,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_FWD_RESIDUAL_HANDLER, jax_cake::FwdResidu
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_FWD_GATED_HANDLER, jax_cake::FwdGatedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS.Attr<int64_t>("activation"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // ---------------------------------------------------------------- plain C entry points

@@ -180,9 +180,11 @@ def export_kernels(arch: str, obj_dir: pathlib.Path) -> list:
         a = operand(cutlass.BFloat16, 1 if v.a_major == "k" else 0)
         b = operand(cutlass.BFloat16, 1 if v.b_major == "k" else 0)
         c = operand(dtypes[v.out_dtype], 1)
-        ws = operand(cutlass.Float32, 0)  # split-tail workspace (flags, partial tiles); unused by the others
+        # The variant's second tensor: the gated epilogue's h (bf16, laid out as C), else
+        # the split-tail workspace (flags, partial tiles), unused by the other variants.
+        aux = operand(cutlass.BFloat16, 1) if v.activation else operand(cutlass.Float32, 0)
         compiled = cute.compile(
-            GemmSm90(v), a, b, c, ws, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(132), make_fake_stream()
+            GemmSm90(v), a, b, c, aux, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(132), make_fake_stream()
         )
         compiled.export_to_c(str(obj_dir), v.name, v.name)
         _log(f"exported {v.name} ({time.time() - t0:.1f} s)")

@@ -37,6 +37,23 @@ RASTER_M = 0
 RASTER_N = 1
 RASTERS = {"m": RASTER_M, "n": RASTER_N}
 
+# The `activation` attribute of jax_cake_fwd_gated: the gated epilogue's act in
+# h = act(g) * u (jax_cake.reference.ACTIVATIONS; gelu is the tanh form).
+ACTIVATION_SILU = 0
+ACTIVATION_GELU = 1
+ACTIVATION_CODES = {"silu": ACTIVATION_SILU, "gelu": ACTIVATION_GELU}
+
+# The gated epilogue's layout (jax_cake_fwd_gated): the stacked weight holds gate and up
+# rows interleaved in blocks of GATE_BLOCK rows (jax_cake.reference.interleave), so every
+# 32-column sub-tile of the kernel's accumulator is 16 gate columns, then the up columns
+# of the same d_ff indices, held by the same threads at the same register positions.
+GATE_BLOCK = 16
+
+# A variant's epilogue in the generated variant table (Variant::store), GemmVariant.store:
+# "plain" (TMA store), "add" (TMA reduce-add), "gated_<act>" (the gated epilogue: the
+# pre-activation and h = act(g) * u, two outputs).
+STORES = {"plain": 0, "add": 1, "gated_silu": 2, "gated_gelu": 3}
+
 # A variant's output dtype in the generated variant table (the `out_dtype` of its entry).
 OUT_BF16 = 0
 OUT_F32 = 1
@@ -51,6 +68,8 @@ WGRAD_TARGET = "jax_cake_wgrad"
 WGRAD_ACCUMULATE_TARGET = "jax_cake_wgrad_accumulate"
 # y = r + x w^T in place (r aliased to y): the residual add in the forward GEMM's epilogue.
 FWD_RESIDUAL_TARGET = "jax_cake_fwd_residual"
+# (gu, h): the forward GEMM over interleaved gate and up rows with the gated epilogue.
+FWD_GATED_TARGET = "jax_cake_fwd_gated"
 ROUTER_FWD_TARGET = "jax_cake_router_fwd"
 ROUTER_DGRAD_TARGET = "jax_cake_router_dgrad"
 ROUTER_WGRAD_TARGET = "jax_cake_router_wgrad"
@@ -61,6 +80,7 @@ TARGETS = (
     WGRAD_TARGET,
     WGRAD_ACCUMULATE_TARGET,
     FWD_RESIDUAL_TARGET,
+    FWD_GATED_TARGET,
     ROUTER_FWD_TARGET,
     ROUTER_DGRAD_TARGET,
     ROUTER_WGRAD_TARGET,
@@ -132,6 +152,11 @@ def header_text() -> str:
     codes("The `reduction` attribute.", "Reduction", REDUCTIONS)
     codes("The `schedule` attribute.", "Schedule", SCHEDULES)
     codes("The `raster` attribute.", "Raster", RASTERS)
+    codes("The `activation` attribute (jax_cake_fwd_gated).", "Activation", ACTIVATION_CODES)
+    codes("A variant's epilogue (Variant::store in the generated variant table).", "Store", STORES)
+    lines.append("// Gate and up rows interleave in blocks of this many rows (jax_cake_fwd_gated).")
+    lines.append(f"constexpr int64_t kGateBlock = {GATE_BLOCK};")
+    lines.append("")
     lines.append("// A variant's output dtype (Variant::out_dtype in the generated variant table).")
     enumerators = ", ".join(f"{OUT_DTYPE_ENUMERATORS[name]} = {code}" for name, code in OUT_DTYPES.items())
     lines.append(f"enum OutDtype : int {{ {enumerators} }};")

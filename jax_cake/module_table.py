@@ -45,11 +45,10 @@ def _dense_fields(v) -> str:
     from jax_cake.planner.variants import OUTPUT_PROMOTE_EVERY
 
     dtype = contract.OUT_DTYPE_ENUMERATORS[v.out_dtype]
-    add = "true" if v.store == "add" else "false"
     promote_every = OUTPUT_PROMOTE_EVERY if v.promote_in == "output" else 0
     return (
         f'"{v.program}", {v.tile_m}, {v.tile_n}, {v.tile_k}, {v.cluster_m}, {v.cluster_n}, '
-        f"{dtype}, {add}, {contract.SCHEDULES[v.schedule]}, {promote_every}"
+        f"{dtype}, {contract.STORES[v.store]}, {contract.SCHEDULES[v.schedule]}, {promote_every}"
     )
 
 
@@ -64,7 +63,7 @@ DENSE = TableSpec(
     array="kVariants",
     count="kNumVariants",
     args_type="GemmArgs",
-    operands=(("a", "mA"), ("b", "mB"), ("c", "mC"), ("ws", "mWs")),
+    operands=(("a", "mA"), ("b", "mB"), ("c", "mC"), ("aux", "mAux")),
     scalar_args="g.splits, g.raster, g.max_ctas",
     fields=_dense_fields,
 )

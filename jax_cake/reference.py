@@ -4,8 +4,8 @@ Runs on CPU, on GPUs without jax_cake kernels, and for shapes the kernels do not
 Semantics match the kernels: BF16 operands, FP32 accumulation, one rounding to the
 output dtype at the end; the router splits each FP32 operand into hi + lo BF16 parts and
 accumulates hi*hi + hi*lo + lo*hi in FP32 (BF16x3). The gated epilogue (SwiGLU /
-GeGLU: `gate`, `gate_grad`) is defined here too, once, for the XLA pass that runs it
-today and for the kernel epilogue that is to replace that pass with the same values.
+GeGLU: `gate`, `gate_grad`, and the `interleave`d layout of gate and up) is defined here
+too, once, for the XLA pass and for the kernel epilogue that computes the same values.
 
 All GEMMs take a leading batch dimension: x [B, T, d_in], w [B, d_out, d_in],
 dy [B, T, d_out] (docs/ffi_contract.md).
@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -129,3 +130,31 @@ def gate_grad(dh, g, u, activation: str):
     value, slope = _act_and_slope(g.astype(_F32), activation)
     dh = dh.astype(_F32)
     return (dh * u.astype(_F32) * slope).astype(_BF16), (dh * value).astype(_BF16)
+
+
+def interleave(a, b, axis: int, block: int = 1):
+    """a and b (the same shape) interleaved along `axis` in blocks of `block` rows (it must
+    divide F = a.shape[axis]): index 2 * block * j + i holds a's block * j + i, and
+    2 * block * j + block + i b's, for i < block.
+
+    The gated GEMMs' layout of gate and up: the rows of the stacked weight, the columns of
+    the pre-activation and of its cotangent. With block 1, any shard of a's and b's `axis`
+    (d_ff sharded, column-parallel) is one shard of the result holding the matching gate
+    and up entries, so no stacked operand needs resharding. With block
+    contract.GATE_BLOCK (16), every 32-column sub-tile of a kernel's accumulator holds 16
+    gate columns and the 16 up columns of the same d_ff entries at the same register
+    positions: the layout of the gated kernel epilogue."""
+    axis = axis % a.ndim
+    f = a.shape[axis]
+    blocks = a.shape[:axis] + (f // block, block) + a.shape[axis + 1 :]
+    pair = jnp.stack([jnp.reshape(a, blocks), jnp.reshape(b, blocks)], axis=axis + 1)
+    return jnp.reshape(pair, a.shape[:axis] + (2 * f,) + a.shape[axis + 1 :])
+
+
+def deinterleave(v, axis: int, block: int = 1):
+    """(a, b) of v = interleave(a, b, axis, block)."""
+    axis = axis % v.ndim
+    f = v.shape[axis] // 2
+    pairs = jnp.reshape(v, v.shape[:axis] + (f // block, 2, block) + v.shape[axis + 1 :])
+    halves = (lax.index_in_dim(pairs, i, axis + 1, keepdims=False) for i in (0, 1))
+    return tuple(jnp.reshape(h, v.shape[:axis] + (f,) + v.shape[axis + 1 :]) for h in halves)

@@ -3,7 +3,8 @@ shared memory -> TMA store, in sub-tiles of (tile_m, 32) columns through `epi_st
 buffers.
 
 Here: the construction, each tile's sub-tile partitions, which accumulator registers
-make each sub-tile, and the staging of a sub-tile into its buffer, all plain trace-time
+make each sub-tile, and the staging of a sub-tile into its buffer (the accumulator's,
+or the gated epilogue's h made from two of them), all plain trace-time
 Python with no control flow. The store loop around them (the store warp's acquire / TMA
 store / commit are branches on the warp index, dynamic control flow the DSL takes only in
 its jit functions) is gemm_base_sm90.GemmSm90Base._store_tile.
@@ -15,9 +16,15 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+
+
+# The tanh-form GELU's constants (jax.nn.gelu(approximate=True)): sqrt(2 / pi) and the cubic's.
+_GELU_C = 0.7978845608028654
+_GELU_A = 0.044715
 
 
 class SubTileStaging(NamedTuple):
@@ -93,6 +100,41 @@ def stage_sub_tile(ep: SubTileStaging, epi_idx: int, buf, c_dtype=None) -> None:
         src.store(ep.tRS_rD.load().to(c_dtype))
     cute.copy(ep.tiled_copy_r2s, src, ep.tRS_sD[(None, None, None, buf)])
     # Ordinary smem stores must be visible to the TMA (async proxy).
+    cute.arch.fence_view_async_shared()
+    ep.epi_bar.arrive_and_wait()
+
+
+def stage_gated_sub_tile(ep: SubTileStaging, pair: int, buf, activation: str) -> None:
+    """h sub-tile `pair` (32 columns of h [M, N / 2]) -> staged buffer buf, between the
+    same two barriers as stage_sub_tile.
+
+    The accumulator's columns are gate and up entries in blocks of 16 (variants.GATE_BLOCK):
+    in sub-tile e, the registers of the copy's first 16-column group are gate values and
+    those of its second group, at the same positions, the up values of the same d_ff
+    indices. Column group n of h sub-tile `pair` is made from accumulator sub-tile
+    2 * pair + n: h = bf16(act(g) * u) in FP32 from g, u rounded to bf16 first (the
+    pre-activation's values), as jax_cake.reference.gate."""
+    cpy_v, cpy_m, cpy_n = (cute.size(ep.tRS_rD_layout, mode=[i]) for i in range(3))
+    assert cpy_n == 2, "a 32-column sub-tile is two 16-column copy groups"
+    ep.epi_bar.arrive_and_wait()
+    g = ep.tRS_rD
+    u = cute.make_rmem_tensor_like(ep.tRS_rD_layout, g.element_type)
+    for v in range(cute.size(g)):
+        i, m, n = v % cpy_v, (v // cpy_v) % cpy_m, v // (cpy_v * cpy_m)
+        epi_idx = 2 * pair + n
+        g[v] = ep.tRS_rAcc[sub_tile_index(i + cpy_v * m, epi_idx, ep.tRS_rD_layout, ep.tRS_rAcc)]
+        u[v] = ep.tRS_rAcc[sub_tile_index(i + cpy_v * (m + cpy_m), epi_idx, ep.tRS_rD_layout, ep.tRS_rAcc)]
+    gf = g.load().to(cutlass.BFloat16).to(cutlass.Float32)
+    uf = u.load().to(cutlass.BFloat16).to(cutlass.Float32)
+    if activation == "silu":
+        act = gf * (1.0 / (1.0 + cute.math.exp(-gf)))
+    elif activation == "gelu":  # the tanh form, as jax.nn.gelu(approximate=True)
+        act = gf * (0.5 * (1.0 + cute.math.tanh(_GELU_C * (gf + _GELU_A * (gf * gf * gf)))))
+    else:
+        raise ValueError(f"unknown activation {activation!r}")
+    h = cute.make_rmem_tensor_like(ep.tRS_rD_layout, cutlass.BFloat16)
+    h.store((act * uf).to(cutlass.BFloat16))
+    cute.copy(ep.tiled_copy_r2s, h, ep.tRS_sD[(None, None, None, buf)])
     cute.arch.fence_view_async_shared()
     ep.epi_bar.arrive_and_wait()
 

@@ -24,7 +24,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_cake.kernels.epilogue_sm90 import stage_sub_tile
+from jax_cake.kernels.epilogue_sm90 import stage_gated_sub_tile, stage_sub_tile
 
 # Registers per thread after setmaxnreg (384-thread CTAs only): the producer needs few,
 # the two consumer warpgroups hold the accumulators. 128 * 40 + 256 * 232 <= 64K
@@ -238,3 +238,32 @@ class GemmSm90Base:
                     else:
                         cute.copy(second[0], second[1][(None, buf)], second[2][(None, coord)])
                 c_pipe.producer_commit()
+
+    @cute.jit
+    def _store_gated_tile(self, staging, c_pipe, warp_idx, store_warp, buf_base, gu, h, activation: cutlass.Constexpr):
+        """One tile's gated epilogue: for each pair of accumulator sub-tiles, both go to C
+        as bf16 (the pre-activation) and then the h sub-tile made from them
+        (stage_gated_sub_tile) to H; the three stores take the ring's buffers in turn.
+
+        gu, h: (atom, smem partition, gmem partition, sub-tile count, index -> coordinate
+        layout) of tile_sub_tiles for C's tile and for H's (half as wide)."""
+        atom, sD, gD, num, layout = gu
+        h_atom, h_sD, h_gD, _, h_layout = h
+        for pair in cutlass.range_constexpr(num // 2):
+            for j in cutlass.range_constexpr(3):
+                buf = buf_base + (3 * pair + j) % self.epi_stage
+                if warp_idx == store_warp:
+                    c_pipe.producer_acquire()
+                if cutlass.const_expr(j < 2):
+                    epi_idx = 2 * pair + j
+                    stage_sub_tile(staging, epi_idx, buf, cutlass.BFloat16)
+                    coord = layout.get_hier_coord(epi_idx)
+                    if warp_idx == store_warp:
+                        cute.copy(atom, sD[(None, buf)], gD[(None, coord)])
+                        c_pipe.producer_commit()
+                else:
+                    stage_gated_sub_tile(staging, pair, buf, activation)
+                    coord = h_layout.get_hier_coord(pair)
+                    if warp_idx == store_warp:
+                        cute.copy(h_atom, h_sD[(None, buf)], h_gD[(None, coord)])
+                        c_pipe.producer_commit()

@@ -141,8 +141,16 @@ class GemmSm90(GemmSm90Base):
             raise ValueError(f"tile_k must be 64, got {variant.tile_k}")
         if variant.cluster not in ((1, 1), (2, 1)):
             raise ValueError(f"cluster must be (1, 1) or (2, 1), got {variant.cluster}")
-        if variant.store not in ("plain", "add"):
-            raise ValueError(f"store must be 'plain' or 'add', got {variant.store!r}")
+        if variant.store not in ("plain", "add", "gated_silu", "gated_gelu"):
+            raise ValueError(f"store must be 'plain', 'add', 'gated_silu' or 'gated_gelu', got {variant.store!r}")
+        if variant.activation is not None and (
+            variant.program != "fwd"
+            or variant.out_dtype != "bfloat16"
+            or variant.schedule != "tiles"
+            or variant.tile_n % 64 != 0
+        ):
+            # Each h sub-tile is made from two 32-column sub-tiles of the accumulator.
+            raise ValueError("a gated store needs fwd, bfloat16 output, schedule='tiles' and tile_n a multiple of 64")
         if variant.store == "add" and variant.out_dtype != "float32" and variant.program != "fwd":
             # bf16 reduce-add is the forward's residual add (one add per element, no split);
             # split-K partials must be summed in fp32.
@@ -179,6 +187,7 @@ class GemmSm90(GemmSm90Base):
             raise ValueError("promote in registers (fp32 wgrad) needs tile_n <= 160: use promote_in='output'")
         self.variant = variant
         self.reduce_add = variant.store == "add"
+        self.activation = variant.activation  # the gated epilogue's, else None
         self.split_tail = variant.schedule == "split_tail"
         self.pingpong = variant.schedule == "pingpong"
         self.promote = variant.promote and variant.promote_in == "registers"
@@ -207,6 +216,11 @@ class GemmSm90(GemmSm90Base):
         sub_tiles = variant.tile_n // 32
         whole_tile = variant.program == "dgrad" or sub_tiles % 4 != 0
         self.epi_stage = sub_tiles if whole_tile else min(4, sub_tiles)
+        if self.activation is not None:
+            # Three stores per pair of sub-tiles (two of the pre-activation, one of h) cycle
+            # through one ring of buffers, whose size must divide the tile's store count.
+            stores = 3 * (sub_tiles // 2)
+            self.epi_stage = max(d for d in (1, 2, 3, 4) if stores % d == 0)
         if self.promote_out:
             # Two fp32 buffers leave room for a fourth A/B stage at 128 x 256 (four
             # would leave three).
@@ -236,7 +250,7 @@ class GemmSm90(GemmSm90Base):
         mA: cute.Tensor,
         mB: cute.Tensor,
         mC: cute.Tensor,
-        mWs: cute.Tensor,
+        mAux: cute.Tensor,
         splits: cutlass.Int32,
         raster: cutlass.Int32,
         max_ctas: cutlass.Int32,
@@ -272,6 +286,11 @@ class GemmSm90(GemmSm90Base):
             tma_atom_c_add, tma_c_add = self._tma_store(
                 cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(), mC, epi_smem_staged
             )
+        # The gated epilogue's second output h (mAux, laid out as C), stored through the
+        # same buffers; the other variants pass C's atom in its place (never used).
+        tma_atom_h, tma_h = tma_atom_c, tma_c
+        if cutlass.const_expr(self.activation is not None):
+            tma_atom_h, tma_h = self._tma_store(cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mAux, epi_smem_staged)
         self.shared_storage = self._shared_storage(
             self.ab_stage,
             {
@@ -304,7 +323,9 @@ class GemmSm90(GemmSm90Base):
             tma_c,
             tma_atom_c_add,
             tma_c_add,
-            mWs,
+            tma_atom_h,
+            tma_h,
+            mAux,
             tiled_mma,
             a_smem_staged,
             b_smem_staged,
@@ -330,6 +351,8 @@ class GemmSm90(GemmSm90Base):
         mC: cute.Tensor,
         tma_atom_c_add: cute.CopyAtom,
         mC_add: cute.Tensor,
+        tma_atom_h: cute.CopyAtom,
+        mH: cute.Tensor,
         mWs: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
@@ -665,6 +688,20 @@ class GemmSm90(GemmSm90Base):
                             (tma_atom_c_add, *add),
                             (tma_atom_c, *plain),
                             chained,
+                        )
+                    elif cutlass.const_expr(self.activation is not None):
+                        # The pre-activation to C, h (half as wide: tile_n / 2 columns) to H.
+                        h_tile = (self.tile_mnk[0], self.tile_mnk[1] // 2, self.tile_mnk[2])
+                        h_parts = tile_sub_tiles(tma_atom_h, mH, sC, h_tile, self.epi_tile, c_coord)
+                        self._store_gated_tile(
+                            staging,
+                            c_pipe,
+                            warp_idx,
+                            store_warp,
+                            buf_base,
+                            (tma_atom_c, *plain),
+                            (tma_atom_h, *h_parts),
+                            self.activation,
                         )
                     else:
                         if cutlass.const_expr(self.shared_epi):

@@ -60,6 +60,11 @@ class GemmVariant:
     # into the same tile in arrival order (reduction=2, not bitwise reproducible). fwd
     # (bf16): the residual add, C = bf16(r + bf16(acc)) with C holding r on entry
     # (jax_cake_fwd_residual; one pass over K, one add per element).
+    # "gated_silu" / "gated_gelu" (fwd, bf16, tile_n a multiple of 64): the gated epilogue
+    # of jax_cake_fwd_gated. B holds gate and up rows interleaved in blocks of contract.GATE_BLOCK,
+    # so each 32-column sub-tile of C is 16 gate columns then their 16 up columns; C gets
+    # the pre-activation (bf16 of the accumulator) and the second output H [M, N / 2]
+    # gets h = bf16(act(g) * u) in FP32 from the bf16 g, u (gemm_sm90's docstring).
     store: str = "plain"
     # "tiles": each CTA walks whole tiles (or splits of them). "split_tail": whole waves of
     # tiles, then the last partial wave's tiles cut into `splits` K pieces that the kernel
@@ -71,6 +76,11 @@ class GemmVariant:
     # chain goes into C itself, the first by TMA store, later ones by TMA reduce-add: frees
     # the registers for a 128 x 256 tile). See gemm_sm90's docstring.
     promote_in: str = "registers"
+
+    @property
+    def activation(self) -> str | None:
+        """The gated epilogue's activation ("silu", "gelu"), None for the other stores."""
+        return self.store.removeprefix("gated_") if self.store.startswith("gated_") else None
 
     @property
     def a_major(self) -> str:
@@ -197,6 +207,14 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("fwd", 128, 256, store="add"),
     GemmVariant("fwd", 128, 128, store="add"),
     GemmVariant("fwd", 128, 64, store="add"),
+    # fwd with the gated epilogue (jax_cake_fwd_gated): the tiles the forward planner picks
+    # for gate/up projections (128 x 256 c2x1 at the Llama shapes, 128 x 128 for small
+    # ones), with a cluster 1x1 128 x 256 for the planner's c1x1 choices.
+    GemmVariant("fwd", 128, 256, cluster_m=2, store="gated_silu"),
+    GemmVariant("fwd", 128, 256, store="gated_silu"),
+    GemmVariant("fwd", 128, 128, store="gated_silu"),
+    GemmVariant("fwd", 128, 256, cluster_m=2, store="gated_gelu"),
+    GemmVariant("fwd", 128, 128, store="gated_gelu"),
 )
 
 

@@ -11,11 +11,9 @@ rules next to the calls.
 """
 
 from jax_cake.primitives.call import (
-    deinterleave,
     dgrad,
     fwd,
     fwd_gated,
-    interleave,
     router_dgrad,
     router_fwd,
     router_wgrad,
@@ -24,11 +22,9 @@ from jax_cake.primitives.call import (
 from jax_cake.primitives.gemm import router_ffi_operands, targets_from
 
 __all__ = [
-    "deinterleave",
     "dgrad",
     "fwd",
     "fwd_gated",
-    "interleave",
     "router_dgrad",
     "router_ffi_operands",
     "router_fwd",

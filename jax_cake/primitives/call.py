@@ -10,7 +10,7 @@ a reduce-scatter where the rule allows; the caller reshards to it. deterministic
 (wgrad): what the caller asked for, for the per-shard plans (default: the plan's own).
 add_to (fwd, wgrad): the "add" epilogue, the result added into that operand.
 fwd_gated: the forward GEMM with the "gated" epilogue (SwiGLU / GeGLU), over gate and up
-rows interleaved (`interleave`).
+rows interleaved (reference.interleave).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from jax_cake import reference, remat
+from jax_cake.contract import GATE_BLOCK
 from jax_cake.planner import Plan
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import plan as make_plan
@@ -199,42 +200,43 @@ def fwd(x, w, plan: Plan, *, out_sharding=None, add_to=None):
     return _public("fwd", x, w, plan, True, out_sharding, add_to)
 
 
-def interleave(a, b, axis: int):
-    """a and b (the same shape) interleaved along `axis`: index 2i holds a's i, 2i + 1 b's i.
-
-    The gated GEMMs' layout of gate and up: the rows of the stacked weight, the columns
-    of the pre-activation and of its cotangent. A shard of a's and b's `axis` (d_ff
-    sharded, column-parallel) is then one shard of the result holding the matching gate
-    and up entries, so no stacked operand needs resharding; and in a kernel's accumulator
-    tile the gate and up columns of one d_ff entry are neighbours.
-    """
-    axis = axis % a.ndim
-    shape = a.shape[:axis] + (2 * a.shape[axis],) + a.shape[axis + 1 :]
-    return jnp.reshape(jnp.stack([a, b], axis=axis + 1), shape)
-
-
-def deinterleave(v, axis: int):
-    """(a, b) of v = interleave(a, b, axis)."""
-    axis = axis % v.ndim
-    pairs = jnp.reshape(v, v.shape[:axis] + (v.shape[axis] // 2, 2) + v.shape[axis + 1 :])
-    return tuple(jax.lax.index_in_dim(pairs, i, axis + 1, keepdims=False) for i in (0, 1))
-
-
-def fwd_gated(x, w, plan: Plan, activation: str, *, out_sharding=None):
+def fwd_gated(x, w, plan: Plan, activation: str, block: int, *, out_sharding=None):
     """(h, gu): the forward GEMM with the "gated" epilogue.
 
-    w [B, 2F, d_in] bf16 holds the gate and up rows interleaved (`interleave`, axis 1);
-    gu [B, T, 2F] bf16 = x . w^T is the pre-activation in that order (g = bf16(x Wg^T),
-    u = bf16(x Wu^T)); h [B, T, F] = reference.gate(g, u, activation) = bf16(act(g) * u).
+    w [B, 2F, d_in] bf16 holds the gate and up rows interleaved in blocks of `block` rows
+    (reference.interleave, axis 1); gu [B, T, 2F] bf16 = x . w^T is the pre-activation in that order (g = bf16(x
+    Wg^T), u = bf16(x Wu^T)); h [B, T, F] = reference.gate(g, u, activation) = bf16(act(g)
+    * u). gu is named remat.PREACTIVATION_NAME.
 
-    Today the epilogue is an XLA elementwise pass right after the "store" GEMM (the
-    activation is not yet inside the kernel); a kernel epilogue that writes h and gu from
-    the accumulator tile replaces the pass with the same values. gu is named
-    remat.PREACTIVATION_NAME before the pass reads it: under a remat policy that saves it,
-    h is recomputed from it elementwise, without the GEMM."""
-    gu = remat.name_preactivation(fwd(x, w, plan, out_sharding=out_sharding))
-    g, u = deinterleave(gu, -1)
-    return reference.gate(g, u, activation), gu
+    For a plan of op "fwd_gated" (jax_cake.planner.gated.plan_gated) on operands that need
+    no partitioning, one custom call writes gu and h from the accumulator tile (h is then
+    named remat.ACTIVATION_NAME: it cannot be recomputed without the GEMM). Otherwise, and
+    under vmap or a partitioning rule, the "store" GEMM writes gu and an XLA elementwise
+    pass makes h from it (under a remat policy that saves gu, h is recomputed from it
+    elementwise, without the GEMM); both give the same values up to the FP32 rounding of
+    the activation."""
+    store_plan = plan.unfused() if plan.op == "fwd_gated" else plan
+
+    def store_then_gate(x, w):
+        gu = remat.name_preactivation(fwd(x, w, store_plan, out_sharding=out_sharding))
+        return reference.gate(*reference.deinterleave(gu, -1, block), activation), gu
+
+    if plan.op != "fwd_gated" or out_sharding is not None or block != GATE_BLOCK:
+        return store_then_gate(x, w)
+
+    @custom_vmap
+    def gated_call(x, w):
+        if not partitioning.unpartitioned(x, w):
+            return store_then_gate(x, w)
+        h, gu = gemm.fwd_gated(x, w, plan, activation)
+        return remat.name_activation(h), remat.name_preactivation(gu)
+
+    @gated_call.def_vmap
+    def rule(axis_size, in_batched, x, w):
+        in_axes = tuple(0 if b else None for b in in_batched)
+        return jax.vmap(store_then_gate, in_axes=in_axes, axis_size=axis_size)(x, w), (True, True)
+
+    return gated_call(x, w)
 
 
 def dgrad(dy, w, plan: Plan, *, out_sharding=None):

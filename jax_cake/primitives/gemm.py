@@ -10,7 +10,8 @@ so under shard_map they carry the per-shard shape and varying axes.
 Epilogues: "store" writes the result; "add" adds it into a third operand c whose buffer
 is aliased to the result (input_output_aliases {2: 0}: in place under jit), rounded as
 `reference.add_into`. The fused add exists for fwd (the residual, jax_cake_fwd_residual)
-and wgrad (the FP32 running sum, jax_cake_wgrad_accumulate).
+and wgrad (the FP32 running sum, jax_cake_wgrad_accumulate). "gated" (fwd,
+jax_cake_fwd_gated) writes the pre-activation and h = act(g) * u from it.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_cake import reference
 from jax_cake.contract import (  # the FFI target names, defined once
+    ACTIVATION_CODES,
     DGRAD_TARGET,
+    FWD_GATED_TARGET,
     FWD_RESIDUAL_TARGET,
     FWD_TARGET,
     ROUTER_DGRAD_TARGET,
@@ -76,16 +80,17 @@ def result_type(operand, shape, dtype, keep_batch_spec: bool = True):
     return aval.update(shape=shape, dtype=jnp.dtype(dtype), sharding=sharding)
 
 
-def ffi_call(target: str, plan: Plan, results, *operands, input_output_aliases=None):
-    """One custom call of `target` with the plan as attributes: registers the library's
-    targets first (GPU processes), names `<prefix><target>` under `targets_from`, and
-    aliases operands to results where asked (a buffer the kernel adds into)."""
+def ffi_call(target: str, plan: Plan, results, *operands, input_output_aliases=None, **attributes):
+    """One custom call of `target` with the plan as attributes (and `attributes`, the
+    target's own): registers the library's targets first (GPU processes), names
+    `<prefix><target>` under `targets_from`, and aliases operands to results where asked
+    (a buffer the kernel adds into)."""
     prefix = _target_prefix.get()
     if _gpu_present() and not prefix:
         from jax_cake import native  # only a GPU process needs the library
 
         native.ensure_registered()
-    attributes = plan.ffi_attributes()
+    attributes = {**plan.ffi_attributes(), **attributes}
     if target.startswith("jax_cake_router_"):
         attributes = {name: attributes[name] for name in _ROUTER_ATTRIBUTES}
     # vmap_method=None: batching the custom call itself is an error. Every GEMM has a
@@ -183,6 +188,30 @@ def router_wgrad(g, x, plan: Plan):
         return dw
 
     return dispatch(plan, reference.router_wgrad, cuda, g, x)
+
+
+# --- the "gated" epilogue: the pre-activation and the gated activation --------------------
+
+
+def fwd_gated(x, w, plan: Plan, activation: str):
+    """(h [B, T, F], gu [B, T, 2F]) bf16: gu = x . w^T over w's interleaved gate and up rows
+    (reference.interleave), h = reference.gate(g, u) (a plan for op "fwd_gated")."""
+    b, t, _ = x.shape
+    d_out = w.shape[1]
+
+    def ref(x, w):
+        gu = reference.fwd(x, w)
+        return reference.gate(*reference.deinterleave(gu, -1), activation), gu
+
+    def cuda(x, w):
+        results = (
+            result_type(x, (b, t, d_out), jnp.bfloat16),
+            result_type(x, (b, t, d_out // 2), jnp.bfloat16),
+        )
+        gu, h = ffi_call(FWD_GATED_TARGET, plan, results, x, w, activation=np.int64(ACTIVATION_CODES[activation]))
+        return h, gu
+
+    return dispatch(plan, ref, cuda, x, w)
 
 
 STORE = {

@@ -8,8 +8,9 @@ an Adam update of the weights; both arms of a case start from the same weights, 
 state and data (fixed seeds) and their first-step losses are compared. The XLA arm is
 what one writes without jax_cake: `jnp.dot(x, w.astype(bf16).T)` per weight (XLA merges
 dots sharing an operand as it likes) and `jax.checkpoint_policies.dots_saveable`; the
-jax_cake arm uses `dense_projection`, `fused_projections` where weights share an input
-and `jax_cake.remat.save_projections`.
+jax_cake arm uses `dense_projection`, `fused_projections` where weights share an input,
+`swiglu_mlp` for the MLP (the activation in the gate/up GEMM's epilogue, the residual
+in the down projection's) and `jax_cake.remat.save_projections`.
 
 Cases (`--cases`; sizes are flags, defaults below):
 - skinny: 4 heads d -> 48, 64, 48, 64 sharing x [T = 16231, d = 4096]; two jax_cake
@@ -21,7 +22,9 @@ Cases (`--cases`; sizes are flags, defaults below):
   4096 -> 4096, residual add, RMSNorm, SwiGLU gate/up 4096 -> 14336, down 14336 -> 4096,
   residual add; jax_cake fuses q/k/v and gate/up. block_remat checkpoints every block
   (save_projections for jax_cake, dots_saveable for XLA).
-- mlp: the SwiGLU MLP alone, T = 8192, 4096 -> 14336 -> 4096 (gate/up fused).
+- mlp: the SwiGLU MLP alone, T = 8192, 4096 -> 14336 -> 4096: swiglu_mlp (mlp/jax_cake)
+  and the composition of fused_projections, an XLA silu pass and dense_projection
+  (mlp/composed), both paired with the same XLA arm.
 - router: DeepSeek-V3-shaped router logits x [16384, 7168] f32 . w [256, 7168]^T f32,
   a top-8 softmax gating loss plus a z-loss; jax_cake.router_logits against jnp.dot
   with precision=DotAlgorithmPreset.BF16_BF16_F32_X3.
@@ -88,12 +91,14 @@ class Sizes:
 @dataclasses.dataclass(frozen=True)
 class Ops:
     """How one arm projects: dense(x, w) -> y; fused(x, ws) -> (y_i); residual(r, x, w) ->
-    r + x w^T; its remat policy."""
+    r + x w^T; its remat policy; mlp(h, wg, wu, wd, residual) -> [residual +] the SwiGLU
+    MLP of h (None: the composition of fused, silu and dense / residual)."""
 
     dense: Callable
     fused: Callable
     residual: Callable
     policy: Any
+    mlp: Callable | None = None
 
 
 def arm_ops(arm: str, deterministic: bool) -> Ops:
@@ -112,7 +117,13 @@ def arm_ops(arm: str, deterministic: bool) -> Ops:
     else:
         fused = lambda x, ws: jax_cake.fused_projections(x, ws, deterministic=deterministic)
     residual = lambda r, x, w: jax_cake.dense_projection(x, w, residual=r, deterministic=deterministic)
-    return Ops(dense, fused, residual, jax_cake.remat.save_projections)
+    if arm in ("separate", "composed"):  # composed: the MLP from fused_projections, an XLA silu, dense
+        return Ops(dense, fused, residual, jax_cake.remat.save_projections)
+
+    def mlp(h, wg, wu, wd, r):
+        return jax_cake.swiglu_mlp(h, wg, wu, wd, residual=r, deterministic=deterministic)
+
+    return Ops(dense, fused, residual, jax_cake.remat.save_projections, mlp)
 
 
 def _f32(a):
@@ -141,6 +152,8 @@ def swiglu(ops: Ops, p, h, residual=None):
     """down(silu(gate) * up), added to `residual` where given (the block's skip path)."""
     import jax
 
+    if ops.mlp is not None:
+        return ops.mlp(h, p["wg"], p["wu"], p["wd"], residual)
     gate, up = ops.fused(h, [p["wg"], p["wu"]])
     act = (jax.nn.silu(_f32(gate)) * _f32(up)).astype(h.dtype)
     return ops.dense(act, p["wd"]) if residual is None else ops.residual(residual, act, p["wd"])
@@ -305,7 +318,7 @@ def make_case(name: str, s: Sizes, deterministic: bool) -> Case:
             p = _block_params(key_w, s)
             return _with_opt(x, {n: p[n] for n in ("wg", "wu", "wd")})
 
-        return Case(name, label, ("xla", "jax_cake"), inputs, lambda arm: mlp_loss(ops(arm)))
+        return Case(name, label, ("xla", "jax_cake", "composed"), inputs, lambda arm: mlp_loss(ops(arm)))
     if name == "router":
 
         def inputs():

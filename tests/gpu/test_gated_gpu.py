@@ -1,6 +1,7 @@
 """gated_projection and swiglu_mlp on the GPU: their GEMMs lower to the jax_cake custom
-calls, and their values match float64 references of the defined semantics (h and dx
-within bf16 rounding, FP32 dW within 1e-5 of float64 wgrads of the op's dg, du)."""
+calls (the gated kernel where d_ff is a multiple of 16), and their values match float64
+references of the defined semantics (h and dx within bf16 rounding, FP32 dW within 1e-5 of
+float64 wgrads of the op's dg, du); and each compiled gated kernel, forced."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,11 @@ import pytest
 
 import gpu_helpers as h
 import jax_cake
-from jax_cake import reference
+import jax_cake.planner.variants
+from jax_cake import contract, reference
+from jax_cake.planner import force
+from jax_cake.planner.gated import plan_gated
+from jax_cake.primitives import gemm
 from test_gated import _reference64
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_library")]
@@ -47,7 +52,11 @@ def test_gated_projection_on_the_kernels(case, activation):
 
     step = jax.jit(step)
     text = step.lower(x, wg, wu, dh).as_text()
-    assert h.custom_calls(text, "jax_cake_fwd") == 1 and h.custom_calls(text, "jax_cake_dgrad") == 1
+    t, d_in, f = case
+    fused = plan_gated(tokens=t, d_in=d_in, d_out=2 * f, activation=activation).op == "fwd_gated"
+    assert fused == (f % contract.GATE_BLOCK == 0), "the planner fuses the activation where d_ff allows"
+    assert h.custom_calls(text, "jax_cake_fwd_gated" if fused else "jax_cake_fwd") == 1
+    assert h.custom_calls(text, "jax_cake_dgrad") == 1
     assert h.custom_calls(text, "jax_cake_wgrad") >= 1 and "dot_general" not in text
     out, dx, dwg, dwu = step(x, wg, wu, dh)
     assert (dwg.dtype, dwu.dtype) == (jnp.float32, jnp.float32)
@@ -74,8 +83,64 @@ def test_swiglu_mlp_on_the_kernels_with_the_fused_residual():
         return jax_cake.swiglu_mlp(x, wg, wu, wd, residual=r)
 
     text = jax.jit(mlp).lower(x, wg, wu, wd, r).as_text()
-    assert h.custom_calls(text, "jax_cake_fwd") == 1 and h.custom_calls(text, "jax_cake_fwd_residual") == 1
+    assert h.custom_calls(text, "jax_cake_fwd_gated") == 1 and h.custom_calls(text, "jax_cake_fwd_residual") == 1
     y = jax.jit(mlp)(x, wg, wu, wd, r)
     hidden = jax.jit(jax_cake.gated_projection)(x, wg, wu)
     ref = _f64(r) + _f64(hidden) @ _f64(wd.astype(jnp.bfloat16)).T
     assert _within(y, ref, h.BF16_TOL)
+
+
+# --- the gated kernel epilogue, each compiled variant forced -------------------------------------
+
+GATED_VARIANTS = [v for v in jax_cake.planner.variants.VARIANTS if v.activation is not None]
+# (T, d_in, F): whole tiles; ragged T, d_in and 2F (2F = 2080 is not a multiple of any tile_n).
+KERNEL_SHAPES = [(2048, 1024, 2048), (1000, 520, 1040)]
+
+
+def _act64(g, activation):
+    if activation == "silu":
+        return g / (1.0 + np.exp(-g))
+    return 0.5 * g * (1.0 + np.tanh(0.7978845608028654 * (g + 0.044715 * g**3)))
+
+
+def _gated_call(variant, x, w):
+    """(h, gu) of the gated kernel `variant` on x [T, d_in], w [2F, d_in] (interleaved in
+    blocks of contract.GATE_BLOCK), and gu of the plain forward of the same tile."""
+    t, d_in = x.shape
+    with force("det", tile=variant.tile, cluster=variant.cluster, schedule="tiles"):
+        plan = plan_gated(tokens=t, d_in=d_in, d_out=w.shape[0], activation=variant.activation)
+    assert plan.op == "fwd_gated" and (plan.tile, plan.cluster) == (variant.tile, variant.cluster), plan
+    gated = jax.jit(lambda x, w: gemm.fwd_gated(x[None], w[None], plan, variant.activation))
+    plain = jax.jit(lambda x, w: gemm.fwd(x[None], w[None], plan.unfused()))
+    text = gated.lower(x, w).as_text()
+    assert h.custom_calls(text, "jax_cake_fwd_gated") == 1 and "dot_general" not in text
+    return gated, plain
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=lambda s: "T{}_{}x{}".format(*s))
+@pytest.mark.parametrize("variant", GATED_VARIANTS, ids=lambda v: v.name)
+def test_gated_kernel_epilogue(variant, shape):
+    """gu is bit for bit the plain forward of the same tile; h is bf16(act(g) * u) of that
+    gu within half a bf16 step (plus FP32 rounding of the activation) of float64; every
+    element written; bitwise repeatable."""
+    t, d_in, f = shape
+    key = ("gated_kernel", variant.name, *shape)
+    x = h.rand(h.seed_of("x", *key), (t, d_in))
+    w = h.rand(h.seed_of("w", *key), (2 * f, d_in), scale=0.05)
+    gated, plain = _gated_call(variant, x, w)
+    out, gu = gated(x, w)
+    assert out.shape == (1, t, f) and gu.shape == (1, t, 2 * f)
+    np.testing.assert_array_equal(np.asarray(gu), np.asarray(plain(x, w)))
+    ref_gu = _f64(x) @ _f64(w).T
+    assert _within(gu[0], ref_gu, h.BF16_TOL)
+    g, u = (_f64(v[0]) for v in reference.deinterleave(gu, -1, contract.GATE_BLOCK))
+    ref = _act64(g, variant.activation) * u
+    got = _f64(out[0])
+    assert np.all(np.isfinite(got))
+    bound = (2.0**-8 + 2.0**-20) * np.abs(ref) + 1e-30
+    worst = np.max(np.abs(got - ref) / bound)
+    assert worst <= 1.0, f"|h - act(g) u| reaches {worst:.2f} of half a bf16 step"
+    for _ in range(3):
+        again, gu_again = gated(x, w)
+        np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
+        np.testing.assert_array_equal(np.asarray(gu_again), np.asarray(gu))
