@@ -105,10 +105,11 @@ def test_handlers_are_the_contract_targets():
 
 
 def test_dense_attributes_are_the_plans():
-    """The attribute names the dense handlers bind are the ones Plan.ffi_attributes sends."""
+    """The attribute names the dense handlers bind are the ones Plan.ffi_attributes sends,
+    plus the gated handler's own `activation` (primitives.gemm.fwd_gated sends it)."""
     from jax_cake.planner import plan as make_plan
 
     source = (FFI / "jax_cake_ffi.cc").read_text()
     bound = re.findall(r'\.Attr<int64_t>\("(\w+)"\)', source)
     plan = make_plan("fwd", tokens=8, d_in=8, d_out=8)
-    assert sorted(set(bound)) == sorted(plan.ffi_attributes())
+    assert sorted(set(bound)) == sorted([*plan.ffi_attributes(), "activation"])

@@ -533,3 +533,26 @@ def _collectives(text):
 def partitioning_spec(a):
     spec = jax.typeof(a).sharding.spec
     return tuple(e for e in spec if e is not None)
+
+
+@pytest.mark.parametrize("enabled", [False, True], ids=["held_back", "enabled"])
+@pytest.mark.parametrize("activation", ["silu"])  # the compiled gated variants
+def test_cuda_lowering_of_the_gated_kernel_epilogue(activation, enabled, monkeypatch):
+    """At the Llama gate/up shape the planner's 128x256 c2x1 tile has a gated variant: with
+    the epilogue enabled the forward is ONE jax_cake_fwd_gated call writing gu and h, its
+    activation code an attribute; held back (the default, measured slower), the plain
+    forward and an XLA pass."""
+    from jax_cake.planner import gated as gated_planner
+
+    monkeypatch.setattr(gated_planner, "GATED_EPILOGUE_ENABLED", enabled)
+    t, d_in, f = 8192, 4096, 14336
+    args = (_s((t, d_in), BF), _s((f, d_in), F32), _s((f, d_in), F32))
+    text = cuda_text(lambda x, a, b: jc.gated_projection(x, a, b, activation=activation), *args)
+    fused, plain = custom_call_lines(text, "jax_cake_fwd_gated"), custom_call_lines(text, "jax_cake_fwd")
+    if not enabled:
+        assert not fused and len(plain) == 1
+        return
+    assert not plain and len(fused) == 1
+    assert f"-> (tensor<1x{t}x{2 * f}xbf16>, tensor<1x{t}x{f}xbf16>)" in fused[0]
+    assert f"activation = {contract.ACTIVATION_CODES[activation]} : i64" in fused[0]
+    assert "tile_n = 256 : i64" in fused[0] and "cluster_m = 2 : i64" in fused[0]

@@ -42,7 +42,7 @@ def test_every_case_runs_both_arms_with_matching_losses():
     arms = {(s["case"], s["arm"]) for s in samples}
     assert arms == {("skinny", a) for a in ("xla", "separate", "fused")} | {
         (c, a) for c in ("block", "block_remat", "mlp", "router") for a in ("xla", "jax_cake")
-    }
+    } | {("mlp", "composed")}
     for s in samples:
         assert len(s["groups_us"]) == 2 and all(g > 0 for g in s["groups_us"]), s
         assert s["temp_bytes"] >= 0 and math.isfinite(s["loss"]), s
@@ -53,6 +53,7 @@ def test_every_case_runs_both_arms_with_matching_losses():
         mb.case_label("block", TINY),
         mb.case_label("block_remat", TINY),
         mb.case_label("mlp", TINY),
+        mb.case_label("mlp", TINY) + " (composed)",
         mb.case_label("router", TINY),
     ]
     for r in rows:  # the same model, init and data: only the GEMMs' rounding differs

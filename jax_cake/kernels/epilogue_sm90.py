@@ -128,8 +128,11 @@ def stage_gated_sub_tile(ep: SubTileStaging, pair: int, buf, activation: str) ->
     uf = u.load().to(cutlass.BFloat16).to(cutlass.Float32)
     if activation == "silu":
         act = gf * (1.0 / (1.0 + cute.math.exp(-gf)))
-    elif activation == "gelu":  # the tanh form, as jax.nn.gelu(approximate=True)
-        act = gf * (0.5 * (1.0 + cute.math.tanh(_GELU_C * (gf + _GELU_A * (gf * gf * gf)))))
+    elif activation == "gelu":
+        # The tanh form, as jax.nn.gelu(approximate=True), through 0.5 (1 + tanh(z)) =
+        # 1 / (1 + exp(-2z)): the same value without the cancellation of 1 + tanh(z) near
+        # -1 (the DSL's tanh is not accurate enough for it: h was off by up to its own size).
+        act = gf * (1.0 / (1.0 + cute.math.exp(-2.0 * _GELU_C * (gf + _GELU_A * (gf * gf * gf)))))
     else:
         raise ValueError(f"unknown activation {activation!r}")
     h = cute.make_rmem_tensor_like(ep.tRS_rD_layout, cutlass.BFloat16)

@@ -13,6 +13,7 @@ import jax_cake
 import jax_cake.planner.variants
 from jax_cake import contract, reference
 from jax_cake.planner import force
+from jax_cake.planner import gated as gated_planner
 from jax_cake.planner.gated import plan_gated
 from jax_cake.primitives import gemm
 from test_gated import _reference64
@@ -54,7 +55,8 @@ def test_gated_projection_on_the_kernels(case, activation):
     text = step.lower(x, wg, wu, dh).as_text()
     t, d_in, f = case
     fused = plan_gated(tokens=t, d_in=d_in, d_out=2 * f, activation=activation).op == "fwd_gated"
-    assert fused == (f % contract.GATE_BLOCK == 0), "the planner fuses the activation where d_ff allows"
+    expected = gated_planner.GATED_EPILOGUE_ENABLED and f % contract.GATE_BLOCK == 0
+    assert fused == expected, "the planner fuses the activation where it is enabled and d_ff allows"
     assert h.custom_calls(text, "jax_cake_fwd_gated" if fused else "jax_cake_fwd") == 1
     assert h.custom_calls(text, "jax_cake_dgrad") == 1
     assert h.custom_calls(text, "jax_cake_wgrad") >= 1 and "dot_general" not in text
@@ -83,7 +85,8 @@ def test_swiglu_mlp_on_the_kernels_with_the_fused_residual():
         return jax_cake.swiglu_mlp(x, wg, wu, wd, residual=r)
 
     text = jax.jit(mlp).lower(x, wg, wu, wd, r).as_text()
-    assert h.custom_calls(text, "jax_cake_fwd_gated") == 1 and h.custom_calls(text, "jax_cake_fwd_residual") == 1
+    gate_up = "jax_cake_fwd_gated" if gated_planner.GATED_EPILOGUE_ENABLED else "jax_cake_fwd"
+    assert h.custom_calls(text, gate_up) == 1 and h.custom_calls(text, "jax_cake_fwd_residual") == 1
     y = jax.jit(mlp)(x, wg, wu, wd, r)
     hidden = jax.jit(jax_cake.gated_projection)(x, wg, wu)
     ref = _f64(r) + _f64(hidden) @ _f64(wd.astype(jnp.bfloat16)).T
@@ -119,10 +122,11 @@ def _gated_call(variant, x, w):
 
 @pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=lambda s: "T{}_{}x{}".format(*s))
 @pytest.mark.parametrize("variant", GATED_VARIANTS, ids=lambda v: v.name)
-def test_gated_kernel_epilogue(variant, shape):
+def test_gated_kernel_epilogue(variant, shape, monkeypatch):
     """gu is bit for bit the plain forward of the same tile; h is bf16(act(g) * u) of that
     gu within half a bf16 step (plus FP32 rounding of the activation) of float64; every
     element written; bitwise repeatable."""
+    monkeypatch.setattr(gated_planner, "GATED_EPILOGUE_ENABLED", True)
     t, d_in, f = shape
     key = ("gated_kernel", variant.name, *shape)
     x = h.rand(h.seed_of("x", *key), (t, d_in))

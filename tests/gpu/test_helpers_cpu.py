@@ -15,6 +15,7 @@ from jax_cake.planner import router_variants, variants
 
 import gpu_helpers as h
 import kernel_cases as cases
+import test_gated_gpu
 
 CPU = jax.devices("cpu")[0]
 
@@ -175,6 +176,8 @@ def test_cases_cover_every_compiled_program():
     """Every entry of VARIANTS and router_variants.VARIANTS is checked against float64
     (so a newly compiled variant without a GPU test fails here, on CPU)."""
     covered = {c.variant().name for c in cases.ALL_VALUE_CASES + cases.RESIDUAL_CASES}
+    # The gated epilogue's variants: test_gated_gpu.test_gated_kernel_epilogue, each forced.
+    covered |= {v.name for v in test_gated_gpu.GATED_VARIANTS}
     assert covered == {v.name for v in variants.VARIANTS}, sorted({v.name for v in variants.VARIANTS} - covered)
     covered = {c.variant().name for c in cases.ROUTER_CASES}
     assert covered == {v.name for v in router_variants.VARIANTS}
@@ -286,6 +289,7 @@ def test_quick_tier_calls_every_compiled_program():
                 assert c.fills_a_tile, c.id
         assert len(quick) < len(case_list)
     covered = {c.variant().name for c in _quick(cases.ALL_VALUE_CASES) + _quick(cases.RESIDUAL_CASES)}
+    covered |= {v.name for v in test_gated_gpu.GATED_VARIANTS}  # its own file, not full-only
     assert covered == {v.name for v in variants.VARIANTS}
     assert {c.variant().name for c in _quick(cases.ROUTER_CASES)} == {v.name for v in router_variants.VARIANTS}
     reductions = {(c.variant().name, c.reduction) for c in _quick(cases.ALL_VALUE_CASES)}
