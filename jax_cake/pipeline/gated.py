@@ -3,9 +3,10 @@ forward GEMM carries the "gated" epilogue.
 
 With Wg, Wu [F, d_in] (kept apart, as the user stores them) and W = their bf16 casts
 interleaved by rows in blocks of 16 ([2F, d_in]: rows 32j .. 32j + 15 are Wg[16j ..
-16j + 15], the next 16 the same rows of Wu; jax_cake.reference.interleave, which uses
-smaller blocks where 16 does not divide F; the cast of an FP32 master is a pass XLA runs
-anyway, and the interleave happens inside that fusion):
+16j + 15], the next 16 the same rows of Wu; jax_cake.reference.interleave), or row by row
+(block 1) where 16 does not divide F or the operands need partitioning (`_block`); the
+cast of an FP32 master is a pass XLA runs anyway, and the interleave happens inside that
+fusion:
 
 - forward: ONE fwd GEMM gu = x W^T ([T, 2F] bf16: the pre-activation, each column the
   FP32 accumulator rounded once) with the gated epilogue h = bf16(act(g) * u)
@@ -22,7 +23,7 @@ anyway, and the interleave happens inside that fusion):
   from the FP32 accumulator.
 
 Why interleaved, not [Wg; Wu] stacked (fused_projections' layout): with d_ff sharded
-(Wg and Wu column-parallel on F) into shards of a multiple of 16 rows, a shard of the
+(Wg and Wu column-parallel on F) the interleave is row by row, so any shard of the
 interleaved W is exactly the rows of that shard's Wg and Wu, so the stacked weight, gu,
 its cotangent and dW are all sharded on their 2F axis with no data moved (the stacked
 [Wg; Wu] would put a shard's gate and up rows in two distant blocks: XLA would reshuffle

@@ -3,11 +3,11 @@
 `plan_gated` returns a Plan with op "fwd_gated" where the library runs the gate/up
 projection and its activation in one kernel (jax_cake_fwd_gated, docs/ffi_contract.md):
 the forward planner's own choice (tile, cluster, schedule, raster) when a gated variant
-of it is compiled, else that tile with cluster 1x1 and the tiles schedule if that one is. The kernel writes the
-pre-activation gu (the accumulator rounded once to bf16, as the plain forward writes it)
-and h = bf16(act(g) * u) in FP32 from those bf16 values, so the fused call gives the
-values of the plain forward followed by jax_cake.reference.gate, up to the FP32 rounding
-of the activation's exp / tanh.
+of it is compiled, else that tile with cluster 1x1 and the tiles schedule if that one
+is. The kernel writes the pre-activation gu (the accumulator rounded once to bf16, as the
+plain forward writes it) and h = bf16(act(g) * u) in FP32 from those bf16 values, so the
+fused call gives the values of the plain forward followed by jax_cake.reference.gate, up
+to the FP32 rounding of the activation's exp.
 
 Otherwise the result is the ordinary forward plan (op "fwd"), and the primitive runs that
 forward and an XLA elementwise pass for h (one log line says why): where d_ff is not a
