@@ -3,10 +3,14 @@
 The model is plain Flax: nnx.Linear / nnx.LinearGeneral layers with float32 parameters
 (param_dtype) computing in bfloat16 (dtype). Passing
 `dot_general=jax_cake.dot_general, promote_dtype=jax_cake.promote_dtype` to each layer
-is the only change: the q/k/v, output, MLP and LM-head projections run on jax_cake's
-GEMMs with Flax's [d_in, d_out] kernels as they are (no transposed copy), and each float32
-kernel's gradient comes from the GEMM's FP32 accumulator. Attention scores, the
-embedding lookup and the norms are ordinary XLA ops.
+is the only change: the q/k/v, output and LM-head projections run on jax_cake's GEMMs
+with Flax's [d_in, d_out] kernels as they are (no transposed copy), and each float32
+kernel's gradient comes from the GEMM's FP32 accumulator. The SwiGLU MLP is a small NNX
+module holding its three float32 weights apart, in jax_cake's [d_out, d_in] layout, that
+calls `jax_cake.swiglu_mlp` (gate and up as one GEMM with the activation after it, the
+down projection adding the residual); without jax_cake the same module runs the same
+math on `jnp.dot`. Attention scores, the embedding lookup and the norms are ordinary XLA
+ops.
 
 Task: next-token prediction on sequences that follow a fixed random permutation of the
 vocabulary (token t+1 = perm[token t]); the loss falls from log(vocab) towards zero.
@@ -17,6 +21,7 @@ The script exits with status 1 if the loss did not fall.
         --heads=8 --layers=4 --vocab=32768                          # a GPU run
 """
 
+import math
 import statistics
 import sys
 import time
@@ -36,6 +41,7 @@ flags.DEFINE_integer("seq", 32, "Tokens per sequence.")
 flags.DEFINE_integer("vocab", 64, "Vocabulary size; a multiple of 8 keeps the LM head on the GPU kernels.")
 flags.DEFINE_integer("d_model", 64, "Model width; a multiple of 8 keeps the GPU kernels eligible.")
 flags.DEFINE_integer("heads", 4, "Attention heads; must divide d_model.")
+flags.DEFINE_integer("d_ff", 0, "MLP width (0: 8/3 x d_model rounded up to a multiple of 16, as the kernels like).")
 flags.DEFINE_integer("layers", 2, "Decoder blocks.")
 flags.DEFINE_float("lr", 3e-3, "AdamW learning rate.")
 flags.DEFINE_integer("seed", 0, "Seed for weights and data.")
@@ -53,10 +59,28 @@ def projection_options(use_jax_cake: bool) -> dict:
     return options
 
 
-class Block(nnx.Module):
-    """Pre-norm decoder block: causal multi-head attention, then a GELU MLP."""
+class SwiGLU(nnx.Module):
+    """y = residual + (silu(x Wg^T) * (x Wu^T)) Wd^T with float32 weights [d_out, d_in]."""
 
-    def __init__(self, d_model: int, heads: int, options: dict, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, d_ff: int, use_jax_cake: bool, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2)  # fan-in is d_in, the last axis
+        self.w_gate = nnx.Param(init(rngs.params(), (d_ff, d_model), F32))
+        self.w_up = nnx.Param(init(rngs.params(), (d_ff, d_model), F32))
+        self.w_down = nnx.Param(init(rngs.params(), (d_model, d_ff), F32))
+        self.use_jax_cake = use_jax_cake
+
+    def __call__(self, x, residual):
+        w_gate, w_up, w_down = self.w_gate[...], self.w_up[...], self.w_down[...]
+        if self.use_jax_cake:
+            return jax_cake.swiglu_mlp(x, w_gate, w_up, w_down, residual=residual)
+        gate, up = (jnp.dot(x, w.astype(BF16).T) for w in (w_gate, w_up))
+        return residual + jnp.dot(jax.nn.silu(gate) * up, w_down.astype(BF16).T)
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: causal multi-head attention, then a SwiGLU MLP."""
+
+    def __init__(self, d_model: int, d_ff: int, heads: int, use_jax_cake: bool, options: dict, rngs: nnx.Rngs):
         head_dim = d_model // heads
         self.norm1 = nnx.RMSNorm(d_model, dtype=BF16, param_dtype=F32, rngs=rngs)
         self.q = nnx.LinearGeneral(d_model, (heads, head_dim), use_bias=False, rngs=rngs, **options)
@@ -64,8 +88,7 @@ class Block(nnx.Module):
         self.v = nnx.LinearGeneral(d_model, (heads, head_dim), use_bias=False, rngs=rngs, **options)
         self.o = nnx.LinearGeneral((heads, head_dim), d_model, axis=(-2, -1), use_bias=False, rngs=rngs, **options)
         self.norm2 = nnx.RMSNorm(d_model, dtype=BF16, param_dtype=F32, rngs=rngs)
-        self.up = nnx.Linear(d_model, 4 * d_model, rngs=rngs, **options)
-        self.down = nnx.Linear(4 * d_model, d_model, rngs=rngs, **options)
+        self.mlp = SwiGLU(d_model, d_ff, use_jax_cake, rngs)
 
     def __call__(self, x):
         h = self.norm1(x)
@@ -75,14 +98,16 @@ class Block(nnx.Module):
         causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
         p = jax.nn.softmax(jnp.where(causal, s, -1e30), axis=-1).astype(BF16)
         x = x + self.o(jnp.einsum("bhqk,bkhd->bqhd", p, v))
-        return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+        return self.mlp(self.norm2(x), residual=x)
 
 
 class DecoderLM(nnx.Module):
-    def __init__(self, vocab: int, d_model: int, heads: int, layers: int, use_jax_cake: bool, rngs: nnx.Rngs):
+    def __init__(
+        self, vocab: int, d_model: int, d_ff: int, heads: int, layers: int, use_jax_cake: bool, rngs: nnx.Rngs
+    ):
         options = projection_options(use_jax_cake)
         self.embed = nnx.Embed(vocab, d_model, param_dtype=F32, rngs=rngs)
-        self.blocks = nnx.List([Block(d_model, heads, options, rngs) for _ in range(layers)])
+        self.blocks = nnx.List([Block(d_model, d_ff, heads, use_jax_cake, options, rngs) for _ in range(layers)])
         self.norm = nnx.RMSNorm(d_model, dtype=BF16, param_dtype=F32, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab, use_bias=False, rngs=rngs, **options)
 
@@ -125,12 +150,16 @@ def main(argv):
     if FLAGS.d_model % FLAGS.heads:
         raise app.UsageError(f"--heads={FLAGS.heads} must divide --d_model={FLAGS.d_model}")
     print(f"backend {jax.default_backend()}")
-    model = DecoderLM(FLAGS.vocab, FLAGS.d_model, FLAGS.heads, FLAGS.layers, FLAGS.jax_cake, nnx.Rngs(FLAGS.seed))
+    d_ff = FLAGS.d_ff or 16 * math.ceil(8 * FLAGS.d_model / 3 / 16)
+    model = DecoderLM(
+        FLAGS.vocab, FLAGS.d_model, d_ff, FLAGS.heads, FLAGS.layers, FLAGS.jax_cake, nnx.Rngs(FLAGS.seed)
+    )
     optimizer = nnx.Optimizer(model, optax.adamw(FLAGS.lr, weight_decay=0.01), wrt=nnx.Param)
     params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(
-        f"decoder LM: {FLAGS.layers} blocks, d_model {FLAGS.d_model}, {FLAGS.heads} heads, vocab {FLAGS.vocab}, "
-        f"{params:,} parameters; projections on {'jax_cake' if FLAGS.jax_cake else 'lax.dot_general'}"
+        f"decoder LM: {FLAGS.layers} blocks, d_model {FLAGS.d_model}, SwiGLU d_ff {d_ff}, {FLAGS.heads} heads, "
+        f"vocab {FLAGS.vocab}, {params:,} parameters; "
+        f"projections on {'jax_cake' if FLAGS.jax_cake else 'lax.dot_general'}"
     )
     data = batches(jax.random.key(FLAGS.seed + 1), FLAGS.vocab, FLAGS.batch, FLAGS.seq)
     losses, times = [], []

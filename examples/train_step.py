@@ -1,10 +1,11 @@
 """Training step of a small transformer block whose projections run through jax_cake.
 
 The block (RMSNorm -> q/k/v -> causal attention -> o, RMSNorm -> SwiGLU MLP gate/up ->
-down) keeps float32 master weights [d_out, d_in] and bfloat16 activations. Projections
-that share an input run as one `jax_cake.fused_projections` (q/k/v; gate/up): one GEMM
-launch each for the forward, dx and dw instead of one per weight. The others (o, down)
-are `jax_cake.dense_projection`. Either way the forward takes BF16 products and each
+down) keeps float32 master weights [d_out, d_in] and bfloat16 activations. q/k/v share
+an input and run as one `jax_cake.fused_projections`: one GEMM launch each for the
+forward, dx and dw instead of one per weight; o is a `jax_cake.dense_projection`. The MLP
+is one `jax_cake.swiglu_mlp` (gate and up as one GEMM with the activation after it, the
+down projection with the residual add). Either way the forward takes BF16 products and each
 weight gradient comes back in float32 straight from the wgrad accumulator. The block is
 rematerialized with `jax_cake.remat.save_projections`: projection outputs are saved,
 everything else (norms, attention softmax, SiLU) is recomputed in the backward.
@@ -112,8 +113,8 @@ def block(params, x, *, heads, deterministic):
     attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, d_model)
     x = x + proj(attn, "wo")
     h = rms_norm(x, params["mlp_norm"])
-    gate, up = fused(h, "w_gate", "w_up")
-    return x + proj(jax.nn.silu(gate) * up, "w_down")
+    w_gate, w_up, w_down = (params[n] for n in ("w_gate", "w_up", "w_down"))
+    return jax_cake.swiglu_mlp(h, w_gate, w_up, w_down, residual=x, deterministic=deterministic)
 
 
 def learning_rate(step, lr, warmup_steps):

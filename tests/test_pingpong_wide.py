@@ -15,7 +15,8 @@ from helpers import H200, faked_device
 from jax_cake import contract
 from jax_cake.planner import choose, variants
 
-WIDE = [v for v in variants.VARIANTS if v.schedule == "pingpong" and v.tile_n != 128]
+WIDE = [v for v in variants.VARIANTS if v.schedule == "pingpong" and v.tile_n != 128 and v.store == "plain"]
+GATED_WIDE = [v for v in variants.VARIANTS if v.schedule == "pingpong" and v.activation is not None]
 LLAMA = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024)]
 
 
@@ -59,6 +60,32 @@ def test_wide_pingpong_shared_memory_and_registers():
         GemmSm90(variants.GemmVariant("fwd", 128, 256, schedule="pingpong"))
     with pytest.raises(ValueError, match="192"):
         GemmSm90(variants.GemmVariant("fwd", 128, 192))
+
+
+def test_gated_pingpong_variants_are_in_the_table():
+    assert {(v.program, v.tile, v.cluster, v.store) for v in GATED_WIDE} == {
+        ("fwd", (128, 192, 64), (1, 1), "gated_silu"),
+        ("fwd", (128, 192, 64), (2, 1), "gated_silu"),
+    }
+    for v in GATED_WIDE:
+        assert v.name.endswith("_gated_silu_pp")
+        assert variants.find_variant("fwd", v.tile, v.cluster, "bfloat16", "gated_silu", "pingpong") == v
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
+def test_gated_pingpong_shares_the_epilogue_ring():
+    """The gated 128 x 192 ping-pong tile has the plain one's layout: 5 A/B stages and 3
+    shared epilogue buffers (its 9 stores per tile start on a drained ring), 40 / 232
+    registers; the gated store is refused with a split tail."""
+    from jax_cake.kernels.gemm_sm90 import GemmSm90
+
+    for v in GATED_WIDE:
+        g = GemmSm90(v)
+        assert g.activation == "silu" and g.shared_epi
+        assert (g.ab_stage, g.epi_stage, g.epi_buffers) == (5, 3, 3), v.name
+        assert (g.producer_regs, g.consumer_regs) == (40, 232)
+    with pytest.raises(ValueError, match="gated"):
+        GemmSm90(variants.GemmVariant("fwd", 128, 256, store="gated_silu", schedule="split_tail"))
 
 
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])

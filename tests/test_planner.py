@@ -378,18 +378,18 @@ def test_cluster_pairs_only_where_they_measured_faster(op, t, d_in, d_out, batch
 
 
 def test_det_splits_fill_the_last_wave_only_when_compute_bound():
-    from jax_cake.planner.choose import _det_splits
+    from jax_cake.planner.choose import det_splits
 
     k = 16384  # 256 K tiles of 64
     # memory bound (default): one CTA per SM when the tiles fill less than half the SMs
-    assert _det_splits(32, k, 64, 132) == 4
-    assert _det_splits(160, k, 64, 132) == 1
+    assert det_splits(32, k, 64, 132) == 4
+    assert det_splits(160, k, 64, 132) == 1
     # compute bound: the fewest splits that fill the last wave to 90 %
-    assert _det_splits(160, k, 64, 132, fill_waves=True) == 3  # 480 CTAs: 4 waves at 91 %
-    assert _det_splits(320, k, 64, 132, fill_waves=True) == 2  # 640 CTAs: 5 waves at 97 %
-    assert _det_splits(256, k, 64, 132, fill_waves=True) == 1  # 2 waves at 97 % already
+    assert det_splits(160, k, 64, 132, fill_waves=True) == 3  # 480 CTAs: 4 waves at 91 %
+    assert det_splits(320, k, 64, 132, fill_waves=True) == 2  # 640 CTAs: 5 waves at 97 %
+    assert det_splits(256, k, 64, 132, fill_waves=True) == 1  # 2 waves at 97 % already
     # splits never shorter than 8 K tiles
-    assert _det_splits(160, 64 * 16, 64, 132, fill_waves=True) == 2
+    assert det_splits(160, 64 * 16, 64, 132, fill_waves=True) == 2
 
 
 @pytest.mark.parametrize(

@@ -117,26 +117,32 @@ def stage_gated_sub_tile(ep: SubTileStaging, pair: int, buf, activation: str) ->
     cpy_v, cpy_m, cpy_n = (cute.size(ep.tRS_rD_layout, mode=[i]) for i in range(3))
     assert cpy_n == 2, "a 32-column sub-tile is two 16-column copy groups"
     ep.epi_bar.arrive_and_wait()
-    g = ep.tRS_rD
-    u = cute.make_rmem_tensor_like(ep.tRS_rD_layout, g.element_type)
-    for v in range(cute.size(g)):
-        i, m, n = v % cpy_v, (v // cpy_v) % cpy_m, v // (cpy_v * cpy_m)
-        epi_idx = 2 * pair + n
-        g[v] = ep.tRS_rAcc[sub_tile_index(i + cpy_v * m, epi_idx, ep.tRS_rD_layout, ep.tRS_rAcc)]
-        u[v] = ep.tRS_rAcc[sub_tile_index(i + cpy_v * (m + cpy_m), epi_idx, ep.tRS_rD_layout, ep.tRS_rAcc)]
-    gf = g.load().to(cutlass.BFloat16).to(cutlass.Float32)
-    uf = u.load().to(cutlass.BFloat16).to(cutlass.Float32)
-    if activation == "silu":
-        act = gf * (1.0 / (1.0 + cute.math.exp(-gf)))
-    elif activation == "gelu":
-        # The tanh form, as jax.nn.gelu(approximate=True), through 0.5 (1 + tanh(z)) =
-        # 1 / (1 + exp(-2z)): the same value without the cancellation of 1 + tanh(z) near
-        # -1 (the DSL's tanh is not accurate enough for it: h was off by up to its own size).
-        act = gf * (1.0 / (1.0 + cute.math.exp(-2.0 * _GELU_C * (gf + _GELU_A * (gf * gf * gf)))))
-    else:
-        raise ValueError(f"unknown activation {activation!r}")
     h = cute.make_rmem_tensor_like(ep.tRS_rD_layout, cutlass.BFloat16)
-    h.store((act * uf).to(cutlass.BFloat16))
+    # One run of cpy_v registers at a time: few temporaries live beside a ping-pong
+    # warpgroup's whole accumulator (with the whole sub-tile at once, 128 x 192 spills).
+    run = cute.make_layout(cpy_v)
+    for n in range(cpy_n):
+        for m in range(cpy_m):
+            g = cute.make_rmem_tensor(run, ep.tRS_rD.element_type)
+            u = cute.make_rmem_tensor(run, ep.tRS_rD.element_type)
+            for i in range(cpy_v):
+                g[i] = ep.tRS_rAcc[sub_tile_index(i + cpy_v * m, 2 * pair + n, ep.tRS_rD_layout, ep.tRS_rAcc)]
+                u[i] = ep.tRS_rAcc[sub_tile_index(i + cpy_v * (m + cpy_m), 2 * pair + n, ep.tRS_rD_layout, ep.tRS_rAcc)]
+            gf = g.load().to(cutlass.BFloat16).to(cutlass.Float32)
+            uf = u.load().to(cutlass.BFloat16).to(cutlass.Float32)
+            if activation == "silu":
+                act = gf * (1.0 / (1.0 + cute.math.exp(-gf)))
+            elif activation == "gelu":
+                # The tanh form, as jax.nn.gelu(approximate=True), through 0.5 (1 + tanh(z))
+                # = 1 / (1 + exp(-2z)): the same value without the cancellation of
+                # 1 + tanh(z) near -1 (the DSL's tanh is not accurate enough for it).
+                act = gf * (1.0 / (1.0 + cute.math.exp(-2.0 * _GELU_C * (gf + _GELU_A * (gf * gf * gf)))))
+            else:
+                raise ValueError(f"unknown activation {activation!r}")
+            hr = cute.make_rmem_tensor(run, cutlass.BFloat16)
+            hr.store((act * uf).to(cutlass.BFloat16))
+            for i in range(cpy_v):
+                h[i + cpy_v * (m + cpy_m * n)] = hr[i]
     cute.copy(ep.tiled_copy_r2s, h, ep.tRS_sD[(None, None, None, buf)])
     cute.arch.fence_view_async_shared()
     ep.epi_bar.arrive_and_wait()

@@ -146,11 +146,13 @@ class GemmSm90(GemmSm90Base):
         if variant.activation is not None and (
             variant.program != "fwd"
             or variant.out_dtype != "bfloat16"
-            or variant.schedule != "tiles"
+            or variant.schedule not in ("tiles", "pingpong")
             or variant.tile_n % 64 != 0
         ):
             # Each h sub-tile is made from two 32-column sub-tiles of the accumulator.
-            raise ValueError("a gated store needs fwd, bfloat16 output, schedule='tiles' and tile_n a multiple of 64")
+            raise ValueError(
+                "a gated store needs fwd, bfloat16 output, schedule 'tiles' or 'pingpong' and tile_n a multiple of 64"
+            )
         if variant.store == "add" and variant.out_dtype != "float32" and variant.program != "fwd":
             # bf16 reduce-add is the forward's residual add (one add per element, no split);
             # split-K partials must be summed in fp32.
@@ -689,26 +691,27 @@ class GemmSm90(GemmSm90Base):
                             (tma_atom_c, *plain),
                             chained,
                         )
-                    elif cutlass.const_expr(self.activation is not None):
-                        # The pre-activation to C, h (half as wide: tile_n / 2 columns) to H.
-                        h_tile = (self.tile_mnk[0], self.tile_mnk[1] // 2, self.tile_mnk[2])
-                        h_parts = tile_sub_tiles(tma_atom_h, mH, sC, h_tile, self.epi_tile, c_coord)
-                        self._store_gated_tile(
-                            staging,
-                            c_pipe,
-                            warp_idx,
-                            store_warp,
-                            buf_base,
-                            (tma_atom_c, *plain),
-                            (tma_atom_h, *h_parts),
-                            self.activation,
-                        )
                     else:
                         if cutlass.const_expr(self.shared_epi):
                             my_epi.arrive_and_wait()
-                        self._store_tile(
-                            staging, c_pipe, warp_idx, store_warp, buf_base, self.c_dtype, (tma_atom_c, *plain)
-                        )
+                        if cutlass.const_expr(self.activation is not None):
+                            # The pre-activation to C, h (half as wide: tile_n / 2 columns) to H.
+                            h_tile = (self.tile_mnk[0], self.tile_mnk[1] // 2, self.tile_mnk[2])
+                            h_parts = tile_sub_tiles(tma_atom_h, mH, sC, h_tile, self.epi_tile, c_coord)
+                            self._store_gated_tile(
+                                staging,
+                                c_pipe,
+                                warp_idx,
+                                store_warp,
+                                buf_base,
+                                (tma_atom_c, *plain),
+                                (tma_atom_h, *h_parts),
+                                self.activation,
+                            )
+                        else:
+                            self._store_tile(
+                                staging, c_pipe, warp_idx, store_warp, buf_base, self.c_dtype, (tma_atom_c, *plain)
+                            )
                         if cutlass.const_expr(self.shared_epi):
                             # The ring is the other warpgroup's once these stores have read it.
                             if warp_idx == store_warp:

@@ -68,12 +68,12 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
     # As the wgrad planner: 64-row tiles (one consumer warpgroup) only where reading the
     # operands bounds the GEMM; ordered K splits to fill the SMs there, or to fill the
     # last wave where the GEMM is compute bound.
-    memory_bound = m * n / (m + n) < choose._RIDGE_FLOP_PER_BYTE
-    for tile, tile_note in choose._ranked_tiles("wgrad", batch, m, n, sm_count, "float32"):
+    memory_bound = m * n / (m + n) < choose.RIDGE_FLOP_PER_BYTE
+    for tile, tile_note in choose.ranked_tiles("wgrad", batch, m, n, sm_count, "float32"):
         if not memory_bound and tile[0] <= 64:
             continue
         tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
-        splits = choose._det_splits(tiles, k, tile[2], sm_count, fill_waves=not memory_bound)
+        splits = choose.det_splits(tiles, k, tile[2], sm_count, fill_waves=not memory_bound)
         reduction = "ordered" if splits > 1 else "none"
         code = contract.REDUCTIONS[reduction]
         if not variants.supports("wgrad", tile, (1, 1), "float32", splits, code, accumulate=True):

@@ -77,9 +77,9 @@ _MIN_K_TILES_PER_SPLIT = 8
 # A wgrad whose FLOPs per operand byte (about m n / (m + n) for K >> m, n) stay under
 # this is bound by reading x and dy: the H200's peak BF16 FLOP/s over its memory
 # bandwidth (docs/planner.md).
-_RIDGE_FLOP_PER_BYTE = 184
+RIDGE_FLOP_PER_BYTE = 184
 # A compute-bound deterministic wgrad adds ordered K splits until its CTAs fill this much
-# of their last wave (`_det_splits`).
+# of their last wave (`det_splits`).
 _WAVE_FILL = 0.9
 # The router kernels run only once their accuracy is shown on a GPU (the GPU tests'
 # router checks exercise them directly either way); they meet the 5e-6 target on the
@@ -147,7 +147,7 @@ def _wave_fill(ctas: int, sm_count: int) -> float:
     return ctas / (math.ceil(ctas / sm_count) * sm_count)
 
 
-def _ranked_tiles(
+def ranked_tiles(
     program: str, batch: int, m: int, n: int, sm_count: int, out_dtype: str | None = None
 ) -> list[tuple[tuple[int, int, int], str]]:
     """Compiled tiles, best first: edge-and-wave utilization weighted by the tile prior."""
@@ -168,10 +168,10 @@ def _ranked_tiles(
 def _pick_tile(
     program: str, batch: int, m: int, n: int, sm_count: int, out_dtype: str | None = None
 ) -> tuple[tuple[int, int, int], str]:
-    return _ranked_tiles(program, batch, m, n, sm_count, out_dtype)[0]
+    return ranked_tiles(program, batch, m, n, sm_count, out_dtype)[0]
 
 
-def _det_splits(tiles: int, k: int, tile_k: int, sm_count: int, fill_waves: bool = False) -> int:
+def det_splits(tiles: int, k: int, tile_k: int, sm_count: int, fill_waves: bool = False) -> int:
     """Ordered K splits, none shorter than _MIN_K_TILES_PER_SPLIT K tiles.
 
     Default (memory-bound GEMMs): enough splits for one CTA per SM when the tiles alone
@@ -223,9 +223,9 @@ def _wgrad_plan(
     # 64-row tiles have one consumer warpgroup (half the MMA issue rate of 128 rows): only
     # where the GEMM is bound by reading its operands; compute-bound they lose to 128-row
     # tiles with splits (docs/planner.md).
-    memory_bound = m * n / (m + n) < _RIDGE_FLOP_PER_BYTE
+    memory_bound = m * n / (m + n) < RIDGE_FLOP_PER_BYTE
     candidates = [
-        c for c in _ranked_tiles("wgrad", batch, m, n, dev.sm_count, out_dtype) if memory_bound or c[0][0] > 64
+        c for c in ranked_tiles("wgrad", batch, m, n, dev.sm_count, out_dtype) if memory_bound or c[0][0] > 64
     ]
     if wanted is not None and tuple(wanted) in compiled_tiles("wgrad"):
         candidates.insert(0, (tuple(wanted), f"{wanted[0]}x{wanted[1]} tiles as requested"))
@@ -247,7 +247,7 @@ def _wgrad_plan(
             if forced_algorithm == "det" and forced_splits:
                 splits = min(forced_splits, k_tiles)
             else:
-                splits = _det_splits(tiles, k, tile[2], dev.sm_count, fill_waves=not memory_bound)
+                splits = det_splits(tiles, k, tile[2], dev.sm_count, fill_waves=not memory_bound)
             reduction = "ordered" if splits > 1 else "none"
             how = f"{splits} K splits summed in fixed split order by a second pass" if splits > 1 else "one pass over K"
             reason = f"deterministic program ({why}): {how}; {tile_note}"
@@ -363,7 +363,7 @@ def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
     if op != "router_wgrad":
         return Plan(**base, reason=f"{how}, one pass over K={k}: {tile_note}")
     tiles = math.ceil(m / tile[0]) * math.ceil(n / tile[1])
-    splits = _det_splits(tiles, k, tile[2], dev.sm_count)
+    splits = det_splits(tiles, k, tile[2], dev.sm_count)
     reduction = "ordered" if splits > 1 else "none"
     workspace = router_variants.workspace_bytes(splits, contract.REDUCTIONS[reduction], m, n)
     split_note = f"{splits} K splits summed in fixed split order" if splits > 1 else "one pass over K"
@@ -461,7 +461,7 @@ def plan(
     raster = "n" if n >= _RASTER_N_MIN else "m"
     schedule = "tiles"
     pp_tile = _pingpong_tile(op)
-    pingpong_note = _pingpong_rule(op, n, k, pp_tile)
+    pingpong_note = pingpong_rule(op, n, k, pp_tile)
     one_pass = contract.REDUCTION_NONE
     if pingpong_note and pingpong_clusters(op, pp_tile):
         tile, schedule, tile_note = pp_tile, "pingpong", pingpong_note
@@ -513,7 +513,7 @@ def pingpong_arms(op: str) -> list[dict]:
     ]
 
 
-def _pingpong_rule(op: str, n: int, k: int, tile=_PINGPONG_TILE) -> str:
+def pingpong_rule(op: str, n: int, k: int, tile=_PINGPONG_TILE) -> str:
     """Why fwd/dgrad run the ping-pong tiles here ("": the cooperative tiles)."""
     forced_schedule = forced("schedule")
     if forced_schedule:

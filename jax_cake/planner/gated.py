@@ -43,20 +43,31 @@ def _log_separate_pass_once(device: str, shape: str, reason: str) -> None:
     logging.info("jax_cake: the gated activation of %s on %s runs as an XLA pass after the GEMM: %s", shape, device, reason)
 
 
-def plan_gated(*, tokens: int, d_in: int, d_out: int, activation: str, batch: int = 1, device: Any = None) -> Plan:
+def plan_gated(
+    *,
+    tokens: int,
+    d_in: int,
+    d_out: int,
+    activation: str,
+    batch: int = 1,
+    device: Any = None,
+    epilogue: bool | None = None,
+) -> Plan:
     """The Plan that computes gu = x W^T and h = act(g) * u in one kernel.
 
     tokens, d_in, d_out: x [batch, tokens, d_in], W [batch, d_out = 2F, d_in] (gate and up
     rows interleaved), gu [batch, tokens, 2F], h [batch, tokens, F]. activation: "silu" or
-    "gelu". device: as `jax_cake.plan`. Returns a Plan with op "fwd_gated" (the fused
-    kernel), op "fwd" (a kernel forward plus an XLA pass) or an XLA plan.
+    "gelu". device: as `jax_cake.plan`. epilogue: whether the fused kernel may be planned
+    (None: GATED_EPILOGUE_ENABLED; the benchmark times both). Returns a Plan with op
+    "fwd_gated" (the fused kernel), op "fwd" (a kernel forward plus an XLA pass) or an XLA
+    plan.
     """
     base = choose.plan("fwd", tokens=tokens, d_in=d_in, d_out=d_out, batch=batch, device=device)
     if not base.uses_kernel:
         return base
     store = f"gated_{activation}"
     reason = None
-    if not GATED_EPILOGUE_ENABLED:
+    if not (GATED_EPILOGUE_ENABLED if epilogue is None else epilogue):
         reason = "the gated kernel epilogue is held back (GATED_EPILOGUE_ENABLED: slower than the pass, measured)"
     elif d_out % (2 * contract.GATE_BLOCK) != 0:
         reason = f"d_ff = {d_out // 2} is not a multiple of {contract.GATE_BLOCK} (the kernels' gate/up interleave)"

@@ -31,7 +31,7 @@ def force(
 
     program: the algorithm, "det" or "split" (Plan.algorithm), or "xla" (the XLA path for
     every op). schedule "pingpong" runs fwd and dgrad on the ping-pong 128 x 128 variants,
-    "tiles" on the cooperative tiles (None: the planner's rule, `choose._pingpong_rule`).
+    "tiles" on the cooperative tiles (None: the planner's rule, `choose.pingpong_rule`).
     cluster (1, 1) or (2, 1) sets fwd/dgrad's CTA pairing where the library holds that
     variant (None: the planner's rule). Planning is at trace time: jit a new function
     inside the block (a function traced earlier keeps its plan).

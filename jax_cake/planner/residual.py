@@ -60,7 +60,7 @@ def plan_residual(*, tokens: int, d_in: int, d_out: int, batch: int = 1, device:
     if not RESIDUAL_KERNELS_ENABLED:
         held = "the fused residual kernels are held back (RESIDUAL_KERNELS_ENABLED)"
         return dataclasses.replace(base, reason=f"{base.reason}; then a separate add of the residual ({held})")
-    ranked = choose._ranked_tiles("fwd", batch, base.m, base.n, base.sm_count, "bfloat16")
+    ranked = choose.ranked_tiles("fwd", batch, base.m, base.n, base.sm_count, "bfloat16")
     pinned = forced("tile")
     if pinned is not None:
         ranked.insert(0, (tuple(pinned), f"{pinned[0]}x{pinned[1]} tiles (forced)"))

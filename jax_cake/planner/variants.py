@@ -215,6 +215,10 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("fwd", 128, 256, cluster_m=2, store="gated_silu"),
     GemmVariant("fwd", 128, 256, store="gated_silu"),
     GemmVariant("fwd", 128, 128, store="gated_silu"),
+    # The ping-pong 128 x 192 tiles with the gated epilogue: each tile's gu and h stores
+    # run under the other warpgroup's K loop instead of after the CTA's.
+    GemmVariant("fwd", 128, 192, cluster_m=2, store="gated_silu", schedule="pingpong"),
+    GemmVariant("fwd", 128, 192, store="gated_silu", schedule="pingpong"),
 )
 
 

@@ -110,9 +110,10 @@ def _gated_call(variant, x, w):
     """(h, gu) of the gated kernel `variant` on x [T, d_in], w [2F, d_in] (interleaved in
     blocks of contract.GATE_BLOCK), and gu of the plain forward of the same tile."""
     t, d_in = x.shape
-    with force("det", tile=variant.tile, cluster=variant.cluster, schedule="tiles"):
+    with force("det", tile=variant.tile, cluster=variant.cluster, schedule=variant.schedule):
         plan = plan_gated(tokens=t, d_in=d_in, d_out=w.shape[0], activation=variant.activation)
-    assert plan.op == "fwd_gated" and (plan.tile, plan.cluster) == (variant.tile, variant.cluster), plan
+    assert plan.op == "fwd_gated", plan
+    assert (plan.tile, plan.cluster, plan.schedule) == (variant.tile, variant.cluster, variant.schedule), plan
     gated = jax.jit(lambda x, w: gemm.fwd_gated(x[None], w[None], plan, variant.activation))
     plain = jax.jit(lambda x, w: gemm.fwd(x[None], w[None], plan.unfused()))
     text = gated.lower(x, w).as_text()

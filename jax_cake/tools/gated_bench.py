@@ -1,0 +1,151 @@
+"""Paired GPU timings of the gated forward (the SwiGLU gate/up projection of training):
+the activation in the GEMM's epilogue against the GEMM then an XLA pass, and against XLA.
+
+    python -m jax_cake.tools.gated_bench            # Llama-3-8B: T = 8192, 4096 -> 2 x 14336
+    python -m jax_cake.tools.gated_bench --arms=xla,composed,fused_pp192c2 --md=out/gated.md
+
+One step: (h, gu) from x [T, d_in] bf16 and W [2F, d_in] bf16 (gate and up rows
+interleaved in blocks of 16, as jax_cake stacks them): gu = x W^T is the pre-activation
+a training step saves, h = bf16(silu(g) * u). Arms:
+  xla              = jnp.dot(x, W^T), then the activation (one XLA fusion);
+  composed         = the planner's jax_cake forward, then the same XLA pass;
+  composed_pp192c2 = the ping-pong 128 x 192 cluster 2x1 forward forced, then the pass;
+  fused            = the gated epilogue on the planner's tile (128 x 256 cluster 2x1 here);
+  fused_pp192c2, fused_pp192c1 = the gated epilogue on the ping-pong 128 x 192 tiles.
+Protocol and timing are jax_cake.tools.bench's: one child process per (run, mode), paired
+interleaved groups (order rotated), `--steps` x (step, L2 flush) per call, CUPTI device
+time. Each arm's h and gu are checked against the xla arm's once before timing. The
+table's ratios are arm / fused: above 1, the planner-tile fused arm is faster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from absl import app, flags
+
+from jax_cake.tools import bench
+
+FLAGS = flags.FLAGS
+ARMS = ("fused", "fused_pp192c2", "fused_pp192c1", "composed", "composed_pp192c2", "xla")
+OP = "gated"
+ACTIVATION = "silu"
+# (tile, cluster, schedule) the ping-pong arms force.
+FORCED = {"pp192c2": ((128, 192, 64), (2, 1), "pingpong"), "pp192c1": ((128, 192, 64), (1, 1), "pingpong")}
+# An arm's h or gu against the xla arm's: two bf16 roundings of FP32 sums apart.
+REL_TOL = 2.0**-6
+
+
+def arm_plan(arm: str, tokens: int, d_in: int, d_out: int):
+    """The Plan the arm's step runs (fused: op fwd_gated; composed: op fwd)."""
+    from jax_cake import planner
+    from jax_cake.planner.gated import plan_gated
+
+    kind, _, forced = arm.partition("_")
+    args = dict(tokens=tokens, d_in=d_in, d_out=d_out, activation=ACTIVATION, epilogue=kind == "fused")
+    if not forced:
+        plan = plan_gated(**args)
+    else:
+        tile, cluster, schedule = FORCED[forced]
+        with planner.force("det", tile=tile, cluster=cluster, schedule=schedule):
+            plan = plan_gated(**args)
+        if (plan.tile, plan.cluster, plan.schedule) != (tile, cluster, schedule):
+            raise RuntimeError(f"{arm}: the forced plan ran {plan.tile} {plan.cluster} {plan.schedule}")
+    if plan.op != ("fwd_gated" if kind == "fused" else "fwd"):
+        raise RuntimeError(f"{arm}: planned op {plan.op!r} ({plan.reason})")
+    return plan
+
+
+def step_fn(arm: str, point: bench.Point) -> Callable:
+    """(x, w) -> (h, gu) for the arm."""
+    import jax.numpy as jnp
+
+    from jax_cake import contract, primitives, reference
+
+    if arm == "xla":
+
+        def xla(x, w):
+            gu = jnp.dot(x, w.T)
+            return reference.gate(*reference.deinterleave(gu, -1, contract.GATE_BLOCK), ACTIVATION), gu
+
+        return xla
+    plan = arm_plan(arm, point.tokens, point.d_in, point.d_out)
+
+    def kernel(x, w):
+        h, gu = primitives.fwd_gated(x[None], w[None], plan, ACTIVATION, contract.GATE_BLOCK)
+        return h[0], gu[0]
+
+    return kernel
+
+
+def steps_program(step: Callable, steps: int) -> Callable:
+    """(buf, x, w) -> (buf, every step's (h, gu)): bench.steps_program's order."""
+    import jax
+
+    def program(buf, x, w):
+        outs = []
+        for _ in range(steps):
+            buf, x, w = jax.lax.optimization_barrier((buf, x, w))
+            buf, out = jax.lax.optimization_barrier((buf, step(x, w)))
+            outs.append(out)
+            buf = bench.flush(buf)
+        return buf, outs
+
+    return program
+
+
+def make_inputs(point: bench.Point, flush_mb: int, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (point.tokens, point.d_in), jnp.bfloat16)
+    w = (jax.random.normal(kw, (point.d_out, point.d_in), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    buf = jnp.zeros((flush_mb * 2**20 // 4,), jnp.uint32)
+    return buf, x, w
+
+
+def check_results(steps: dict[str, Callable], x, w) -> None:
+    """Every arm's (h, gu) within REL_TOL (relative to the largest entry) of the xla arm's."""
+    import jax
+    import numpy as np
+
+    ref = [np.asarray(v, np.float32) for v in jax.jit(steps["xla"])(x, w)]
+    for arm, step in steps.items():
+        got = [np.asarray(v, np.float32) for v in jax.jit(step)(x, w)]
+        for name, a, b in zip(("h", "gu"), got, ref):
+            err = float(np.max(np.abs(a - b))) / float(np.max(np.abs(b)))
+            if not (np.all(np.isfinite(a)) and err <= REL_TOL):
+                raise RuntimeError(f"{arm}: {name} is {err:.3g} (max-relative) off the xla arm's")
+
+
+def measure(point: bench.Point, arms: Sequence[str], timer_kind: str) -> dict[str, list[float]]:
+    """{arm: per-group median step time in us}, the arms interleaved in paired groups."""
+    buf, x, w = make_inputs(point, FLAGS.flush_mb)
+    steps = {arm: step_fn(arm, point) for arm in dict.fromkeys(("xla", *arms))}
+    check_results(steps, x, w)
+    programs = {arm: steps_program(steps[arm], FLAGS.steps) for arm in arms}
+    return bench.measure_arms(programs, buf, (x, w), timer_kind)
+
+
+def points() -> list[bench.Point]:
+    return bench.arm_bench_points("bfloat16")
+
+
+def child(arms: Sequence[str]) -> None:
+    bench.arm_bench_child(OP, points(), lambda point, timer_kind: measure(point, arms, timer_kind))
+
+
+def markdown(header: dict, samples: Sequence[dict], arms: Sequence[str]) -> str:
+    note = " d_out is 2F (gate and up); fused = the silu epilogue on the planner's tile."
+    return bench.arm_bench_markdown(header, samples, arms, OP, note)
+
+
+def main(argv):
+    del argv
+    bench.arm_bench_main("jax_cake.tools.gated_bench", ARMS, child, markdown)
+
+
+if __name__ == "__main__":
+    bench.define_arm_bench_flags(ARMS, tokens=["8192"], d_in=["4096"], d_out=["28672"])
+    app.run(main)
