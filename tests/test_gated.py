@@ -538,10 +538,9 @@ def partitioning_spec(a):
 @pytest.mark.parametrize("enabled", [False, True], ids=["held_back", "enabled"])
 @pytest.mark.parametrize("activation", ["silu"])  # the compiled gated variants
 def test_cuda_lowering_of_the_gated_kernel_epilogue(activation, enabled, monkeypatch):
-    """At the Llama gate/up shape the planner's 128x256 c2x1 tile has a gated variant: with
-    the epilogue enabled the forward is ONE jax_cake_fwd_gated call writing gu and h, its
-    activation code an attribute; held back (the default, measured slower), the plain
-    forward and an XLA pass."""
+    """At the Llama gate/up shape (the planner's 128x256 c2x1 forward) the epilogue runs on
+    the gated ping-pong 128x192 c2x1 tile: ONE jax_cake_fwd_gated call writing gu and h,
+    its activation code an attribute; switched off, the plain forward and an XLA pass."""
     from jax_cake.planner import gated as gated_planner
 
     monkeypatch.setattr(gated_planner, "GATED_EPILOGUE_ENABLED", enabled)
@@ -555,4 +554,38 @@ def test_cuda_lowering_of_the_gated_kernel_epilogue(activation, enabled, monkeyp
     assert not plain and len(fused) == 1
     assert f"-> (tensor<1x{t}x{2 * f}xbf16>, tensor<1x{t}x{f}xbf16>)" in fused[0]
     assert f"activation = {contract.ACTIVATION_CODES[activation]} : i64" in fused[0]
-    assert "tile_n = 256 : i64" in fused[0] and "cluster_m = 2 : i64" in fused[0]
+    assert "tile_n = 192 : i64" in fused[0] and "cluster_m = 2 : i64" in fused[0]
+    assert f"schedule = {contract.SCHEDULE_PINGPONG} : i64" in fused[0]
+
+
+# --- the gated plan's tile rule ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "t, d_in, f, want",
+    [
+        (8192, 4096, 14336, ((128, 192, 64), (2, 1), "pingpong")),  # Llama-3-8B gate/up
+        (16384, 8192, 28672, ((128, 192, 64), (2, 1), "pingpong")),  # Llama-3-70B
+        (1024, 256, 512, None),  # small: the planner's narrower tile, then the pass
+        (8192, 4096, 14328, None),  # d_ff not a multiple of 16
+    ],
+)
+def test_plan_gated_puts_the_epilogue_on_the_wide_pingpong_tile(t, d_in, f, want):
+    from helpers import H200
+
+    from jax_cake.planner.gated import plan_gated
+
+    p = plan_gated(tokens=t, d_in=d_in, d_out=2 * f, activation="silu", device=H200)
+    if want is None:
+        assert p.op == "fwd" and "then an XLA pass for h" in p.reason, jc.explain(p)
+        return
+    assert p.op == "fwd_gated" and (p.tile, p.cluster, p.schedule) == want, jc.explain(p)
+    assert "ping-pong 128x192" in p.reason
+    off = plan_gated(tokens=t, d_in=d_in, d_out=2 * f, activation="silu", device=H200, epilogue=False)
+    assert off.op == "fwd" and off.tile == (128, 256, 64)
+    gelu = plan_gated(tokens=t, d_in=d_in, d_out=2 * f, activation="gelu", device=H200)
+    assert gelu.op == "fwd" and "no compiled gated_gelu variant" in gelu.reason
+    # a force() pin keeps its tile: the cooperative gated tile the benchmark compares with
+    with jc.planner.force("det", tile=(128, 256, 64), schedule="tiles", cluster=(2, 1)):
+        pinned = plan_gated(tokens=t, d_in=d_in, d_out=2 * f, activation="silu", device=H200)
+    assert pinned.op == "fwd_gated" and (pinned.tile, pinned.schedule) == ((128, 256, 64), "tiles")

@@ -21,9 +21,9 @@ POINT = bench.Point(8192, 4096, 28672, "bfloat16")
 ARGS = (jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((28672, 4096), jnp.bfloat16))
 # arm -> (custom call, tile_n, cluster_m, schedule)
 EXPECTED = {
-    "fused": ("jax_cake_fwd_gated", 256, 2, contract.SCHEDULE_TILES),
-    "fused_pp192c2": ("jax_cake_fwd_gated", 192, 2, contract.SCHEDULE_PINGPONG),
+    "fused": ("jax_cake_fwd_gated", 192, 2, contract.SCHEDULE_PINGPONG),
     "fused_pp192c1": ("jax_cake_fwd_gated", 192, 1, contract.SCHEDULE_PINGPONG),
+    "fused_coop256c2": ("jax_cake_fwd_gated", 256, 2, contract.SCHEDULE_TILES),
     "composed": ("jax_cake_fwd", 256, 2, contract.SCHEDULE_TILES),
     "composed_pp192c2": ("jax_cake_fwd", 192, 2, contract.SCHEDULE_PINGPONG),
 }

@@ -2,16 +2,17 @@
 
 `plan_gated` returns a Plan with op "fwd_gated" where the library runs the gate/up
 projection and its activation in one kernel (jax_cake_fwd_gated, docs/ffi_contract.md):
-the forward planner's own choice (tile, cluster, schedule, raster) when a gated variant
-of it is compiled, else that tile with cluster 1x1 and the tiles schedule if that one
-is. The kernel writes the pre-activation gu (the accumulator rounded once to bf16, as the
+where the forward planner picks its widest tiles (128 x 256: the large, compute-bound
+shapes), the gated ping-pong 128 x 192 tile (GATED_TILE) with the planner's cluster, or
+1x1; under a force() pin of the tile or schedule, the pinned tile. The kernel writes the pre-activation gu (the accumulator rounded once to bf16, as the
 plain forward writes it) and h = bf16(act(g) * u) in FP32 from those bf16 values, so the
 fused call gives the values of the plain forward followed by jax_cake.reference.gate, up
 to the FP32 rounding of the activation's exp.
 
 Otherwise the result is the ordinary forward plan (op "fwd"), and the primitive runs that
 forward and an XLA elementwise pass for h (one log line says why): where d_ff is not a
-multiple of contract.GATE_BLOCK (the kernels' interleave), where no gated variant fits,
+multiple of contract.GATE_BLOCK (the kernels' interleave), where the planner picks a
+narrower tile (smaller shapes, not measured with the epilogue), where no gated variant fits,
 off the GPU or on the plan table's XLA rows (the XLA plan).
 """
 
@@ -24,18 +25,22 @@ from typing import Any
 from absl import logging
 
 from jax_cake import contract
-from jax_cake.planner import choose, variants
+from jax_cake.planner import choose, overrides, variants
 from jax_cake.planner.plan_type import Plan
 
 OP = "fwd_gated"
-# Whether plan_gated plans the fused kernel. Held back: on the H200 (jax 0.11.2,
-# 2026-12-02, `python -m jax_cake.tools.model_bench --cases=mlp --runs=1`, graph mode) the
-# SwiGLU MLP step at T 8192, 4096 -> 14336 -> 4096 ran 13.84 ms with the activation in
-# the 128x256 c2x1 kernel's epilogue against 13.32 ms with the plain forward and an XLA
-# pass (XLA 12.65 ms): the epilogue's extra h stores and math on a cooperative tile cost
-# more than the pass they replace. Off, swiglu_mlp and gated_projection run the forward
-# and the pass (the same values); the kernels stay compiled and tested.
-GATED_EPILOGUE_ENABLED = False
+# Whether plan_gated may plan the fused kernel at all (the benchmark passes epilogue= to
+# time both ways).
+GATED_EPILOGUE_ENABLED = True
+# The tile the gated epilogue runs on unless a force() pins another: the ping-pong
+# 128 x 192, whose gu and h stores run under the other warpgroup's K loop. Measured on the
+# H200 (jax 0.11.2, 2026-12-03, `python -m jax_cake.tools.gated_bench --runs=2 --modes=g
+# --groups=8`, T 8192, 4096 -> 2 x 14336, device time): fused on it 2814 us, on the
+# cooperative 128 x 256 c2x1 tile 3168 us, the plain forward + XLA pass 3079 us, XLA's dot
+# + pass 3036 us. Where the forward planner picks a narrower tile than 128 x 256 (smaller
+# shapes) the pass runs after the GEMM.
+GATED_TILE = (128, 192, 64)
+GATED_SCHEDULE = "pingpong"
 
 
 @functools.cache
@@ -66,25 +71,32 @@ def plan_gated(
     if not base.uses_kernel:
         return base
     store = f"gated_{activation}"
+    pinned = overrides.forced("tile") is not None or overrides.forced("schedule") is not None
     reason = None
     if not (GATED_EPILOGUE_ENABLED if epilogue is None else epilogue):
-        reason = "the gated kernel epilogue is held back (GATED_EPILOGUE_ENABLED: slower than the pass, measured)"
+        reason = "the gated kernel epilogue is switched off"
     elif d_out % (2 * contract.GATE_BLOCK) != 0:
         reason = f"d_ff = {d_out // 2} is not a multiple of {contract.GATE_BLOCK} (the kernels' gate/up interleave)"
+    elif base.tile[1] < 256 and not pinned:
+        reason = f"the planner's {base.tile[0]}x{base.tile[1]} tiles (the epilogue runs on the wide ping-pong tile)"
     else:
-        for cluster, schedule in dict.fromkeys(((base.cluster, base.schedule), ((1, 1), "tiles"))):
-            if variants.find_variant("fwd", base.tile, cluster, "bfloat16", store, schedule) is None:
+        # A force() pin keeps the pinned tile; else the wide ping-pong tile.
+        tile, schedule = (base.tile, base.schedule) if pinned else (GATED_TILE, GATED_SCHEDULE)
+        for cluster in dict.fromkeys((base.cluster, (1, 1))):
+            if variants.find_variant("fwd", tile, cluster, "bfloat16", store, schedule) is None:
                 continue
             return dataclasses.replace(
                 base,
                 op=OP,
+                tile=tile,
                 cluster=cluster,
                 schedule=schedule,
                 reason=(
-                    f"{base.reason}; the {activation} gated epilogue in the kernel: gu (bf16) and "
+                    (base.reason if pinned else f"{base.reason}; for the epilogue the ping-pong 128x192 tile instead")
+                    + f"; the {activation} gated epilogue in the kernel: gu (bf16) and "
                     f"h = bf16({activation}(g) * u) from each finished tile"
                 ),
             )
-        reason = f"no compiled {store} variant of the {base.tile[0]}x{base.tile[1]} tile"
+        reason = f"no compiled {store} variant of the {tile[0]}x{tile[1]} {schedule} tile"
     _log_separate_pass_once(base.device, f"{batch}x{tokens}x{d_in}->{d_out}", reason)
     return dataclasses.replace(base, reason=f"{base.reason}; then an XLA pass for h ({reason})")

@@ -465,7 +465,7 @@ def output_error(op: str, x, w, dy, out) -> float:
 BUSY_KERNEL_TAG = "jax_cake_busy"  # tune's SM-holding kernel: not part of any step
 
 
-def _base_name(name: str) -> str:
+def base_kernel_name(name: str) -> str:
     """Kernel name without XLA's numeric suffixes (loop_xor_fusion_1 -> loop_xor_fusion)."""
     return re.sub(r"([._]\d+)+$", "", name)
 
@@ -497,7 +497,7 @@ def step_spans(
     """
     spans, current, pending = [], None, 0
     for start, end, name in events:
-        if _base_name(name) in markers:
+        if base_kernel_name(name) in markers:
             pending += 1
             if pending == kernels_per_flush:
                 spans.append(current)
@@ -505,7 +505,7 @@ def step_spans(
         else:
             current = (start, end) if current is None else (min(current[0], start), max(current[1], end))
     if len(spans) != calls * steps:
-        names = sorted({_base_name(n) for _, _, n in events})
+        names = sorted({base_kernel_name(n) for _, _, n in events})
         raise RuntimeError(
             f"device timer: found {len(spans)} flushes, expected {calls * steps} "
             f"({calls} calls x {steps} steps); markers {sorted(markers)}, kernels seen {names}"
@@ -518,7 +518,7 @@ def step_spans(
 _markers_cache: dict[tuple[int, int], tuple[set[str], int]] = {}  # (names, kernels per flush)
 
 
-class _ProfileSession:
+class ProfileSession:
     """A CUPTI trace through the public `jax.profiler` API: start_trace into a private
     directory, stop_trace, then the serialized XSpace it wrote (for `device_events`)."""
 
@@ -551,7 +551,7 @@ class DeviceTimer:
         if key not in _markers_cache:  # learn the flush kernels from a flush-only call
             flush_only = jax.jit(steps_program(None, steps), donate_argnums=0).lower(buf, None, None, None).compile()
             self.buf = flush_only(self.buf, None, None, None)[0].block_until_ready()
-            session = _ProfileSession()
+            session = ProfileSession()
             self.buf = flush_only(self.buf, None, None, None)[0].block_until_ready()
             events = device_events(session.stop())[0]
             if not events or len(events) % steps:
@@ -559,7 +559,7 @@ class DeviceTimer:
                     f"device timer: {len(events)} GPU events for {steps} flushes "
                     "(none: is another CUPTI client such as nsys attached?)"
                 )
-            _markers_cache[key] = ({_base_name(n) for _, _, n in events}, len(events) // steps)
+            _markers_cache[key] = ({base_kernel_name(n) for _, _, n in events}, len(events) // steps)
         self.markers, self.kernels_per_flush = _markers_cache[key]
 
     def time_calls(self, calls: Sequence[Callable], keep: Callable | None = None) -> list[list[float]]:
@@ -567,7 +567,7 @@ class DeviceTimer:
 
         keep(step_span, busy_spans) -> bool drops the steps it rejects (tune's contention).
         """
-        session = _ProfileSession()
+        session = ProfileSession()
         for call in calls:
             self.buf = call(self.buf)
             self.buf.block_until_ready()

@@ -10,8 +10,10 @@ a training step saves, h = bf16(silu(g) * u). Arms:
   xla              = jnp.dot(x, W^T), then the activation (one XLA fusion);
   composed         = the planner's jax_cake forward, then the same XLA pass;
   composed_pp192c2 = the ping-pong 128 x 192 cluster 2x1 forward forced, then the pass;
-  fused            = the gated epilogue on the planner's tile (128 x 256 cluster 2x1 here);
-  fused_pp192c2, fused_pp192c1 = the gated epilogue on the ping-pong 128 x 192 tiles.
+  fused            = the planner's gated plan (jax_cake.planner.gated: here the gated
+                     epilogue on the ping-pong 128 x 192 cluster 2x1 tile);
+  fused_pp192c1    = the gated epilogue on the ping-pong 128 x 192 cluster 1x1 tile;
+  fused_coop256c2  = the gated epilogue on the cooperative 128 x 256 cluster 2x1 tile.
 Protocol and timing are jax_cake.tools.bench's: one child process per (run, mode), paired
 interleaved groups (order rotated), `--steps` x (step, L2 flush) per call, CUPTI device
 time. Each arm's h and gu are checked against the xla arm's once before timing. The
@@ -27,11 +29,15 @@ from absl import app, flags
 from jax_cake.tools import bench
 
 FLAGS = flags.FLAGS
-ARMS = ("fused", "fused_pp192c2", "fused_pp192c1", "composed", "composed_pp192c2", "xla")
+ARMS = ("fused", "fused_pp192c1", "fused_coop256c2", "composed", "composed_pp192c2", "xla")
 OP = "gated"
 ACTIVATION = "silu"
 # (tile, cluster, schedule) the ping-pong arms force.
-FORCED = {"pp192c2": ((128, 192, 64), (2, 1), "pingpong"), "pp192c1": ((128, 192, 64), (1, 1), "pingpong")}
+FORCED = {
+    "pp192c2": ((128, 192, 64), (2, 1), "pingpong"),
+    "pp192c1": ((128, 192, 64), (1, 1), "pingpong"),
+    "coop256c2": ((128, 256, 64), (2, 1), "tiles"),
+}
 # An arm's h or gu against the xla arm's: two bf16 roundings of FP32 sums apart.
 REL_TOL = 2.0**-6
 
@@ -137,7 +143,7 @@ def child(arms: Sequence[str]) -> None:
 
 
 def markdown(header: dict, samples: Sequence[dict], arms: Sequence[str]) -> str:
-    note = " d_out is 2F (gate and up); fused = the silu epilogue on the planner's tile."
+    note = " d_out is 2F (gate and up); fused = the planner's gated plan (the silu epilogue)."
     return bench.arm_bench_markdown(header, samples, arms, OP, note)
 
 

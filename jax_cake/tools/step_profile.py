@@ -1,0 +1,101 @@
+"""Where a training step's device time goes: the kernels of one model_bench step, per arm.
+
+    python -m jax_cake.tools.step_profile --case=mlp --md=out/mlp_profile.md
+    python -m jax_cake.tools.step_profile --case=block --arms=xla,jax_cake --steps=5
+
+Each arm's step (jax_cake.tools.model_bench's case, the same inputs and arms) is jitted
+and warmed up, then `--steps` steps run under one CUPTI trace (the public jax.profiler
+API). Every kernel's time is its median over the steps of its summed duration in a step
+(a kernel name with XLA's numeric suffix dropped, e.g. loop_fusion_3 -> loop_fusion,
+counts once per launch). The table lists, per arm, the kernels by time, the share of
+the step, and the step's total kernel time (the sum, not the wall span: kernels on one
+stream run one after another). Command buffers stay on while profiling (XLA's default
+graph mode). Needs a GPU: a CPU has no device timeline.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import statistics
+from typing import Sequence
+
+from absl import app, flags
+
+from jax_cake.tools import bench, model_bench
+
+FLAGS = flags.FLAGS
+_ENV = {"XLA_FLAGS": "--xla_enable_command_buffers_during_profiling=true"}
+
+
+def kernel_times(events: Sequence[tuple[int, int, str]], steps: int) -> dict[str, float]:
+    """{kernel base name: median over steps of its summed us per step} from the trace's
+    (start_ns, end_ns, name) events of `steps` identical steps, in time order. The events
+    split into steps evenly (each step launches the same kernels)."""
+    if steps < 1 or len(events) % steps:
+        raise ValueError(f"{len(events)} kernel events do not split into {steps} identical steps")
+    per = len(events) // steps
+    totals = []
+    for s in range(steps):
+        step = collections.Counter()
+        for start, end, name in events[s * per : (s + 1) * per]:
+            step[bench.base_kernel_name(name)] += (end - start) / 1e3
+        totals.append(step)
+    names = sorted(set().union(*totals))
+    return {n: statistics.median(t.get(n, 0.0) for t in totals) for n in names}
+
+
+def table(profiles: dict[str, dict[str, float]], top: int) -> str:
+    lines = []
+    for arm, times in profiles.items():
+        total = sum(times.values())
+        lines += [f"**{arm}**: {total / 1e3:.3f} ms of kernel time per step", "", "| kernel | us | share |", "|---|---|---|"]
+        ranked = sorted(times.items(), key=lambda kv: -kv[1])
+        for name, us in ranked[:top]:
+            lines.append(f"| `{name}` | {us:.1f} | {us / total:.1%} |")
+        if len(ranked) > top:
+            rest = sum(us for _, us in ranked[top:])
+            lines.append(f"| ({len(ranked) - top} others) | {rest:.1f} | {rest / total:.1%} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def profile_arm(case, arm: str, steps: int) -> dict[str, float]:
+    import jax
+
+    x, params, opt = case.inputs()
+    step = jax.jit(model_bench.train_step(case.loss(arm)))
+    jax.block_until_ready(step(x, params, opt))  # compile and warm up
+    session = bench.ProfileSession()
+    for _ in range(steps):
+        out = step(x, params, opt)
+    jax.block_until_ready(out)
+    events, _ = bench.device_events(session.stop())
+    return kernel_times(events, steps)
+
+
+def main(argv):
+    del argv
+    for k, v in _ENV.items():  # before the backend starts
+        os.environ[k] = (os.environ.get(k, "") + " " + v).strip()
+    sizes = model_bench.Sizes()
+    case = model_bench.make_case(FLAGS.case, sizes, deterministic=True)
+    arms = FLAGS.arms or list(case.arms)
+    if any(a not in case.arms for a in arms):
+        raise app.UsageError(f"--arms: {arms} must be a subset of {list(case.arms)}")
+    h = bench.device_header("device")
+    header = f"step_profile: {case.label}; {h['gpu']}, jax {h['jax']}, {h['date']}, {FLAGS.steps} steps per arm"
+    text = header + "\n\n" + table({arm: profile_arm(case, arm, FLAGS.steps) for arm in arms}, FLAGS.top)
+    print(text)
+    if FLAGS.md:
+        with open(FLAGS.md, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    flags.DEFINE_enum("case", "mlp", ["skinny", "block", "block_remat", "mlp", "router"], "model_bench's case.")
+    flags.DEFINE_list("arms", None, "Arms (default: the case's).")
+    flags.DEFINE_integer("steps", 5, "Profiled steps per arm.")
+    flags.DEFINE_integer("top", 14, "Kernels listed per arm.")
+    flags.DEFINE_string("md", None, "Write the table here.")
+    app.run(main)

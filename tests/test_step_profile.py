@@ -1,0 +1,30 @@
+"""jax_cake.tools.step_profile's accounting on synthetic traces (a CPU has no device timeline)."""
+
+import pytest
+
+from jax_cake.tools import step_profile
+
+
+def test_kernel_times_sum_per_step_and_take_the_median():
+    # two launches of one fusion per step (suffixes differ), one GEMM; three steps
+    events = []
+    t = 0
+    for gemm_us in (100, 300, 200):
+        for name, us in (("loop_fusion_1", 5), ("jax_cake_fwd_kernel", gemm_us), ("loop_fusion_2", 7)):
+            events.append((t, t + us * 1000, name))
+            t += us * 1000 + 10
+    got = step_profile.kernel_times(events, 3)
+    assert got == {"loop_fusion": 12.0, "jax_cake_fwd_kernel": 200.0}
+
+
+def test_kernel_times_refuses_uneven_steps():
+    with pytest.raises(ValueError, match="identical steps"):
+        step_profile.kernel_times([(0, 1, "a"), (2, 3, "b"), (4, 5, "c")], 2)
+
+
+def test_table_ranks_kernels_and_folds_the_rest():
+    text = step_profile.table({"xla": {"a": 30.0, "b": 60.0, "c": 10.0}}, top=2)
+    lines = text.splitlines()
+    assert lines[0] == "**xla**: 0.100 ms of kernel time per step"
+    assert lines[4] == "| `b` | 60.0 | 60.0% |" and lines[5] == "| `a` | 30.0 | 30.0% |"
+    assert lines[6] == "| (1 others) | 10.0 | 10.0% |"
