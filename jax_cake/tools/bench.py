@@ -1186,6 +1186,21 @@ def arm_bench_main(
             f.write(text)
 
 
+def plain_arm_bench_main(module: str, all_arms: Sequence[str], op: str, measure: Callable, note: str) -> None:
+    """arm_bench_main of a bench whose points are --tokens x --d_in x --d_out (bf16) and
+    whose child times each point with measure(point, arms, timer_kind) -> {arm: groups_us};
+    `note` follows the table's header line."""
+
+    def child(arms):
+        points = arm_bench_points("bfloat16")
+        arm_bench_child(op, points, lambda point, timer_kind: measure(point, arms, timer_kind))
+
+    def markdown(header, samples, arms):
+        return arm_bench_markdown(header, samples, arms, op, note)
+
+    arm_bench_main(module, all_arms, child, markdown)
+
+
 if __name__ == "__main__":
     define_flags()
     flags.DEFINE_enum("family", "dense", list(FAMILIES), "The op: dense_projection, router_logits, batched_projection.")

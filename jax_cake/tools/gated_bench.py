@@ -134,22 +134,10 @@ def measure(point: bench.Point, arms: Sequence[str], timer_kind: str) -> dict[st
     return bench.measure_arms(programs, buf, (x, w), timer_kind)
 
 
-def points() -> list[bench.Point]:
-    return bench.arm_bench_points("bfloat16")
-
-
-def child(arms: Sequence[str]) -> None:
-    bench.arm_bench_child(OP, points(), lambda point, timer_kind: measure(point, arms, timer_kind))
-
-
-def markdown(header: dict, samples: Sequence[dict], arms: Sequence[str]) -> str:
-    note = " d_out is 2F (gate and up); fused = the planner's gated plan (the silu epilogue)."
-    return bench.arm_bench_markdown(header, samples, arms, OP, note)
-
-
 def main(argv):
     del argv
-    bench.arm_bench_main("jax_cake.tools.gated_bench", ARMS, child, markdown)
+    note = " d_out is 2F (gate and up); fused = the planner's gated plan (the silu epilogue)."
+    bench.plain_arm_bench_main("jax_cake.tools.gated_bench", ARMS, OP, measure, note)
 
 
 if __name__ == "__main__":

@@ -81,22 +81,10 @@ def measure(point: bench.Point, arms: Sequence[str], timer_kind: str) -> dict[st
     return bench.measure_arms(programs, buf, args, timer_kind)
 
 
-def points() -> list[bench.Point]:
-    return bench.arm_bench_points("bfloat16")
-
-
-def child(arms: Sequence[str]) -> None:
-    bench.arm_bench_child(OP, points(), lambda point, timer_kind: measure(point, arms, timer_kind))
-
-
-def markdown(header: dict, samples: Sequence[dict], arms: Sequence[str]) -> str:
-    note = " Here new = fused (the residual added in the forward kernel)."
-    return bench.arm_bench_markdown(header, samples, arms, OP, note)
-
-
 def main(argv):
     del argv
-    bench.arm_bench_main("jax_cake.tools.residual_bench", ARMS, child, markdown)
+    note = " Here new = fused (the residual added in the forward kernel)."
+    bench.plain_arm_bench_main("jax_cake.tools.residual_bench", ARMS, OP, measure, note)
 
 
 if __name__ == "__main__":
