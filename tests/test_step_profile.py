@@ -28,3 +28,10 @@ def test_table_ranks_kernels_and_folds_the_rest():
     assert lines[0] == "**xla**: 0.100 ms of kernel time per step"
     assert lines[4] == "| `b` | 60.0 | 60.0% |" and lines[5] == "| `a` | 30.0 | 30.0% |"
     assert lines[6] == "| (1 others) | 10.0 | 10.0% |"
+
+
+def test_dsl_kernels_share_one_row():
+    name = "kernel_cutlass_kernel_jax_cakekernelsgemm_sm90GemmSm90_object_at__CopyAtom_ThrID10"
+    events = [(0, 2000, name), (3000, 4000, name + "x"), (5000, 5500, "loop_fusion_7")]
+    got = step_profile.kernel_times(events, 1)
+    assert got == {step_profile.DSL_KERNELS: 3.0, "loop_fusion": 0.5}

@@ -7,7 +7,8 @@ Each arm's step (jax_cake.tools.model_bench's case, the same inputs and arms) is
 and warmed up, then `--steps` steps run under one CUPTI trace (the public jax.profiler
 API). Every kernel's time is its median over the steps of its summed duration in a step
 (a kernel name with XLA's numeric suffix dropped, e.g. loop_fusion_3 -> loop_fusion,
-counts once per launch). The table lists, per arm, the kernels by time, the share of
+counts once per launch; jax_cake's CuTe DSL kernels share one truncated name, so they are
+one row). The table lists, per arm, the kernels by time, the share of
 the step, and the step's total kernel time (the sum, not the wall span: kernels on one
 stream run one after another). Command buffers stay on while profiling (XLA's default
 graph mode). Needs a GPU: a CPU has no device timeline.
@@ -28,6 +29,17 @@ FLAGS = flags.FLAGS
 _ENV = {"XLA_FLAGS": "--xla_enable_command_buffers_during_profiling=true"}
 
 
+# The CuTe DSL names every exported kernel after its Python object and cuts the name at the
+# same length, so all of jax_cake's GEMM variants carry one name in the trace.
+_DSL_PREFIX = "kernel_cutlass_kernel_jax_cake"
+DSL_KERNELS = "jax_cake GEMMs (every CuTe DSL variant)"
+
+
+def display_name(name: str) -> str:
+    """The row a kernel is counted under: its base name, or DSL_KERNELS for jax_cake's."""
+    return DSL_KERNELS if name.startswith(_DSL_PREFIX) else bench.base_kernel_name(name)
+
+
 def kernel_times(events: Sequence[tuple[int, int, str]], steps: int) -> dict[str, float]:
     """{kernel base name: median over steps of its summed us per step} from the trace's
     (start_ns, end_ns, name) events of `steps` identical steps, in time order. The events
@@ -39,7 +51,7 @@ def kernel_times(events: Sequence[tuple[int, int, str]], steps: int) -> dict[str
     for s in range(steps):
         step = collections.Counter()
         for start, end, name in events[s * per : (s + 1) * per]:
-            step[bench.base_kernel_name(name)] += (end - start) / 1e3
+            step[display_name(name)] += (end - start) / 1e3
         totals.append(step)
     names = sorted(set().union(*totals))
     return {n: statistics.median(t.get(n, 0.0) for t in totals) for n in names}
