@@ -196,8 +196,10 @@ def gated_projection(x, w_gate, w_up, *, activation: str = "silu", deterministic
     the saved g, u; dx = [dg | du] @ [w_gate; w_up] as ONE GEMM over K = 2 d_ff (one FP32
     sum, rounded once); dw_gate, dw_up from the wgrad's FP32 accumulator in each weight's
     dtype. The forward is one GEMM over the gate and up rows interleaved
-    (jax_cake.pipeline.gated); the activation runs today as an XLA elementwise pass right
-    after it (not yet inside the kernel), with the values a kernel epilogue will keep.
+    (jax_cake.pipeline.gated); on the GPU, at the large shapes where the planner runs its
+    widest tiles, silu runs in that GEMM's epilogue (jax_cake.planner.gated), elsewhere
+    (and gelu everywhere) as an XLA elementwise pass right after it, with the same values.
+    The backward's activation gradient is an XLA pass.
 
     Args:
       x: [..., d_in] bfloat16 activations (any number of leading token dimensions).
