@@ -41,6 +41,7 @@ GATED_EPILOGUE_ENABLED = True
 # shapes) the pass runs after the GEMM.
 GATED_TILE = (128, 192, 64)
 GATED_SCHEDULE = "pingpong"
+_GATED_TILE_NAME = f"ping-pong {GATED_TILE[0]}x{GATED_TILE[1]}"
 
 
 @functools.cache
@@ -78,7 +79,7 @@ def plan_gated(
     elif d_out % (2 * contract.GATE_BLOCK) != 0:
         reason = f"d_ff = {d_out // 2} is not a multiple of {contract.GATE_BLOCK} (the kernels' gate/up interleave)"
     elif base.tile[1] < 256 and not pinned:
-        reason = f"the planner's {base.tile[0]}x{base.tile[1]} tiles (the epilogue runs on the wide ping-pong tile)"
+        reason = f"the planner's {base.tile[0]}x{base.tile[1]} tiles (the epilogue runs on the {_GATED_TILE_NAME} tile)"
     else:
         # A force() pin keeps the pinned tile; else the wide ping-pong tile.
         tile, schedule = (base.tile, base.schedule) if pinned else (GATED_TILE, GATED_SCHEDULE)
@@ -92,7 +93,7 @@ def plan_gated(
                 cluster=cluster,
                 schedule=schedule,
                 reason=(
-                    (base.reason if pinned else f"{base.reason}; for the epilogue the ping-pong 128x192 tile instead")
+                    (base.reason if pinned else f"{base.reason}; for the epilogue the {_GATED_TILE_NAME} tile instead")
                     + f"; the {activation} gated epilogue in the kernel: gu (bf16) and "
                     f"h = bf16({activation}(g) * u) from each finished tile"
                 ),

@@ -2,7 +2,7 @@
 the activation in the GEMM's epilogue against the GEMM then an XLA pass, and against XLA.
 
     python -m jax_cake.tools.gated_bench            # Llama-3-8B: T = 8192, 4096 -> 2 x 14336
-    python -m jax_cake.tools.gated_bench --arms=xla,composed,fused_pp192c2 --md=out/gated.md
+    python -m jax_cake.tools.gated_bench --arms=xla,composed,fused --md=out/gated.md
 
 One step: (h, gu) from x [T, d_in] bf16 and W [2F, d_in] bf16 (gate and up rows
 interleaved in blocks of 16, as jax_cake stacks them): gu = x W^T is the pre-activation
@@ -84,33 +84,6 @@ def step_fn(arm: str, point: bench.Point) -> Callable:
     return kernel
 
 
-def steps_program(step: Callable, steps: int) -> Callable:
-    """(buf, x, w) -> (buf, every step's (h, gu)): bench.steps_program's order."""
-    import jax
-
-    def program(buf, x, w):
-        outs = []
-        for _ in range(steps):
-            buf, x, w = jax.lax.optimization_barrier((buf, x, w))
-            buf, out = jax.lax.optimization_barrier((buf, step(x, w)))
-            outs.append(out)
-            buf = bench.flush(buf)
-        return buf, outs
-
-    return program
-
-
-def make_inputs(point: bench.Point, flush_mb: int, seed: int = 0):
-    import jax
-    import jax.numpy as jnp
-
-    kx, kw = jax.random.split(jax.random.key(seed))
-    x = jax.random.normal(kx, (point.tokens, point.d_in), jnp.bfloat16)
-    w = (jax.random.normal(kw, (point.d_out, point.d_in), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    buf = jnp.zeros((flush_mb * 2**20 // 4,), jnp.uint32)
-    return buf, x, w
-
-
 def check_results(steps: dict[str, Callable], x, w) -> None:
     """Every arm's (h, gu) within REL_TOL (relative to the largest entry) of the xla arm's."""
     import jax
@@ -127,11 +100,12 @@ def check_results(steps: dict[str, Callable], x, w) -> None:
 
 def measure(point: bench.Point, arms: Sequence[str], timer_kind: str) -> dict[str, list[float]]:
     """{arm: per-group median step time in us}, the arms interleaved in paired groups."""
-    buf, x, w = make_inputs(point, FLAGS.flush_mb)
+    buf, x, w, dy = bench.make_inputs(point, FLAGS.flush_mb)
+    del dy  # the forward only: its step programs get None
     steps = {arm: step_fn(arm, point) for arm in dict.fromkeys(("xla", *arms))}
     check_results(steps, x, w)
-    programs = {arm: steps_program(steps[arm], FLAGS.steps) for arm in arms}
-    return bench.measure_arms(programs, buf, (x, w), timer_kind)
+    programs = {arm: bench.steps_program(lambda x, w, dy, s=steps[arm]: s(x, w), FLAGS.steps) for arm in arms}
+    return bench.measure_arms(programs, buf, (x, w, None), timer_kind)
 
 
 def main(argv):
