@@ -1,5 +1,6 @@
 // XLA FFI handlers of jax_cake: jax_cake_fwd, jax_cake_dgrad, jax_cake_wgrad,
-// jax_cake_wgrad_accumulate, jax_cake_fwd_residual, jax_cake_fwd_gated.
+// jax_cake_wgrad_accumulate, jax_cake_fwd_residual, jax_cake_fwd_gated,
+// jax_cake_dgrad_gated.
 //
 // The contract (operands, attributes, workspace) is docs/ffi_contract.md. Each handler
 // maps its buffers onto one GEMM C[M, N] = sum_k A[m, k] B[n, k] (batch L), picks the
@@ -28,7 +29,8 @@ namespace jax_cake {
 struct GemmArgs {
   Operand a, b, c;
   // The variant's second tensor: the split tail's workspace (flags, partial tiles), the
-  // gated epilogue's h; a placeholder (never read) for the others.
+  // gated epilogue's h, the gradient epilogue's pre-activation gu; a placeholder (never
+  // read) for the others.
   Operand aux;
   int32_t splits;
   int32_t raster;
@@ -90,7 +92,8 @@ ffi::Error NoVariant(const VariantKey& k) {
                 (long long)k.cluster_n, k.out_dtype == kF32 ? "float32" : "bfloat16",
                 k.store == kStoreAdd ? ", reduce-add store"
                 : k.store == kStoreGatedSilu ? ", gated silu epilogue"
-                : k.store == kStoreGatedGelu ? ", gated gelu epilogue" : "",
+                : k.store == kStoreGatedGelu ? ", gated gelu epilogue"
+                : k.store == kStoreGateGradSilu ? ", silu gradient epilogue" : "",
                 k.schedule == kScheduleSplitTail ? ", split tail" : (k.schedule == kSchedulePingpong ? ", ping-pong" : ""));
   return ffi::Error::InvalidArgument(buf);
 }
@@ -105,7 +108,7 @@ struct Attrs {
 };
 
 ffi::Error Launch(const Variant* v, GemmArgs args, cudaStream_t stream) {
-  if (v->schedule != kScheduleSplitTail && v->store != kStoreGatedSilu && v->store != kStoreGatedGelu)
+  if (v->schedule != kScheduleSplitTail && (v->store == kStorePlain || v->store == kStoreAdd))
     args.aux = {args.c.data, {1, 1, 1}, {8, 8}};  // never read
   return LaunchEntry("jax_cake", v, args, g_modules, stream);
 }
@@ -487,6 +490,47 @@ ffi::Error FwdGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buff
   return Launch(v, g, stream);
 }
 
+// d_gu[B, T, 2F] from dh = dy[B, T, d_out] . w[B, d_out, F] (M = T, N = F, K = d_out) and
+// the saved pre-activation gu[B, T, 2F] (gate and up columns interleaved in blocks of
+// kGateBlock, as jax_cake_fwd_gated writes it): in d_gu's gate columns
+// bf16(bf16(dh) * u * act'(g)), in its up columns bf16(bf16(dh) * act(g)). One pass over
+// K: bitwise reproducible.
+ffi::Error DgradGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w,
+                          ffi::Buffer<ffi::BF16> gu, ffi::Result<ffi::Buffer<ffi::BF16>> d_gu, int64_t tile_m,
+                          int64_t tile_n, int64_t tile_k, int64_t cluster_m, int64_t cluster_n, int64_t splits,
+                          int64_t reduction, int64_t raster, int64_t schedule, int64_t activation) {
+  const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
+  const std::string who = kDgradGatedTarget;
+  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
+  JC_RETURN_IF_ERROR(CheckCommonAttrs(kDgradGatedTarget, at));
+  JC_RETURN_IF_ERROR(CheckOnePass(kDgradGatedTarget, at));
+  if (activation != kActivationSilu) return ffi::Error::InvalidArgument(who + ": activation must be silu (" +
+                                                                        std::to_string(kActivationSilu) + ")");
+  JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3("gu", gu.dimensions()));
+  Shapes s;
+  if (!s.Bind(dy.dimensions(), "BTO") || !s.Bind(w.dimensions(), "BOF") || !s.Bind(gu.dimensions(), "BTG") ||
+      !s.Bind(d_gu->dimensions(), "BTG"))
+    return ffi::Error::InvalidArgument(who + ": shapes must be dy[B,T,d_out], w[B,d_out,F], gu and d_gu[B,T,2F]");
+  const int64_t B = s['B'], T = s['T'], d_out = s['O'], F = s['F'];
+  if (s['G'] != 2 * F || F % kGateBlock != 0)
+    return ffi::Error::InvalidArgument(who + ": gu must be 2F wide with F a multiple of " + std::to_string(kGateBlock) +
+                                       ", got width " + std::to_string(s['G']) + " and F " + std::to_string(F));
+  JC_RETURN_IF_ERROR(CheckWidths(kDgradGatedTarget, F, d_out));
+  const VariantKey key = at.Key("dgrad", kBf16, kStoreGateGradSilu, schedule);
+  const Variant* v = FindVariant(key);
+  if (!v) return NoVariant(key);
+  GemmArgs g;
+  g.a = KMajor(dy.untyped_data(), T, d_out, B);
+  g.b = MnMajor(w.untyped_data(), F, d_out, B);  // N-major: stride(N) = 1
+  g.c = KMajor(d_gu->untyped_data(), T, 2 * F, B);
+  g.aux = KMajor(gu.untyped_data(), T, 2 * F, B);
+  g.splits = 1;
+  g.raster = static_cast<int32_t>(raster);
+  return Launch(v, g, stream);
+}
+
 }  // namespace
 }  // namespace jax_cake
 
@@ -551,6 +595,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_FWD_GATED_HANDLER, jax_cake::FwdGatedImpl
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS.Attr<int64_t>("activation"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_GATED_HANDLER, jax_cake::DgradGatedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS.Attr<int64_t>("activation"),
                               {ffi::Traits::kCmdBufferCompatible});
 

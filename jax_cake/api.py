@@ -231,7 +231,10 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", residual=No
 
     The gated projection as in gated_projection; the down projection is the projection
     pipeline's (dense_projection's values), with residual= as its forward GEMM's "add"
-    epilogue (the fused residual kernel on the GPU). h is not an output: under
+    epilogue (the fused residual kernel on the GPU). Where the planner runs the down
+    projection's input gradient with the activation's gradient in its epilogue
+    (jax_cake.planner.gated.plan_gate_grad; held back by default, slower as built), the
+    backward gets d[gate|up] straight from that kernel. h is not an output: under
     jax.checkpoint with jc.remat.save_gated_preactivation (or save_projections) the
     backward keeps the pre-activation [gate | up] and recomputes h from it elementwise,
     running no GEMM twice.
@@ -258,19 +261,16 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", residual=No
     lead, d_out = x.shape[:-1], w_down.shape[0]
     if residual is not None:
         validation.check_residual(fn, residual, lead + (d_out,))
-    h3 = gated.project_gated(_batch_of_one(x), w_gate, w_up, activation=activation, deterministic=deterministic)
-    return _run_projection(
-        fn,
-        h3,
+    y3 = gated.project_mlp(
+        _batch_of_one(x),
+        w_gate,
+        w_up,
         jnp.reshape(w_down, (1,) + w_down.shape),
-        residual,
         None if residual is None else _batch_of_one(residual),
-        None,
-        deterministic,
-        None,
-        None,
-        lambda y3: jnp.reshape(y3, lead + (d_out,)),
+        activation=activation,
+        deterministic=deterministic,
     )
+    return remat.name_output(jnp.reshape(y3, lead + (d_out,)))
 
 
 def router_logits(x, w, *, deterministic: bool = True):

@@ -180,9 +180,10 @@ def export_kernels(arch: str, obj_dir: pathlib.Path) -> list:
         a = operand(cutlass.BFloat16, 1 if v.a_major == "k" else 0)
         b = operand(cutlass.BFloat16, 1 if v.b_major == "k" else 0)
         c = operand(dtypes[v.out_dtype], 1)
-        # The variant's second tensor: the gated epilogue's h (bf16, laid out as C), else
-        # the split-tail workspace (flags, partial tiles), unused by the other variants.
-        aux = operand(cutlass.BFloat16, 1) if v.activation else operand(cutlass.Float32, 0)
+        # The variant's second tensor: the gated epilogue's h or the gradient epilogue's
+        # pre-activation (bf16, laid out as C), else the split-tail workspace (flags,
+        # partial tiles), unused by the other variants.
+        aux = operand(cutlass.BFloat16, 1) if v.activation or v.gate_grad else operand(cutlass.Float32, 0)
         compiled = cute.compile(
             GemmSm90(v), a, b, c, aux, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(132), make_fake_stream()
         )

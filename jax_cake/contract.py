@@ -37,8 +37,9 @@ RASTER_M = 0
 RASTER_N = 1
 RASTERS = {"m": RASTER_M, "n": RASTER_N}
 
-# The `activation` attribute of jax_cake_fwd_gated: the gated epilogue's act in
-# h = act(g) * u (jax_cake.reference.ACTIVATIONS; gelu is the tanh form).
+# The `activation` attribute of jax_cake_fwd_gated and jax_cake_dgrad_gated: the gated
+# epilogue's act in h = act(g) * u, or the one whose gradient the dgrad epilogue applies
+# (jax_cake.reference.ACTIVATIONS; gelu is the tanh form).
 ACTIVATION_SILU = 0
 ACTIVATION_GELU = 1
 ACTIVATION_CODES = {"silu": ACTIVATION_SILU, "gelu": ACTIVATION_GELU}
@@ -51,8 +52,9 @@ GATE_BLOCK = 16
 
 # A variant's epilogue in the generated variant table (Variant::store), GemmVariant.store:
 # "plain" (TMA store), "add" (TMA reduce-add), "gated_<act>" (the gated epilogue: the
-# pre-activation and h = act(g) * u, two outputs).
-STORES = {"plain": 0, "add": 1, "gated_silu": 2, "gated_gelu": 3}
+# pre-activation and h = act(g) * u, two outputs), "gate_grad_<act>" (the dgrad epilogue
+# d[gate|up] from dh and the saved pre-activation).
+STORES = {"plain": 0, "add": 1, "gated_silu": 2, "gated_gelu": 3, "gate_grad_silu": 4}
 
 # A variant's output dtype in the generated variant table (the `out_dtype` of its entry).
 OUT_BF16 = 0
@@ -70,6 +72,9 @@ WGRAD_ACCUMULATE_TARGET = "jax_cake_wgrad_accumulate"
 FWD_RESIDUAL_TARGET = "jax_cake_fwd_residual"
 # (gu, h): the forward GEMM over interleaved gate and up rows with the gated epilogue.
 FWD_GATED_TARGET = "jax_cake_fwd_gated"
+# d_gu: the down projection's dgrad dh = dy w_down with the activation's gradient in the
+# epilogue, d[gate|up] from dh and the saved pre-activation gu (the gated backward).
+DGRAD_GATED_TARGET = "jax_cake_dgrad_gated"
 ROUTER_FWD_TARGET = "jax_cake_router_fwd"
 ROUTER_DGRAD_TARGET = "jax_cake_router_dgrad"
 ROUTER_WGRAD_TARGET = "jax_cake_router_wgrad"
@@ -81,6 +86,7 @@ TARGETS = (
     WGRAD_ACCUMULATE_TARGET,
     FWD_RESIDUAL_TARGET,
     FWD_GATED_TARGET,
+    DGRAD_GATED_TARGET,
     ROUTER_FWD_TARGET,
     ROUTER_DGRAD_TARGET,
     ROUTER_WGRAD_TARGET,
@@ -152,9 +158,9 @@ def header_text() -> str:
     codes("The `reduction` attribute.", "Reduction", REDUCTIONS)
     codes("The `schedule` attribute.", "Schedule", SCHEDULES)
     codes("The `raster` attribute.", "Raster", RASTERS)
-    codes("The `activation` attribute (jax_cake_fwd_gated).", "Activation", ACTIVATION_CODES)
+    codes("The `activation` attribute (jax_cake_fwd_gated, jax_cake_dgrad_gated).", "Activation", ACTIVATION_CODES)
     codes("A variant's epilogue (Variant::store in the generated variant table).", "Store", STORES)
-    lines.append("// Gate and up rows interleave in blocks of this many rows (jax_cake_fwd_gated).")
+    lines.append("// Gate and up rows interleave in blocks of this many rows (jax_cake_fwd_gated, jax_cake_dgrad_gated).")
     lines.append(f"constexpr int64_t kGateBlock = {GATE_BLOCK};")
     lines.append("")
     lines.append("// A variant's output dtype (Variant::out_dtype in the generated variant table).")

@@ -586,7 +586,7 @@ def test_plan_gated_puts_the_epilogue_on_the_wide_pingpong_tile(t, d_in, f, want
 
     p = plan_gated(tokens=t, d_in=d_in, d_out=2 * f, activation="silu", device=H200)
     if want is None:
-        assert p.op == "fwd" and "then an XLA pass for h" in p.reason, jc.explain(p)
+        assert p.op == "fwd" and "then an XLA pass (" in p.reason, jc.explain(p)
         return
     assert p.op == "fwd_gated" and (p.tile, p.cluster, p.schedule) == want, jc.explain(p)
     assert "ping-pong 128x192" in p.reason
@@ -598,3 +598,118 @@ def test_plan_gated_puts_the_epilogue_on_the_wide_pingpong_tile(t, d_in, f, want
     with jc.planner.force("det", tile=(128, 256, 64), schedule="tiles", cluster=(2, 1)):
         pinned = plan_gated(tokens=t, d_in=d_in, d_out=2 * f, activation="silu", device=H200)
     assert pinned.op == "fwd_gated" and (pinned.tile, pinned.schedule) == ((128, 256, 64), "tiles")
+
+
+# --- the MLP's backward with the activation gradient in the down projection's dgrad ------------
+
+
+@pytest.mark.parametrize(
+    "t, f, d, want",
+    [
+        (8192, 14336, 4096, ((128, 192, 64), (2, 1), "pingpong")),  # Llama-3-8B down projection
+        (16384, 28672, 8192, ((128, 192, 64), (2, 1), "pingpong")),  # Llama-3-70B
+        (1000, 400, 512, None),  # small: the planner's narrower tile, then the pass
+        (8192, 14328, 4096, None),  # d_ff not a multiple of 16
+    ],
+)
+def test_plan_gate_grad_puts_the_epilogue_on_the_wide_pingpong_tile(t, f, d, want):
+    from helpers import H200
+
+    from jax_cake.planner.gated import plan_gate_grad
+
+    held_back = plan_gate_grad(tokens=t, d_ff=f, d_out=d, activation="silu", device=H200)
+    assert held_back.op == "dgrad" and "then an XLA pass (" in held_back.reason  # the default (planner docstring)
+    p = plan_gate_grad(tokens=t, d_ff=f, d_out=d, activation="silu", device=H200, epilogue=True)
+    if want is None:
+        assert p.op == "dgrad" and "then an XLA pass (" in p.reason, jc.explain(p)
+        return
+    assert p.op == "dgrad_gated" and (p.tile, p.cluster, p.schedule) == want, jc.explain(p)
+    assert (p.m, p.n, p.k) == (t, f, d) and p.program == "dgrad"
+    assert p.unfused().op == "dgrad" and p.unfused().tile == p.tile
+    off = plan_gate_grad(tokens=t, d_ff=f, d_out=d, activation="silu", device=H200, epilogue=False)
+    assert off.op == "dgrad" and off.tile == (128, 256, 64)
+    gelu = plan_gate_grad(tokens=t, d_ff=f, d_out=d, activation="gelu", device=H200, epilogue=True)
+    assert gelu.op == "dgrad" and "no compiled gate_grad_gelu variant" in gelu.reason
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_cuda_lowering_of_the_mlp_runs_the_gradient_epilogue(with_residual, monkeypatch):
+    """At the Llama MLP shape, with the gradient epilogue enabled, the backward's d[gate|up]
+    comes from ONE jax_cake_dgrad_gated call (dy, w_down, the saved gu -> d_gu); dh never
+    exists, so the only plain dgrad is dx over K = 2F. Held back (the default): the
+    composition, a dgrad for dh and one for dx."""
+    from jax_cake.planner import gated as gated_planner
+
+    t, d, f = 8192, 4096, 14336
+    args = (_s((t, d), BF), _s((f, d), F32), _s((f, d), F32), _s((d, f), F32), _s((t, d), BF))
+    grads = lambda *a: _remat_grads("none", True, residual=with_residual)(*a)
+    held_back = cuda_text(grads, *args)
+    assert not custom_call_lines(held_back, "jax_cake_dgrad_gated")
+    assert len(custom_call_lines(held_back, "jax_cake_dgrad")) == 2
+    monkeypatch.setattr(gated_planner, "GATE_GRAD_EPILOGUE_ENABLED", True)
+    text = cuda_text(lambda *a: _remat_grads("none", True, residual=with_residual)(*a), *args)
+    (fused,) = custom_call_lines(text, "jax_cake_dgrad_gated")
+    assert f"(tensor<1x{t}x{d}xbf16>, tensor<1x{d}x{f}xbf16>, tensor<1x{t}x{2 * f}xbf16>) -> tensor<1x{t}x{2 * f}xbf16>" in fused
+    assert "tile_n = 192 : i64" in fused and f"schedule = {contract.SCHEDULE_PINGPONG} : i64" in fused
+    assert f"activation = {contract.ACTIVATION_SILU} : i64" in fused
+    (dx,) = custom_call_lines(text, "jax_cake_dgrad")
+    assert f"(tensor<1x{t}x{2 * f}xbf16>, tensor<1x{2 * f}x{d}xbf16>) -> tensor<1x{t}x{d}xbf16>" in dx
+    assert len(custom_call_lines(text, "jax_cake_fwd_gated")) == 1
+    assert len(custom_call_lines(text, "jax_cake_fwd_residual" if with_residual else "jax_cake_fwd")) == 1
+
+
+def _fused_mlp_on_this_host(monkeypatch):
+    """Makes swiglu_mlp take its one-custom_vjp form on the CPU: the gradient epilogue's
+    plan is made for an H200 at a pinned tile, so its primitive runs the reference of the
+    fused call (jax_cake.primitives.gemm.dgrad_gated) where the kernel would run."""
+    from helpers import H200
+
+    from jax_cake.pipeline import gated as gated_pipeline
+
+    planned = gated_pipeline.plan_gate_grad
+
+    def plan_for_h200(**sizes):
+        with jc.planner.force("det", tile=(128, 192, 64), schedule="pingpong", cluster=(1, 1)):
+            return planned(**{**sizes, "device": H200, "epilogue": True})
+
+    monkeypatch.setattr(gated_pipeline, "plan_gate_grad", plan_for_h200)
+
+
+@pytest.mark.parametrize("w_dtype", [F32, BF])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_the_fused_mlp_backward_gives_the_composed_values(w_dtype, with_residual, monkeypatch):
+    """The one-custom_vjp MLP (d_gu from the dgrad epilogue, dWg and dWu from one wgrad over
+    2F) against the composed one (gated_projection's backward, then the projection
+    pipeline's): bitwise the same on the XLA path, F below WIDE_D_OUT so that both take the
+    stacked weight gradient."""
+    lead, d_in, f, d_out = (3, 40), 64, 160, 48
+    x, wg, wu, wd, dy = _inputs(21, lead, d_in, f, w_dtype, d_out)
+    r = rand(22, (*lead, d_out), BF)
+    from jax_cake.pipeline import gated as gated_pipeline
+
+    x3, wd3 = x.reshape(1, -1, d_in), wd[None]
+    with jax.set_mesh(jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])):  # nothing to partition
+        composed = _mlp_vjp("silu", with_residual)(x, wg, wu, wd, dy, r)
+        assert not gated_pipeline.fuses_mlp(x3, wg, wu, wd3, activation="silu")
+        _fused_mlp_on_this_host(monkeypatch)
+        assert gated_pipeline.fuses_mlp(x3, wg, wu, wd3, activation="silu")
+        fused = _mlp_vjp("silu", with_residual)(x, wg, wu, wd, dy, r)
+    for name, a, b in zip(("y", "dx", "dwg", "dwu", "dwd", "dr"), fused, composed):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
+def test_the_fused_mlp_form_needs_the_kernel_plan_and_the_interleave(monkeypatch):
+    """fuses_mlp: off the GPU (an XLA plan) and where d_ff is no multiple of 16 the MLP is
+    the composition; with the gradient kernel planned it is one custom_vjp."""
+    from jax_cake.pipeline import gated as gated_pipeline
+
+    x3, wg, wd3 = _s((1, 256, 64), BF), _s((160, 64), F32), _s((1, 48, 160), F32)
+    odd, wd_odd = _s((152, 64), F32), _s((1, 48, 152), F32)
+    with jax.set_mesh(jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])):
+        assert not gated_pipeline.fuses_mlp(x3, wg, wg, wd3, activation="silu")
+        _fused_mlp_on_this_host(monkeypatch)
+        assert gated_pipeline.fuses_mlp(x3, wg, wg, wd3, activation="silu")
+        assert not gated_pipeline.fuses_mlp(x3, odd, odd, wd_odd, activation="silu")
+    # with operands to partition (8 host devices, no mesh): the composition
+    assert jax.device_count() > 1 and not gated_pipeline.fuses_mlp(x3, wg, wg, wd3, activation="silu")

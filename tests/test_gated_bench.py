@@ -76,3 +76,63 @@ def test_bench_runs_on_cpu():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| 128 -> 128 | 64 | g |" in proc.stdout and "xla us" in proc.stdout, proc.stdout
+
+
+# --- the gradient (--direction=bwd): the down projection's dgrad with the activation gradient ---
+
+BWD_POINT = bench.Point(8192, 14336, 4096, "bfloat16")  # d_in = F, d_out = d
+BWD_ARGS = (
+    jax.ShapeDtypeStruct((8192, 2 * 14336), jnp.bfloat16),  # gu
+    jax.ShapeDtypeStruct((4096, 14336), jnp.bfloat16),  # w_down
+    jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16),  # dy
+)
+BWD_EXPECTED = {
+    "fused": ("jax_cake_dgrad_gated", 192, 2, contract.SCHEDULE_PINGPONG),
+    "fused_pp192c1": ("jax_cake_dgrad_gated", 192, 1, contract.SCHEDULE_PINGPONG),
+    "composed": ("jax_cake_dgrad", 256, 2, contract.SCHEDULE_TILES),
+}
+
+
+@pytest.mark.parametrize("arm", sorted(BWD_EXPECTED))
+def test_bwd_arm_lowers_to_its_kernel(arm):
+    target, tile_n, cluster_m, schedule = BWD_EXPECTED[arm]
+    forced = arm.partition("_")[2]
+    pins = dict(zip(("tile", "cluster", "schedule"), gated_bench.FORCED[forced])) if forced else {}
+    with faked_device(), jc.planner.force("det", **pins) if pins else contextlib.nullcontext():
+        step = gated_bench.step_fn(arm, BWD_POINT, "bwd")
+        text = jax.jit(step).trace(*BWD_ARGS).lower(lowering_platforms=("cuda",)).as_text()
+    (call,) = custom_call_lines(text, target)
+    for attr, want in (("tile_n", tile_n), ("cluster_m", cluster_m), ("schedule", schedule)):
+        assert f"{attr} = {want} : i64" in call, (arm, call)
+    other = "jax_cake_dgrad" if target == "jax_cake_dgrad_gated" else "jax_cake_dgrad_gated"
+    assert not custom_call_lines(text, other) and "dot_general" not in text
+
+
+def test_bwd_xla_arm_is_the_reference_gradient():
+    t, f, d = 64, 48, 96
+    gu = jax.random.normal(jax.random.key(0), (t, 2 * f), jnp.bfloat16)
+    wd = (jax.random.normal(jax.random.key(1), (d, f)) * 0.1).astype(jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(2), (t, d), jnp.bfloat16)
+    (d_gu,) = gated_bench.step_fn("xla", bench.Point(t, f, d, "bfloat16"), "bwd")(gu, wd, dy)
+    g, u = (v.astype(jnp.float32) for v in jc.reference.deinterleave(gu, -1, contract.GATE_BLOCK))
+    dh = jnp.dot(dy, wd, preferred_element_type=jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+    s = jax.nn.sigmoid(g)
+    want = jc.reference.interleave(
+        (dh * u * s * (1 + g * (1 - s))).astype(jnp.bfloat16), (dh * g * s).astype(jnp.bfloat16), -1, contract.GATE_BLOCK
+    )
+    assert d_gu.shape == (t, 2 * f)
+    err = jnp.max(jnp.abs(d_gu.astype(jnp.float32) - want.astype(jnp.float32)))
+    assert float(err) <= 2.0**-7 * float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+
+
+def test_bwd_bench_runs_on_cpu():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_cake.tools.gated_bench", "--direction=bwd", "--tokens=64", "--d_in=128",
+         "--d_out=96", "--arms=xla", "--runs=1", "--groups=2", "--steps=2", "--flush_mb=1", "--modes=g"],
+        cwd=pathlib.Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| 128 -> 96 | 64 | g |" in proc.stdout and "The gradient" in proc.stdout, proc.stdout

@@ -36,6 +36,8 @@ class SubTileStaging(NamedTuple):
     tRS_rAcc: Any  # the accumulator retiled for the copy
     tRS_rD_layout: Any  # one sub-tile's registers
     tRS_rD: Any  # one sub-tile's registers, accumulator dtype
+    tRS_cD: Any  # the (row, column) of each of those registers in its sub-tile
+    tRS_cD_offsets: Any  # the same, minus those of register 0: the same for every thread (static)
     epi_bar: Any  # named barrier of the consumer threads
 
 
@@ -56,6 +58,7 @@ def make_epilogue(
     thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
     rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
     tRS_rD_layout = cute.make_layout(rD_shape[:3])
+    epi_tile = (cute.size(sC, mode=[0]), cute.size(sC, mode=[1]))  # flat: (row, column) coordinates
     return EpiloguePieces(
         staging=SubTileStaging(
             tiled_copy_r2s=tiled_copy_r2s,
@@ -63,6 +66,8 @@ def make_epilogue(
             tRS_rAcc=tiled_copy_r2s.retile(acc),
             tRS_rD_layout=tRS_rD_layout,
             tRS_rD=cute.make_rmem_tensor_like(tRS_rD_layout, acc_dtype),
+            tRS_cD=thr_copy_r2s.partition_S(cute.make_identity_tensor(epi_tile)),
+            tRS_cD_offsets=tiled_copy_r2s.get_slice(0).partition_S(cute.make_identity_tensor(epi_tile)),
             epi_bar=pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=mma_threads),
         ),
         c_pipe=pipeline.PipelineTmaStore.create(
@@ -130,15 +135,7 @@ def stage_gated_sub_tile(ep: SubTileStaging, pair: int, buf, activation: str) ->
                 u[i] = ep.tRS_rAcc[sub_tile_index(i + cpy_v * (m + cpy_m), 2 * pair + n, ep.tRS_rD_layout, ep.tRS_rAcc)]
             gf = g.load().to(cutlass.BFloat16).to(cutlass.Float32)
             uf = u.load().to(cutlass.BFloat16).to(cutlass.Float32)
-            if activation == "silu":
-                act = gf * (1.0 / (1.0 + cute.math.exp(-gf)))
-            elif activation == "gelu":
-                # The tanh form, as jax.nn.gelu(approximate=True), through 0.5 (1 + tanh(z))
-                # = 1 / (1 + exp(-2z)): the same value without the cancellation of
-                # 1 + tanh(z) near -1 (the DSL's tanh is not accurate enough for it).
-                act = gf * (1.0 / (1.0 + cute.math.exp(-2.0 * _GELU_C * (gf + _GELU_A * (gf * gf * gf)))))
-            else:
-                raise ValueError(f"unknown activation {activation!r}")
+            act, _ = _act_and_slope(gf, activation, slope=False)
             hr = cute.make_rmem_tensor(run, cutlass.BFloat16)
             hr.store((act * uf).to(cutlass.BFloat16))
             for i in range(cpy_v):
@@ -146,6 +143,82 @@ def stage_gated_sub_tile(ep: SubTileStaging, pair: int, buf, activation: str) ->
     cute.copy(ep.tiled_copy_r2s, h, ep.tRS_sD[(None, None, None, buf)])
     cute.arch.fence_view_async_shared()
     ep.epi_bar.arrive_and_wait()
+
+
+def stage_gate_grad_sub_tile(ep: SubTileStaging, sub: int, n: int, buf, activation: str, gu_view) -> None:
+    """The activation's gradient of 16 columns of dh -> one d[gate|up] sub-tile in
+    staged buffer buf, between the same two barriers as stage_sub_tile.
+
+    The accumulator holds dh (the down projection's dgrad, [M, F]); column group n of its
+    sub-tile `sub` is 16 d_ff indices, whose gate and up pre-activations are the two
+    16-column halves of sub-tile 2 * sub + n of gu [M, 2F] (contract.GATE_BLOCK
+    interleave). gu_view(row, column) loads gu at a (row, column) of this register's
+    sub-tile shifted to that gate column (+ 16: the up one; gemm_base_sm90 clamps it into
+    gu's bounds). The staged sub-tile is d_gu's, in the same layout: its first 16 columns
+    dg = bf16(dh * u * act'(g)), the next 16 du = bf16(dh * act(g)), in FP32 from dh
+    rounded to bf16 first (the plain dgrad's output) and the bf16 g, u, as
+    jax_cake.reference.gate_grad."""
+    cpy_v, cpy_m, cpy_n = (cute.size(ep.tRS_rD_layout, mode=[i]) for i in range(3))
+    assert cpy_n == 2, "a 32-column sub-tile is two 16-column copy groups"
+    ep.epi_bar.arrive_and_wait()
+    d = cute.make_rmem_tensor_like(ep.tRS_rD_layout, cutlass.BFloat16)
+    run = cute.make_layout(cpy_v)
+    for m in range(cpy_m):
+        dh = cute.make_rmem_tensor(run, ep.tRS_rD.element_type)
+        for i in range(cpy_v):
+            dh[i] = ep.tRS_rAcc[sub_tile_index(i + cpy_v * (m + cpy_m * n), sub, ep.tRS_rD_layout, ep.tRS_rAcc)]
+        # Registers 2j, 2j + 1 of a run hold adjacent columns (an even one first): one
+        # 32-bit load fetches both.
+        g2 = cute.make_rmem_tensor(cute.make_layout(cpy_v // 2), cutlass.Int32)
+        u2 = cute.make_rmem_tensor(cute.make_layout(cpy_v // 2), cutlass.Int32)
+        for j in range(cpy_v // 2):
+            r, c = ep.tRS_cD_offsets[2 * j + cpy_v * (m + cpy_m * n)]
+            # Column c of the sub-tile is in group c // 16 = n.
+            g2[j], u2[j] = gu_view(ep.tRS_cD[0], (r, c - 16 * n))
+        g = cute.recast_tensor(g2, cutlass.BFloat16)
+        u = cute.recast_tensor(u2, cutlass.BFloat16)
+        dhf = dh.load().to(cutlass.BFloat16).to(cutlass.Float32)
+        gf = g.load().to(cutlass.Float32)
+        act, slope = _act_and_slope(gf, activation)
+        dg = cute.make_rmem_tensor(run, cutlass.BFloat16)
+        du = cute.make_rmem_tensor(run, cutlass.BFloat16)
+        dg.store((dhf * u.load().to(cutlass.Float32) * slope).to(cutlass.BFloat16))
+        du.store((dhf * act).to(cutlass.BFloat16))
+        for i in range(cpy_v):
+            d[i + cpy_v * m] = dg[i]
+            d[i + cpy_v * (m + cpy_m)] = du[i]
+    cute.copy(ep.tiled_copy_r2s, d, ep.tRS_sD[(None, None, None, buf)])
+    cute.arch.fence_view_async_shared()
+    ep.epi_bar.arrive_and_wait()
+
+
+def load_gate_up(m_gu32, row0, col0, l_idx, base, offset):
+    """(g, u) pairs: the pre-activation gu [M, 2F, L] (gate and up interleaved in blocks
+    of 16), read as int32 pairs of adjacent columns (m_gu32 [M, F, L]), at the d_ff
+    columns col0 + c, c + 1 (col0 a multiple of 16, c < 16 even) of tile row row0 + r,
+    where (r, c) = base + offset: base the thread's (dynamic) coordinate, offset a static
+    one, so that the loads of a row share one address up to constant offsets. Rows and
+    columns past gu's edges are clamped into it (per row and per 16 columns): those
+    elements of the tile are never stored (TMA clips them)."""
+    pair = cutlass.min(col0, cute.size(m_gu32, mode=[1]) - 16) + base[1] // 2 + offset[1] // 2
+    row = cutlass.min(row0 + base[0] + offset[0], cute.size(m_gu32, mode=[0]) - 1)
+    return m_gu32[row, pair, l_idx], m_gu32[row, pair + 8, l_idx]
+
+
+def _act_and_slope(z, activation: str, slope: bool = True):
+    """(act(z), act'(z) or None) in FP32 for FP32 register values z, as
+    jax_cake.reference's."""
+    if activation == "silu":
+        s = 1.0 / (1.0 + cute.math.exp(-z))
+        return z * s, (s * (1.0 + z * (1.0 - s)) if slope else None)
+    if activation == "gelu":
+        # The tanh form, as jax.nn.gelu(approximate=True), through 0.5 (1 + tanh(y)) =
+        # 1 / (1 + exp(-2y)): the same value without the cancellation of 1 + tanh(y)
+        # near -1 (the DSL's tanh is not accurate enough for it).
+        if slope:
+            raise ValueError("the gelu gradient epilogue is not built")
+        return z * (1.0 / (1.0 + cute.math.exp(-2.0 * _GELU_C * (z + _GELU_A * (z * z * z))))), None
+    raise ValueError(f"unknown activation {activation!r}")
 
 
 def sub_tile_index(v: int, epi_idx: int, rd_layout, r_acc) -> int:

@@ -16,6 +16,8 @@ Imported only by the kernel modules (AOT); never at run time.
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -24,7 +26,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_cake.kernels.epilogue_sm90 import stage_gated_sub_tile, stage_sub_tile
+from jax_cake.kernels.epilogue_sm90 import load_gate_up, stage_gate_grad_sub_tile, stage_gated_sub_tile, stage_sub_tile
 
 # Registers per thread after setmaxnreg (384-thread CTAs only): the producer needs few,
 # the two consumer warpgroups hold the accumulators. 128 * 40 + 256 * 232 <= 64K
@@ -267,3 +269,28 @@ class GemmSm90Base:
                     if warp_idx == store_warp:
                         cute.copy(h_atom, h_sD[(None, buf)], h_gD[(None, coord)])
                         c_pipe.producer_commit()
+
+    @cute.jit
+    def _store_gate_grad_tile(
+        self, staging, c_pipe, warp_idx, store_warp, buf_base, d_gu, m_gu, row0, col0, l_idx, activation: cutlass.Constexpr
+    ):
+        """One tile's activation-gradient epilogue: the accumulator is a dh tile (rows
+        row0.., d_ff columns col0..); each 16-column group of each of its sub-tiles makes
+        one sub-tile of d_gu (stage_gate_grad_sub_tile, from the pre-activation m_gu),
+        stored through the ring's buffers in turn.
+
+        d_gu: (atom, smem partition, gmem partition, sub-tile count, index -> coordinate
+        layout) of tile_sub_tiles for d_gu's tile (twice the dh tile's width)."""
+        atom, sD, gD, num, layout = d_gu
+        m_gu32 = cute.recast_tensor(m_gu, cutlass.Int32)  # [M, F, L]: adjacent column pairs
+        for idx in cutlass.range_constexpr(num):
+            sub, n = idx // 2, idx % 2
+            buf = buf_base + idx % self.epi_stage
+            if warp_idx == store_warp:
+                c_pipe.producer_acquire()
+            gu_view = functools.partial(load_gate_up, m_gu32, row0, col0 + 32 * sub + 16 * n, l_idx)
+            stage_gate_grad_sub_tile(staging, sub, n, buf, activation, gu_view)
+            coord = layout.get_hier_coord(idx)
+            if warp_idx == store_warp:
+                cute.copy(atom, sD[(None, buf)], gD[(None, coord)])
+                c_pipe.producer_commit()

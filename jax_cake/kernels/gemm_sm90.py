@@ -105,7 +105,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.utils.distributed import spin_lock_ld_lt_relaxed_wait
 
 from jax_cake.kernels.epilogue_sm90 import make_epilogue, tile_sub_tiles
-from jax_cake.kernels.gemm_base_sm90 import EPI_BARRIER_ID, GemmSm90Base, fence_tensor
+from jax_cake.kernels.gemm_base_sm90 import ACC_REGS_WIDE, EPI_BARRIER_ID, GemmSm90Base, fence_tensor
 from jax_cake.planner.variants import OUTPUT_PROMOTE_EVERY, GemmVariant
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
@@ -141,8 +141,14 @@ class GemmSm90(GemmSm90Base):
             raise ValueError(f"tile_k must be 64, got {variant.tile_k}")
         if variant.cluster not in ((1, 1), (2, 1)):
             raise ValueError(f"cluster must be (1, 1) or (2, 1), got {variant.cluster}")
-        if variant.store not in ("plain", "add", "gated_silu", "gated_gelu"):
-            raise ValueError(f"store must be 'plain', 'add', 'gated_silu' or 'gated_gelu', got {variant.store!r}")
+        if variant.store not in ("plain", "add", "gated_silu", "gated_gelu", "gate_grad_silu"):
+            raise ValueError(
+                f"store must be 'plain', 'add', 'gated_silu', 'gated_gelu' or 'gate_grad_silu', got {variant.store!r}"
+            )
+        if variant.gate_grad is not None and (
+            variant.program != "dgrad" or variant.out_dtype != "bfloat16" or variant.schedule not in ("tiles", "pingpong")
+        ):
+            raise ValueError("a gate_grad store needs dgrad, bfloat16 output and schedule 'tiles' or 'pingpong'")
         if variant.activation is not None and (
             variant.program != "fwd"
             or variant.out_dtype != "bfloat16"
@@ -190,6 +196,7 @@ class GemmSm90(GemmSm90Base):
         self.variant = variant
         self.reduce_add = variant.store == "add"
         self.activation = variant.activation  # the gated epilogue's, else None
+        self.gate_grad = variant.gate_grad  # the gradient epilogue's activation, else None
         self.split_tail = variant.schedule == "split_tail"
         self.pingpong = variant.schedule == "pingpong"
         self.promote = variant.promote and variant.promote_in == "registers"
@@ -206,7 +213,9 @@ class GemmSm90(GemmSm90Base):
         # fp32 accumulator registers per consumer thread: a ping-pong warpgroup holds the
         # whole tile, a cooperative one its 64 rows (twice with the register total).
         acc_regs = variant.tile_m * variant.tile_n // 128 if self.pingpong else 64 * variant.tile_n // 128
-        self._init_cta(2 if self.pingpong else variant.tile_m // 64, acc_regs * (2 if self.promote else 1))
+        # The gradient epilogue loads gu beside the whole accumulator: the wide register split.
+        acc_regs = max(acc_regs * (2 if self.promote else 1), ACC_REGS_WIDE if variant.gate_grad else 0)
+        self._init_cta(2 if self.pingpong else variant.tile_m // 64, acc_regs)
         self.tile_threads = 128 if self.pingpong else self.mma_threads
         # Epilogue buffers (32-column sub-tiles): a sub-tile waits only for the store that
         # last read its buffer. dgrad gets one per sub-tile (the whole tile): at small
@@ -308,7 +317,8 @@ class GemmSm90(GemmSm90Base):
         cm = self.cluster_m
         tiles_m = cutlass.Int32((cute.size(mC, mode=[0]) + self.tile_mnk[0] - 1) // self.tile_mnk[0])
         tiles_mc = (tiles_m + cm - 1) // cm
-        tiles_n = cutlass.Int32((cute.size(mC, mode=[1]) + self.tile_mnk[1] - 1) // self.tile_mnk[1])
+        # N from B (C is twice as wide with the gate_grad store).
+        tiles_n = cutlass.Int32((cute.size(mB, mode=[0]) + self.tile_mnk[1] - 1) // self.tile_mnk[1])
         num_tiles = tiles_mc * tiles_n * cutlass.Int32(cute.size(mA, mode=[2])) * splits
         grid_x = cutlass.min(num_tiles, max_ctas // cm) * cm
         if cutlass.const_expr(self.split_tail):
@@ -381,7 +391,7 @@ class GemmSm90(GemmSm90Base):
         num_l = cutlass.Int32(cute.size(mA, mode=[2]))
         tiles_m = cutlass.Int32((cute.size(mC, mode=[0]) + self.tile_mnk[0] - 1) // self.tile_mnk[0])
         tiles_mc = (tiles_m + cm - 1) // cm
-        tiles_n = cutlass.Int32((cute.size(mC, mode=[1]) + self.tile_mnk[1] - 1) // self.tile_mnk[1])
+        tiles_n = cutlass.Int32((cute.size(mB, mode=[0]) + self.tile_mnk[1] - 1) // self.tile_mnk[1])
         num_tiles = tiles_mc * tiles_n * num_l * splits
         # K tiles per split: split s reduces K tiles [s * per_split, (s + 1) * per_split).
         k_tiles = cutlass.Int32((cute.size(mA, mode=[1]) + self.tile_mnk[2] - 1) // self.tile_mnk[2])
@@ -694,7 +704,25 @@ class GemmSm90(GemmSm90Base):
                     else:
                         if cutlass.const_expr(self.shared_epi):
                             my_epi.arrive_and_wait()
-                        if cutlass.const_expr(self.activation is not None):
+                        if cutlass.const_expr(self.gate_grad is not None):
+                            # dh tile -> d[gate|up] (twice as wide: 2 tile_n columns of C),
+                            # from the pre-activation in the second tensor.
+                            d_tile = (self.tile_mnk[0], 2 * self.tile_mnk[1], self.tile_mnk[2])
+                            d_parts = tile_sub_tiles(tma_atom_c, mC, sC, d_tile, self.epi_tile, c_coord)
+                            self._store_gate_grad_tile(
+                                staging,
+                                c_pipe,
+                                warp_idx,
+                                store_warp,
+                                buf_base,
+                                (tma_atom_c, *d_parts),
+                                mWs,
+                                pid_m * self.tile_mnk[0],
+                                pid_n * self.tile_mnk[1],
+                                l_idx,
+                                self.gate_grad,
+                            )
+                        elif cutlass.const_expr(self.activation is not None):
                             # The pre-activation to C, h (half as wide: tile_n / 2 columns) to H.
                             h_tile = (self.tile_mnk[0], self.tile_mnk[1] // 2, self.tile_mnk[2])
                             h_parts = tile_sub_tiles(tma_atom_h, mH, sC, h_tile, self.epi_tile, c_coord)

@@ -22,6 +22,15 @@ fusion:
   or one wgrad per weight where F >= WIDE_D_OUT), each in its weight's dtype straight
   from the FP32 accumulator.
 
+The MLP (swiglu_mlp: y = [r +] h Wd^T) is one more custom_vjp here where the down
+projection's dgrad kernel with the activation gradient in its epilogue is planned
+(`fuses_mlp`, jax_cake.planner.gated.plan_gate_grad): the forward is the gated GEMM and the
+down projection's forward GEMM (the residual in its epilogue); the backward's d_gu comes
+straight from that dgrad kernel (it reads the saved gu; dh never reaches memory), dWd is
+the wgrad of dy and the saved h, dx ONE dgrad over K = 2F, and dWg, dWu one wgrad per
+weight from dg, du (split out of d_gu by one XLA pass), as in the composition. Elsewhere the MLP is the gated projection followed by the projection pipeline's
+down projection, with the same values up to the FP32 rounding of the activation.
+
 Why interleaved, not [Wg; Wu] stacked (fused_projections' layout): with d_ff sharded
 (Wg and Wu column-parallel on F) the interleave is row by row, so any shard of the
 interleaved W is exactly the rows of that shard's Wg and Wu, so the stacked weight, gu,
@@ -41,9 +50,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_cake import contract, primitives, reference
-from jax_cake.pipeline import fused
+from jax_cake.pipeline import fused, projection
 from jax_cake.planner import device as device_lib
-from jax_cake.planner.gated import plan_gated
+from jax_cake.planner.gated import GATE_GRAD_OP, plan_gate_grad, plan_gated
 from jax_cake.primitives import partitioning
 
 _BF16 = jnp.bfloat16
@@ -86,19 +95,26 @@ def _gated_fwd(x3, w_gate, w_up, options):
 
 def _gated_bwd(options, saved, dh):
     x3, w_gate, w_up, gu = saved
-    det, w_dtypes = options.deterministic, options.w_dtypes
-    w = stack(w_gate, w_up, options.block)
-    _, dgrad_plan, _ = fused.stacked_plans(x3, w, det, w_dtypes)
     g, u = reference.deinterleave(gu, -1, options.block)
     dg, du = reference.gate_grad(dh.astype(_BF16), g, u, options.activation)
     d_gu = reference.interleave(dg, du, -1, options.block)  # [1, T, 2F] bf16, W's row order
+    return _gate_up_grads(x3, w_gate, w_up, d_gu, (dg, du), options)
+
+
+def _gate_up_grads(x3, w_gate, w_up, d_gu, parts, options: Options):
+    """(dx, dw_gate, dw_up) from d_gu [1, T, 2F], the pre-activation's cotangent in W's
+    row order, and its halves parts = (dg, du): dx is ONE dgrad GEMM over K = 2F; the
+    weights' gradients come from fused.weight_gradients."""
+    det, w_dtypes = options.deterministic, options.w_dtypes
+    w = stack(w_gate, w_up, options.block)
+    _, dgrad_plan, _ = fused.stacked_plans(x3, w, det, w_dtypes)
     (x_spec,) = partitioning.explicit_specs(x3) or (None,)
     dx = primitives.dgrad(d_gu, w[None], dgrad_plan, out_sharding=x_spec)
     dw_gate, dw_up = fused.weight_gradients(
         x3,
         w,
         d_gu,
-        (dg, du),
+        parts,
         lambda dw: reference.deinterleave(dw, 0, options.block),
         deterministic=det,
         w_dtypes=w_dtypes,
@@ -121,16 +137,109 @@ def _block(x3, w_gate, w_up) -> int:
     return 1
 
 
-def project_gated(x3, w_gate, w_up, *, activation: str, deterministic: bool):
-    """h3 [1, T, F] bf16 of validated x3 [1, T, d_in] bf16 and w_gate, w_up [F, d_in] (bf16
-    or FP32 masters), made varying over the same manual axes inside shard_map."""
-    x3, w_gate, w_up = partitioning.to_common_varying(x3, w_gate, w_up)
+def _options(x3, w_gate, w_up, activation: str, deterministic: bool) -> Options:
     specs = partitioning.explicit_specs(w_gate, w_up)
-    options = Options(
+    return Options(
         deterministic=deterministic,
         activation=activation,
         w_dtypes=(jnp.dtype(w_gate.dtype).name, jnp.dtype(w_up.dtype).name),
         w_specs=None if specs is None else tuple(specs),
         block=_block(x3, w_gate, w_up),
     )
-    return _gated(x3, w_gate, w_up, options)
+
+
+def project_gated(x3, w_gate, w_up, *, activation: str, deterministic: bool):
+    """h3 [1, T, F] bf16 of validated x3 [1, T, d_in] bf16 and w_gate, w_up [F, d_in] (bf16
+    or FP32 masters), made varying over the same manual axes inside shard_map."""
+    x3, w_gate, w_up = partitioning.to_common_varying(x3, w_gate, w_up)
+    return _gated(x3, w_gate, w_up, _options(x3, w_gate, w_up, activation, deterministic))
+
+
+# --- the MLP: the gated projection and the down projection in one custom_vjp ---------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpOptions:
+    """The static options of one fused MLP (hashable: a nondiff argument)."""
+
+    gated: Options
+    down: projection.Options  # the down projection's (w_down's dtype, the residual epilogue)
+
+
+def _mlp_forward(x3, w_gate, w_up, wd3, r3, options: MlpOptions):
+    h, gu = _forward(x3, w_gate, w_up, options.gated)
+    fwd_plan, _, _ = projection.plans(h, wd3, options.down)
+    return primitives.fwd(h, wd3, fwd_plan, add_to=r3), h, gu
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mlp(x3, w_gate, w_up, w_down3, r3, options: MlpOptions):
+    return _mlp_forward(x3, w_gate, w_up, w_down3.astype(_BF16), r3, options)[0]
+
+
+def _mlp_fwd(x3, w_gate, w_up, w_down3, r3, options):
+    wd3 = w_down3.astype(_BF16)
+    y, h, gu = _mlp_forward(x3, w_gate, w_up, wd3, r3, options)
+    return y, (x3, w_gate, w_up, wd3, h, gu)  # h and gu are named (primitives.fwd_gated)
+
+
+def _mlp_bwd(options, saved, dy):
+    x3, w_gate, w_up, wd3, h, gu = saved
+    dy = dy.astype(_BF16)
+    _, _, down_wgrad_plan = projection.plans(h, wd3, options.down)
+    b, t, d_ff = h.shape
+    gate_grad_plan = plan_gate_grad(
+        tokens=t,
+        d_ff=d_ff,
+        d_out=wd3.shape[1],
+        activation=options.gated.activation,
+        batch=b,
+        device=device_lib.current(dy, wd3),
+    )
+    # The down projection's dgrad with the activation's gradient in its epilogue: d_gu
+    # straight from the kernel (dh is never written).
+    d_gu = primitives.dgrad_gated(dy, wd3, gu, gate_grad_plan, options.gated.activation, options.gated.block)
+    dw_down = primitives.wgrad(dy, h, down_wgrad_plan, deterministic=options.down.deterministic)
+    # dg, du for one wgrad per weight (the composed MLP's weight gradients): one XLA pass.
+    parts = reference.deinterleave(d_gu, -1, options.gated.block)
+    dx, dw_gate, dw_up = _gate_up_grads(x3, w_gate, w_up, d_gu, parts, options.gated)
+    (dw_down,) = partitioning.as_primal_types((dw_down,), (wd3,))
+    return dx, dw_gate, dw_up, dw_down, (dy if options.down.residual else None)
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def fuses_mlp(x3, w_gate, w_up, w_down3, r3=None, *, activation: str) -> bool:
+    """Whether project_mlp runs the MLP as one custom_vjp (its backward's activation
+    gradient in the down projection's dgrad kernel): where that kernel is planned, on
+    operands that need no partitioning."""
+    others = (w_down3,) if r3 is None else (w_down3, r3)
+    if _block(x3, w_gate, w_up) != contract.GATE_BLOCK or not partitioning.unpartitioned(*others):
+        return False
+    plan = plan_gate_grad(
+        tokens=x3.shape[1],
+        d_ff=w_gate.shape[0],
+        d_out=w_down3.shape[1],
+        activation=activation,
+        batch=x3.shape[0],
+        device=device_lib.current(x3, w_down3),
+    )
+    return plan.op == GATE_GRAD_OP
+
+
+def project_mlp(x3, w_gate, w_up, w_down3, r3, *, activation: str, deterministic: bool):
+    """y3 [1, T, d_out] bf16 = [r3 +] gated(x3) w_down^T for validated operands (w_down3
+    [1, d_out, F], r3 None or [1, T, d_out] bf16): one custom_vjp where fuses_mlp, else the
+    gated projection followed by the projection pipeline's down projection (the same
+    values up to the FP32 rounding of the activation)."""
+    args = [x3, w_gate, w_up, w_down3] + ([r3] if r3 is not None else [])
+    x3, w_gate, w_up, w_down3, *rest = partitioning.to_common_varying(*args)
+    r3 = rest[0] if rest else None
+    if not fuses_mlp(x3, w_gate, w_up, w_down3, r3, activation=activation):
+        h3 = _gated(x3, w_gate, w_up, _options(x3, w_gate, w_up, activation, deterministic))
+        return projection.project(h3, w_down3, deterministic=deterministic, residual=r3)
+    down = projection.Options(
+        deterministic=deterministic, w_dtype=jnp.dtype(w_down3.dtype).name, residual=r3 is not None
+    )
+    return _mlp(x3, w_gate, w_up, w_down3, r3, MlpOptions(_options(x3, w_gate, w_up, activation, deterministic), down))

@@ -10,9 +10,9 @@ them is static `Options`, and each option is an epilogue of one of the three GEM
     weight-grad GEMM   dw = dy^T x           accumulate: the "add" epilogue, acc + dw
 
 The gated activation of a SwiGLU MLP is an epilogue of the forward GEMM of the gate/up
-projection (jax_cake.pipeline.gated: today an XLA pass after the GEMM); its backward
-epilogue (d[gate|up] from the saved pre-activation) is to go on this pipeline's input-grad
-GEMM of the down projection.
+projection, and its gradient one of the input-grad GEMM of the down projection
+(jax_cake.pipeline.gated, which runs both GEMMs of the MLP in one custom_vjp where the
+kernels take them).
 
 Layouts: "nk" is jax_cake's own w [d_out, d_in]; "kn" is Flax's kernel [d_in, d_out]
 run without a transpose: with w_kn = [K, N], y = x w_kn is the dgrad GEMM, the input

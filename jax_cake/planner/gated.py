@@ -1,19 +1,27 @@
-"""Plans for the forward GEMM with the gated epilogue: (gu, h) = (x W^T, act(g) * u).
+"""Plans for the GEMMs with a gated epilogue: the forward's (gu, h) = (x W^T, act(g) * u)
+and the down projection's dgrad with the activation's gradient.
 
 `plan_gated` returns a Plan with op "fwd_gated" where the library runs the gate/up
-projection and its activation in one kernel (jax_cake_fwd_gated, docs/ffi_contract.md):
-where the forward planner picks its widest tiles (128 x 256: the large, compute-bound
-shapes), the gated ping-pong 128 x 192 tile (GATED_TILE) with the planner's cluster, or
-1x1; under a force() pin of the tile or schedule, the pinned tile. The kernel writes the pre-activation gu (the accumulator rounded once to bf16, as the
-plain forward writes it) and h = bf16(act(g) * u) in FP32 from those bf16 values, so the
-fused call gives the values of the plain forward followed by jax_cake.reference.gate, up
-to the FP32 rounding of the activation's exp.
+projection and its activation in one kernel (jax_cake_fwd_gated, docs/ffi_contract.md);
+`plan_gate_grad` one with op "dgrad_gated" where it runs the down projection's dgrad
+dh = dy W_down and, from dh and the saved pre-activation, d[gate|up] in one kernel
+(jax_cake_dgrad_gated). Both where the plain GEMM's planner picks its widest tiles
+(128 x 256: the large, compute-bound shapes), and for the gradient only where enabled
+(GATE_GRAD_EPILOGUE_ENABLED: held back, slower than the pass it replaces as built): then
+the epilogue runs on the ping-pong 128 x 192 tile (GATED_TILE) with the planner's cluster,
+or 1x1; under a force() pin of the tile or schedule, on the pinned tile. The forward kernel writes the pre-activation gu (the
+accumulator rounded once to bf16, as the plain forward writes it) and h = bf16(act(g) * u)
+in FP32 from those bf16 values; the dgrad kernel rounds dh to bf16 (the plain dgrad's
+output) and applies jax_cake.reference.gate_grad to it in FP32. So either fused call gives
+the values of the plain GEMM followed by the reference's elementwise pass, up to the FP32
+rounding of the activation's exp.
 
-Otherwise the result is the ordinary forward plan (op "fwd"), and the primitive runs that
-forward and an XLA elementwise pass for h (one log line says why): where d_ff is not a
+Otherwise the result is the plain GEMM's plan (op "fwd" or "dgrad"), and the primitive
+runs that GEMM and an XLA elementwise pass (one log line says why): where d_ff is not a
 multiple of contract.GATE_BLOCK (the kernels' interleave), where the planner picks a
-narrower tile (smaller shapes, not measured with the epilogue), where no gated variant fits,
-off the GPU or on the plan table's XLA rows (the XLA plan).
+narrower tile (smaller shapes, not measured with the epilogue), where no variant fits
+(gelu's gradient epilogue is not built), off the GPU or on the plan table's XLA rows (the
+XLA plan).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from jax_cake.planner import choose, overrides, variants
 from jax_cake.planner.plan_type import Plan
 
 OP = "fwd_gated"
+GATE_GRAD_OP = "dgrad_gated"
 # Whether plan_gated may plan the fused kernel at all (the benchmark passes epilogue= to
 # time both ways).
 GATED_EPILOGUE_ENABLED = True
@@ -39,14 +48,29 @@ GATED_EPILOGUE_ENABLED = True
 # cooperative 128 x 256 c2x1 tile 3168 us, the plain forward + XLA pass 3079 us, XLA's dot
 # + pass 3036 us. Where the forward planner picks a narrower tile than 128 x 256 (smaller
 # shapes) the pass runs after the GEMM.
+# Whether plan_gate_grad may plan the gradient kernel by default (epilogue=None). Held back:
+# measured on the H200 (jax 0.11.2, 2026-12-03), T 8192, 14336 -> 4096, the kernel ran
+# 1309.6 us against 1263.8 for the planner's plain dgrad followed by the XLA pass
+# (`python -m jax_cake.tools.gated_bench --direction=bwd --d_in=14336 --d_out=4096
+# --arms=fused,fused_pp192c1,composed,xla --runs=1 --groups=6 --modes=g`, device time), and
+# the MLP step through it 14.35 ms against XLA's 12.87 (model_bench mlp, one run; the
+# composed MLP in another run: 13.07 against 12.53). Its epilogue loads gu from global memory one 16-column group at a time, and
+# those loads' latency is not hidden behind the other warpgroup's K loop.
+GATE_GRAD_EPILOGUE_ENABLED = False
 GATED_TILE = (128, 192, 64)
 GATED_SCHEDULE = "pingpong"
 _GATED_TILE_NAME = f"ping-pong {GATED_TILE[0]}x{GATED_TILE[1]}"
 
 
 @functools.cache
-def _log_separate_pass_once(device: str, shape: str, reason: str) -> None:
-    logging.info("jax_cake: the gated activation of %s on %s runs as an XLA pass after the GEMM: %s", shape, device, reason)
+def _log_separate_pass_once(device: str, program: str, shape: str, reason: str) -> None:
+    logging.info(
+        "jax_cake: the gated epilogue of the %s GEMM %s on %s runs as an XLA pass after it: %s",
+        program,
+        shape,
+        device,
+        reason,
+    )
 
 
 def plan_gated(
@@ -69,35 +93,67 @@ def plan_gated(
     plan.
     """
     base = choose.plan("fwd", tokens=tokens, d_in=d_in, d_out=d_out, batch=batch, device=device)
+    return _with_epilogue(base, OP, f"gated_{activation}", d_out // 2, activation, epilogue, "h = bf16({act}(g) * u)")
+
+
+def plan_gate_grad(
+    *,
+    tokens: int,
+    d_ff: int,
+    d_out: int,
+    activation: str,
+    batch: int = 1,
+    device: Any = None,
+    epilogue: bool | None = None,
+) -> Plan:
+    """The Plan that computes the down projection's dh = dy W_down and, in the same
+    kernel, d[gate|up] from dh and the saved pre-activation gu.
+
+    tokens, d_ff, d_out: dy [batch, tokens, d_out], W_down [batch, d_out, d_ff], gu and
+    d_gu [batch, tokens, 2 d_ff] (gate and up columns interleaved). Returns a Plan with op
+    "dgrad_gated" (the fused kernel), op "dgrad" (a kernel dgrad plus an XLA pass) or an
+    XLA plan; the rule is plan_gated's. epilogue: whether the fused kernel may be planned
+    (None: GATE_GRAD_EPILOGUE_ENABLED).
+    """
+    base = choose.plan("dgrad", tokens=tokens, d_in=d_ff, d_out=d_out, batch=batch, device=device)
+    if epilogue is None:
+        epilogue = GATE_GRAD_EPILOGUE_ENABLED
+    return _with_epilogue(
+        base, GATE_GRAD_OP, f"gate_grad_{activation}", d_ff, activation, epilogue, "d[gate|up] from dh and gu"
+    )
+
+
+def _with_epilogue(base: Plan, op: str, store: str, d_ff: int, activation: str, epilogue, what: str) -> Plan:
+    """base (the plain GEMM's plan) turned into op's on the gated tile, or base itself with
+    the reason the epilogue runs as an XLA pass (module docstring)."""
     if not base.uses_kernel:
         return base
-    store = f"gated_{activation}"
+    program = base.program
     pinned = overrides.forced("tile") is not None or overrides.forced("schedule") is not None
     reason = None
     if not (GATED_EPILOGUE_ENABLED if epilogue is None else epilogue):
         reason = "the gated kernel epilogue is switched off"
-    elif d_out % (2 * contract.GATE_BLOCK) != 0:
-        reason = f"d_ff = {d_out // 2} is not a multiple of {contract.GATE_BLOCK} (the kernels' gate/up interleave)"
+    elif d_ff % contract.GATE_BLOCK != 0:
+        reason = f"d_ff = {d_ff} is not a multiple of {contract.GATE_BLOCK} (the kernels' gate/up interleave)"
     elif base.tile[1] < 256 and not pinned:
         reason = f"the planner's {base.tile[0]}x{base.tile[1]} tiles (the epilogue runs on the {_GATED_TILE_NAME} tile)"
     else:
         # A force() pin keeps the pinned tile; else the wide ping-pong tile.
         tile, schedule = (base.tile, base.schedule) if pinned else (GATED_TILE, GATED_SCHEDULE)
         for cluster in dict.fromkeys((base.cluster, (1, 1))):
-            if variants.find_variant("fwd", tile, cluster, "bfloat16", store, schedule) is None:
+            if variants.find_variant(program, tile, cluster, "bfloat16", store, schedule) is None:
                 continue
             return dataclasses.replace(
                 base,
-                op=OP,
+                op=op,
                 tile=tile,
                 cluster=cluster,
                 schedule=schedule,
                 reason=(
                     (base.reason if pinned else f"{base.reason}; for the epilogue the {_GATED_TILE_NAME} tile instead")
-                    + f"; the {activation} gated epilogue in the kernel: gu (bf16) and "
-                    f"h = bf16({activation}(g) * u) from each finished tile"
+                    + f"; the {activation} epilogue in the kernel: " + what.format(act=activation)
                 ),
             )
         reason = f"no compiled {store} variant of the {tile[0]}x{tile[1]} {schedule} tile"
-    _log_separate_pass_once(base.device, f"{batch}x{tokens}x{d_in}->{d_out}", reason)
-    return dataclasses.replace(base, reason=f"{base.reason}; then an XLA pass for h ({reason})")
+    _log_separate_pass_once(base.device, program, f"{base.batch}x{base.m}x{base.k}->{base.n}", reason)
+    return dataclasses.replace(base, reason=f"{base.reason}; then an XLA pass ({reason})")

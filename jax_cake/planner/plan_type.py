@@ -57,10 +57,11 @@ class Plan:
     def program(self) -> str | None:
         """The kernel program the FFI handler runs, as the variant tables name it: "fwd",
         "dgrad" or "wgrad" (of the router's family for the router ops; "wgrad" for
-        "wgrad_accumulate", "fwd" for "fwd_residual" and "fwd_gated"); None on the XLA path."""
+        "wgrad_accumulate", "fwd" for "fwd_residual" and "fwd_gated", "dgrad" for
+        "dgrad_gated"); None on the XLA path."""
         if not self.uses_kernel:
             return None
-        fused = {"wgrad_accumulate": "wgrad", "fwd_residual": "fwd", "fwd_gated": "fwd"}
+        fused = {"wgrad_accumulate": "wgrad", "fwd_residual": "fwd", "fwd_gated": "fwd", "dgrad_gated": "dgrad"}
         return fused.get(self.op, self.op.removeprefix("router_"))
 
     def with_add_in_kernel(
@@ -93,9 +94,10 @@ class Plan:
         )
 
     def unfused(self) -> Plan:
-        """A "fwd_gated" plan as the plain forward of the same program (op "fwd"): its
-        GEMM without the gated epilogue."""
-        return dataclasses.replace(self, op="fwd") if self.op == "fwd_gated" else self
+        """A "fwd_gated" or "dgrad_gated" plan as the plain GEMM of the same program (op
+        "fwd", "dgrad"): its GEMM without the gated epilogue."""
+        plain = {"fwd_gated": "fwd", "dgrad_gated": "dgrad"}
+        return dataclasses.replace(self, op=plain[self.op]) if self.op in plain else self
 
     @property
     def deterministic(self) -> bool:

@@ -65,6 +65,10 @@ class GemmVariant:
     # so each 32-column sub-tile of C is 16 gate columns then their 16 up columns; C gets
     # the pre-activation (bf16 of the accumulator) and the second output H [M, N / 2]
     # gets h = bf16(act(g) * u) in FP32 from the bf16 g, u (gemm_sm90's docstring).
+    # "gate_grad_silu" (dgrad, bf16): the activation's gradient in the epilogue of the down
+    # projection's dgrad (jax_cake_dgrad_gated). The accumulator is dh [M, F]; the second
+    # tensor is the saved pre-activation gu [M, 2F] (read), and C [M, 2F] gets d[gate|up]
+    # in gu's column order: dg = bf16(dh * u * act'(g)), du = bf16(dh * act(g)).
     store: str = "plain"
     # "tiles": each CTA walks whole tiles (or splits of them). "split_tail": whole waves of
     # tiles, then the last partial wave's tiles cut into `splits` K pieces that the kernel
@@ -81,6 +85,11 @@ class GemmVariant:
     def activation(self) -> str | None:
         """The gated epilogue's activation ("silu", "gelu"), None for the other stores."""
         return self.store.removeprefix("gated_") if self.store.startswith("gated_") else None
+
+    @property
+    def gate_grad(self) -> str | None:
+        """The activation of the gradient epilogue ("silu"), None for the other stores."""
+        return self.store.removeprefix("gate_grad_") if self.store.startswith("gate_grad_") else None
 
     @property
     def a_major(self) -> str:
@@ -216,6 +225,14 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("fwd", 128, 192, cluster_m=2, store="gated_silu", schedule="pingpong"),
     GemmVariant("fwd", 128, 192, store="gated_silu", schedule="pingpong"),
     GemmVariant("fwd", 128, 256, cluster_m=2, store="gated_silu"),
+    # The down projection's dgrad with the activation gradient in its epilogue
+    # (jax_cake_dgrad_gated), on the gated forward's ping-pong 128 x 192 tiles, with the
+    # wide setmaxnreg split (24 / 240: the epilogue's gu loads beside the accumulator).
+    # ptxas -v (2026-12-03, as above): 64 (c2x1) and 44 (c1x1) bytes of spill stores, all
+    # loop-invariant scalars outside the K loop (SASS by cuobjdump). Held back from the
+    # planner (planner/gated.py GATE_GRAD_EPILOGUE_ENABLED).
+    GemmVariant("dgrad", 128, 192, cluster_m=2, store="gate_grad_silu", schedule="pingpong"),
+    GemmVariant("dgrad", 128, 192, store="gate_grad_silu", schedule="pingpong"),
 )
 
 

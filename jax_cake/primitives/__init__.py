@@ -12,6 +12,7 @@ rules next to the calls.
 
 from jax_cake.primitives.call import (
     dgrad,
+    dgrad_gated,
     fwd,
     fwd_gated,
     router_dgrad,
@@ -23,6 +24,7 @@ from jax_cake.primitives.gemm import router_ffi_operands, targets_from
 
 __all__ = [
     "dgrad",
+    "dgrad_gated",
     "fwd",
     "fwd_gated",
     "router_dgrad",

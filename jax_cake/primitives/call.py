@@ -10,7 +10,8 @@ a reduce-scatter where the rule allows; the caller reshards to it. deterministic
 (wgrad): what the caller asked for, for the per-shard plans (default: the plan's own).
 add_to (fwd, wgrad): the "add" epilogue, the result added into that operand.
 fwd_gated: the forward GEMM with the "gated" epilogue (SwiGLU / GeGLU), over gate and up
-rows interleaved (reference.interleave).
+rows interleaved (reference.interleave); dgrad_gated: the down projection's dgrad with
+that activation's gradient in its epilogue.
 """
 
 from __future__ import annotations
@@ -237,6 +238,41 @@ def fwd_gated(x, w, plan: Plan, activation: str, block: int, *, out_sharding=Non
         return jax.vmap(store_then_gate, in_axes=in_axes, axis_size=axis_size)(x, w), (True, True)
 
     return gated_call(x, w)
+
+
+def dgrad_gated(dy, w, gu, plan: Plan, activation: str, block: int, *, out_sharding=None):
+    """d_gu [B, T, 2F] bf16: the down projection's input gradient dh = dy . w (w [B,
+    d_out, F]) carried through the gated activation, (dg, du) = reference.gate_grad(dh, g,
+    u) of the saved pre-activation gu [B, T, 2F], interleaved in gu's order (blocks of
+    `block`).
+
+    For a plan of op "dgrad_gated" (jax_cake.planner.gated.plan_gate_grad) on operands
+    that need no partitioning, one custom call: the kernel's epilogue reads gu and writes
+    d_gu, and dh never reaches memory. Otherwise, and under vmap or a partitioning rule,
+    the "store" dgrad writes dh and an XLA elementwise pass makes d_gu from it; both give
+    the same values up to the FP32 rounding of the activation."""
+    store_plan = plan.unfused()
+
+    def dgrad_then_gate(dy, w, gu):
+        dh = dgrad(dy, w, store_plan, out_sharding=out_sharding)
+        g, u = reference.deinterleave(gu, -1, block)
+        return reference.interleave(*reference.gate_grad(dh, g, u, activation), -1, block)
+
+    if plan.op != "dgrad_gated" or out_sharding is not None or block != GATE_BLOCK:
+        return dgrad_then_gate(dy, w, gu)
+
+    @custom_vmap
+    def fused_call(dy, w, gu):
+        if not partitioning.unpartitioned(dy, w, gu):
+            return dgrad_then_gate(dy, w, gu)
+        return gemm.dgrad_gated(dy, w, gu, plan, activation)
+
+    @fused_call.def_vmap
+    def rule(axis_size, in_batched, dy, w, gu):
+        in_axes = tuple(0 if b else None for b in in_batched)
+        return jax.vmap(dgrad_then_gate, in_axes=in_axes, axis_size=axis_size)(dy, w, gu), True
+
+    return fused_call(dy, w, gu)
 
 
 def dgrad(dy, w, plan: Plan, *, out_sharding=None):

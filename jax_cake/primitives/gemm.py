@@ -11,7 +11,8 @@ Epilogues: "store" writes the result; "add" adds it into a third operand c whose
 is aliased to the result (input_output_aliases {2: 0}: in place under jit), rounded as
 `reference.add_into`. The fused add exists for fwd (the residual, jax_cake_fwd_residual)
 and wgrad (the FP32 running sum, jax_cake_wgrad_accumulate). "gated" (fwd,
-jax_cake_fwd_gated) writes the pre-activation and h = act(g) * u from it.
+jax_cake_fwd_gated) writes the pre-activation and h = act(g) * u from it; its gradient
+(dgrad, jax_cake_dgrad_gated) writes d[gate|up] from dh and the saved pre-activation.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cake import reference
-from jax_cake.contract import (  # the FFI target names, defined once
+from jax_cake.contract import (  # the FFI target names and codes, defined once
     ACTIVATION_CODES,
+    DGRAD_GATED_TARGET,
     DGRAD_TARGET,
     FWD_GATED_TARGET,
     FWD_RESIDUAL_TARGET,
     FWD_TARGET,
+    GATE_BLOCK,
     ROUTER_DGRAD_TARGET,
     ROUTER_FWD_TARGET,
     ROUTER_WGRAD_TARGET,
@@ -201,7 +204,7 @@ def fwd_gated(x, w, plan: Plan, activation: str):
 
     def ref(x, w):
         gu = reference.fwd(x, w)
-        return reference.gate(*reference.deinterleave(gu, -1), activation), gu
+        return reference.gate(*reference.deinterleave(gu, -1, GATE_BLOCK), activation), gu
 
     def cuda(x, w):
         results = (
@@ -212,6 +215,22 @@ def fwd_gated(x, w, plan: Plan, activation: str):
         return h, gu
 
     return dispatch(plan, ref, cuda, x, w)
+
+
+def dgrad_gated(dy, w, gu, plan: Plan, activation: str):
+    """d_gu [B, T, 2F] bf16: dh = dy . w (w [B, d_out, F]) rounded to bf16, then
+    reference.gate_grad(dh, g, u) of the pre-activation gu [B, T, 2F], interleaved as gu
+    (contract.GATE_BLOCK; a plan for op "dgrad_gated")."""
+
+    def ref(dy, w, gu):
+        g, u = reference.deinterleave(gu, -1, GATE_BLOCK)
+        return reference.interleave(*reference.gate_grad(reference.dgrad(dy, w), g, u, activation), -1, GATE_BLOCK)
+
+    def cuda(dy, w, gu):
+        result = result_type(dy, gu.shape, jnp.bfloat16)
+        return ffi_call(DGRAD_GATED_TARGET, plan, result, dy, w, gu, activation=np.int64(ACTIVATION_CODES[activation]))
+
+    return dispatch(plan, ref, cuda, dy, w, gu)
 
 
 STORE = {

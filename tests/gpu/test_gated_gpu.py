@@ -1,7 +1,11 @@
 """gated_projection and swiglu_mlp on the GPU: their GEMMs lower to the jax_cake custom
 calls (the gated kernel where d_ff is a multiple of 16), and their values match float64
 references of the defined semantics (h and dx within bf16 rounding, FP32 dW within 1e-5 of
-float64 wgrads of the op's dg, du); and each compiled gated kernel, forced."""
+float64 wgrads of the op's dg, du); each compiled gated kernel, forced; and each compiled
+gradient-epilogue kernel (the down projection's dgrad writing d[gate|up]), forced, and
+swiglu_mlp's backward through it."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +18,8 @@ import jax_cake.planner.variants
 from jax_cake import contract, reference
 from jax_cake.planner import force
 from jax_cake.planner import gated as gated_planner
-from jax_cake.planner.gated import plan_gated
+from jax_cake.pipeline import gated as gated_pipeline
+from jax_cake.planner.gated import plan_gate_grad, plan_gated
 from jax_cake.primitives import gemm
 from test_gated import _reference64
 
@@ -148,3 +153,97 @@ def test_gated_kernel_epilogue(variant, shape, monkeypatch):
         again, gu_again = gated(x, w)
         np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
         np.testing.assert_array_equal(np.asarray(gu_again), np.asarray(gu))
+
+
+# --- the gradient epilogue (jax_cake_dgrad_gated), each compiled variant forced ------------------
+
+GATE_GRAD_VARIANTS = [v for v in jax_cake.planner.variants.VARIANTS if v.gate_grad is not None]
+# (T, d_out, F): whole tiles; ragged T, K = d_out and F (1040 is no multiple of 192).
+GATE_GRAD_SHAPES = [(2048, 1024, 2048), (1000, 520, 1040)]
+
+
+@functools.lru_cache(maxsize=None)
+def _gate_grad_body(attrs_key: tuple):
+    attrs = dict(attrs_key)
+
+    def body(result, dy, wd, gu):
+        return jax.ffi.ffi_call(contract.DGRAD_GATED_TARGET, result)(dy, wd, gu, **attrs)
+
+    return body
+
+
+def _silu_and_slope64(g):
+    s = 1.0 / (1.0 + np.exp(-g))
+    return g * s, s * (1.0 + g * (1.0 - s))
+
+
+@pytest.mark.parametrize("shape", GATE_GRAD_SHAPES, ids=lambda s: "T{}_{}x{}".format(*s))
+@pytest.mark.parametrize("variant", GATE_GRAD_VARIANTS, ids=lambda v: v.name)
+def test_gate_grad_kernel_epilogue(variant, shape):
+    """d_gu = gate_grad(dh, g, u) within half a bf16 step (plus the FP32 rounding of the
+    activation) of float64, dh the plain dgrad of the same tile (the same K loop: the bf16
+    dh the kernel rounds its accumulator to, which never leaves the kernel; a dh one bf16
+    step off would break the bound); every element written (NaN-poisoned output); the
+    planner's plan lowers to the call; bitwise repeatable."""
+    t, d_out, f = shape
+    key = ("gate_grad_kernel", variant.name, *shape)
+    dy = h.rand(h.seed_of("dy", *key), (1, t, d_out))
+    wd = h.rand(h.seed_of("wd", *key), (1, d_out, f), scale=0.05)
+    gu = h.rand(h.seed_of("gu", *key), (1, t, 2 * f), scale=2.0)
+    with force("det", tile=variant.tile, cluster=variant.cluster, schedule=variant.schedule):
+        plan = plan_gate_grad(tokens=t, d_ff=f, d_out=d_out, activation=variant.gate_grad, epilogue=True)
+    assert plan.op == "dgrad_gated", plan
+    assert (plan.tile, plan.cluster, plan.schedule) == (variant.tile, variant.cluster, variant.schedule), plan
+    text = jax.jit(lambda *a: gemm.dgrad_gated(*a, plan, variant.gate_grad)).lower(dy, wd, gu).as_text()
+    assert h.custom_calls(text, "jax_cake_dgrad_gated") == 1 and "dot_general" not in text
+    attrs = h.ffi_attrs(variant.tile, cluster=variant.cluster, schedule=variant.schedule)
+    attrs["activation"] = np.int64(contract.ACTIVATION_CODES[variant.gate_grad])
+    body = _gate_grad_body(tuple(sorted((k, int(v)) for k, v in attrs.items())))
+    run = lambda: h.run_poisoned(body, gu.shape, jnp.bfloat16, dy, wd, gu)
+    d_gu = h.assert_repeatable(run, what=variant.name)
+    dh = jax.jit(lambda dy, wd: gemm.dgrad(dy, wd, plan.unfused()))(dy, wd)
+    assert _within(dh[0], _f64(dy[0]) @ _f64(wd[0]), h.BF16_TOL)
+    g, u = (_f64(v[0]) for v in reference.deinterleave(gu, -1, contract.GATE_BLOCK))
+    value, slope = _silu_and_slope64(g)
+    dh64 = _f64(dh[0])
+    got_dg, got_du = (_f64(v[0]) for v in reference.deinterleave(d_gu, -1, contract.GATE_BLOCK))
+    assert np.all(np.isfinite(got_dg)) and np.all(np.isfinite(got_du)), "unwritten (NaN) elements"
+    for name, got, ref in (("dg", got_dg, dh64 * u * slope), ("du", got_du, dh64 * value)):
+        bound = (2.0**-8 + 2.0**-20) * np.abs(ref) + 1e-30
+        worst = np.max(np.abs(got - ref) / bound)
+        assert worst <= 1.0, f"|{name} - ref| reaches {worst:.2f} of half a bf16 step"
+
+
+def test_swiglu_mlp_backward_through_the_gradient_epilogue(monkeypatch):
+    """Where the planner runs it (enabled here: it is held back by default), swiglu_mlp's
+    backward lowers to ONE jax_cake_dgrad_gated call and no dgrad for dh; its gradients
+    match the composed MLP's (gated_projection, then dense_projection: dx within bf16
+    rounding, dW within 1e-5) and float64 (dWd from the op's h)."""
+    t, d, f = 2048, 1024, 2048
+    x, wg, wu, _ = _inputs(t, d, f)
+    wd = h.rand(h.seed_of("wd", t, d, f), (d, f), h.F32, scale=0.03)
+    dy = h.rand(h.seed_of("dy", t, d, f), (t, d))
+
+    def step():  # a new function per trace: the MLP's form is chosen at trace time
+        def vjp_step(x, wg, wu, wd, dy):
+            y, vjp = jax.vjp(jax_cake.swiglu_mlp, x, wg, wu, wd)
+            return (y, *vjp(dy))
+
+        return jax.jit(vjp_step)
+
+    args = (x, wg, wu, wd, dy)
+    monkeypatch.setattr(gated_planner, "GATE_GRAD_EPILOGUE_ENABLED", True)
+    assert plan_gate_grad(tokens=t, d_ff=f, d_out=d, activation="silu").op == "dgrad_gated"
+    text = step().lower(*args).as_text()
+    assert h.custom_calls(text, "jax_cake_dgrad_gated") == 1 and h.custom_calls(text, "jax_cake_dgrad") == 1
+    fused = step()(*args)
+    monkeypatch.setattr(gated_pipeline, "fuses_mlp", lambda *a, **k: False)
+    assert h.custom_calls(step().lower(*args).as_text(), "jax_cake_dgrad_gated") == 0
+    composed = step()(*args)
+    np.testing.assert_array_equal(np.asarray(fused[0]), np.asarray(composed[0]))  # y: the same forward
+    assert _within(fused[1], _f64(composed[1]), h.BF16_TOL)  # dx
+    for got, ref in zip(fused[2:], composed[2:]):  # dWg, dWu, dWd
+        assert got.dtype == ref.dtype == jnp.float32
+        assert _within(got, _f64(ref), h.F32_TOL)
+    hidden = jax.jit(jax_cake.gated_projection)(x, wg, wu)
+    assert _within(fused[4], _f64(dy).T @ _f64(hidden), h.F32_TOL)

@@ -176,8 +176,9 @@ def test_cases_cover_every_compiled_program():
     """Every entry of VARIANTS and router_variants.VARIANTS is checked against float64
     (so a newly compiled variant without a GPU test fails here, on CPU)."""
     covered = {c.variant().name for c in cases.ALL_VALUE_CASES + cases.RESIDUAL_CASES}
-    # The gated epilogue's variants: test_gated_gpu.test_gated_kernel_epilogue, each forced.
-    covered |= {v.name for v in test_gated_gpu.GATED_VARIANTS}
+    # The gated epilogue's variants: test_gated_gpu.test_gated_kernel_epilogue, each forced;
+    # the gradient epilogue's: test_gated_gpu.test_gate_grad_kernel_epilogue.
+    covered |= {v.name for v in test_gated_gpu.GATED_VARIANTS + test_gated_gpu.GATE_GRAD_VARIANTS}
     assert covered == {v.name for v in variants.VARIANTS}, sorted({v.name for v in variants.VARIANTS} - covered)
     covered = {c.variant().name for c in cases.ROUTER_CASES}
     assert covered == {v.name for v in router_variants.VARIANTS}
@@ -289,7 +290,8 @@ def test_quick_tier_calls_every_compiled_program():
                 assert c.fills_a_tile, c.id
         assert len(quick) < len(case_list)
     covered = {c.variant().name for c in _quick(cases.ALL_VALUE_CASES) + _quick(cases.RESIDUAL_CASES)}
-    covered |= {v.name for v in test_gated_gpu.GATED_VARIANTS}  # its own file, not full-only
+    # the gated and gradient epilogues: their own file, not full-only
+    covered |= {v.name for v in test_gated_gpu.GATED_VARIANTS + test_gated_gpu.GATE_GRAD_VARIANTS}
     assert covered == {v.name for v in variants.VARIANTS}
     assert {c.variant().name for c in _quick(cases.ROUTER_CASES)} == {v.name for v in router_variants.VARIANTS}
     reductions = {(c.variant().name, c.reduction) for c in _quick(cases.ALL_VALUE_CASES)}
