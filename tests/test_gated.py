@@ -713,3 +713,22 @@ def test_the_fused_mlp_form_needs_the_kernel_plan_and_the_interleave(monkeypatch
         assert not gated_pipeline.fuses_mlp(x3, odd, odd, wd_odd, activation="silu")
     # with operands to partition (8 host devices, no mesh): the composition
     assert jax.device_count() > 1 and not gated_pipeline.fuses_mlp(x3, wg, wg, wd3, activation="silu")
+
+
+@pytest.mark.parametrize("axis,block", [(0, 16), (-1, 16), (-1, 1)])
+def test_interleave_is_a_select_with_the_stacked_layout(axis, block):
+    """reference.interleave puts the halves in the stacked layout (rows 2bj .. 2bj + b - 1
+    from a, the next b from b) through one select, never a concatenation (which XLA runs
+    as a fusion that cannot share work between the halves)."""
+    a, b = rand(0, (64, 48), jnp.bfloat16), rand(1, (64, 48), jnp.bfloat16)
+    ax = axis % 2
+    f = a.shape[ax]
+    blocks = (f // block, block, 48) if ax == 0 else (64, f // block, block)
+    stacked = jnp.stack([a.reshape(blocks), b.reshape(blocks)], axis=ax + 1).reshape(
+        (2 * f, 48) if ax == 0 else (64, 2 * f)
+    )
+    got = jc.reference.interleave(a, b, axis, block)
+    assert bool(jnp.all(got == stacked))
+    assert all(bool(jnp.all(h == w)) for h, w in zip(jc.reference.deinterleave(got, axis, block), (a, b)))
+    text = jax.jit(lambda a, b: jc.reference.interleave(a, b, axis, block)).lower(a, b).as_text()
+    assert "select" in text and "concatenate" not in text

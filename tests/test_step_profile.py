@@ -35,3 +35,32 @@ def test_dsl_kernels_share_one_row():
     events = [(0, 2000, name), (3000, 4000, name + "x"), (5000, 5500, "loop_fusion_7")]
     got = step_profile.kernel_times(events, 1)
     assert got == {step_profile.DSL_KERNELS: 3.0, "loop_fusion": 0.5}
+
+
+def test_kernel_timeline_keeps_launch_order_and_takes_the_median():
+    dsl = "kernel_cutlass_kernel_jax_cakekernelsgemm_sm90GemmSm90_object_at__CopyAtom_ThrID10"
+    events, t = [], 0
+    for fwd_us, grad_us in ((100, 250), (300, 210), (200, 230)):
+        for name, us in ((dsl, fwd_us), ("loop_select_fusion_1", 5), (dsl + "x", grad_us)):
+            events.append((t, t + us * 1000, name))
+            t += us * 1000 + 10
+    got = step_profile.kernel_timeline(events, 3)
+    assert got == [(step_profile.DSL_KERNELS, 200.0), ("loop_select_fusion", 5.0), (step_profile.DSL_KERNELS, 230.0)]
+    with pytest.raises(ValueError, match="identical steps"):
+        step_profile.kernel_timeline(events[:-1], 3)
+
+
+def test_timeline_table_lists_long_launches_and_sums_the_short_ones():
+    text = step_profile.timeline_table({"jax_cake": [("a", 100.0), ("b", 3.0), ("c", 50.0), ("d", 2.0)]}, 20.0)
+    lines = text.splitlines()
+    assert lines[0] == "**jax_cake**, launch order:"
+    assert lines[4:7] == ["| 0 | `a` | 100.0 |", "| 2 | `c` | 50.0 |", "| | (2 launches under 20 us) | 5.0 |"]
+
+
+def test_the_gradient_epilogue_arm_is_traced_with_the_kernel_planned_then_held_back_again(monkeypatch):
+    from jax_cake.planner import gated
+
+    seen = []
+    monkeypatch.setattr(step_profile, "profile_arm", lambda case, arm, steps: seen.append((arm, gated.GATE_GRAD_EPILOGUE_ENABLED)) or [])
+    assert step_profile.profile_with_gradient_epilogue(None, 3) == []
+    assert seen == [("jax_cake", True)] and gated.GATE_GRAD_EPILOGUE_ENABLED is False

@@ -49,13 +49,11 @@ GATED_EPILOGUE_ENABLED = True
 # + pass 3036 us. Where the forward planner picks a narrower tile than 128 x 256 (smaller
 # shapes) the pass runs after the GEMM.
 # Whether plan_gate_grad may plan the gradient kernel by default (epilogue=None). Held back:
-# measured on the H200 (jax 0.11.2, 2026-12-03), T 8192, 14336 -> 4096, the kernel ran
-# 1309.6 us against 1263.8 for the planner's plain dgrad followed by the XLA pass
-# (`python -m jax_cake.tools.gated_bench --direction=bwd --d_in=14336 --d_out=4096
-# --arms=fused,fused_pp192c1,composed,xla --runs=1 --groups=6 --modes=g`, device time), and
-# the MLP step through it 14.35 ms against XLA's 12.87 (model_bench mlp, one run; the
-# composed MLP in another run: 13.07 against 12.53). Its epilogue loads gu from global memory one 16-column group at a time, and
-# those loads' latency is not hidden behind the other warpgroup's K loop.
+# in the SwiGLU MLP step (H200, jax 0.11.2, 2026-12-03, T 8192, 4096 -> 14336 -> 4096,
+# `python -m jax_cake.tools.step_profile --case=mlp --timeline --gate_grad_epilogue`) the
+# kernel ran 2388 us where the plain dgrad and the XLA passes it replaces took 1306 + 549,
+# and the step 13.84 ms against 13.15. Its epilogue's gu loads and doubled stores are not
+# hidden behind the other warpgroup's K loop (docs/benchmarks.md).
 GATE_GRAD_EPILOGUE_ENABLED = False
 GATED_TILE = (128, 192, 64)
 GATED_SCHEDULE = "pingpong"

@@ -1,11 +1,8 @@
-"""Paired GPU timings of the gated forward (the SwiGLU gate/up projection of training) and
-of its gradient (the down projection's dgrad with the activation gradient): the epilogue in
-the GEMM against the GEMM then an XLA pass, and against XLA.
+"""Paired GPU timings of the gated forward (the SwiGLU gate/up projection of training):
+the activation in the GEMM's epilogue against the GEMM then an XLA pass, and against XLA.
 
     python -m jax_cake.tools.gated_bench            # Llama-3-8B: T = 8192, 4096 -> 2 x 14336
     python -m jax_cake.tools.gated_bench --arms=xla,composed,fused --md=out/gated.md
-    python -m jax_cake.tools.gated_bench --direction=bwd --d_in=14336 --d_out=4096 \
-        --arms=fused,fused_pp192c1,composed,xla   # the gradient: d_in = F, d_out = d
 
 One step: (h, gu) from x [T, d_in] bf16 and W [2F, d_in] bf16 (gate and up rows
 interleaved in blocks of 16, as jax_cake stacks them): gu = x W^T is the pre-activation
@@ -17,14 +14,6 @@ a training step saves, h = bf16(silu(g) * u). Arms:
                      epilogue on the ping-pong 128 x 192 cluster 2x1 tile);
   fused_pp192c1    = the gated epilogue on the ping-pong 128 x 192 cluster 1x1 tile;
   fused_coop256c2  = the gated epilogue on the cooperative 128 x 256 cluster 2x1 tile.
-With --direction=bwd one step is d_gu [T, 2F] (the pre-activation's cotangent, gate and
-up columns interleaved as gu) from dy [T, d] and W_down [d, F] (a point's d_out and d_in)
-and the saved gu: dh = dy W_down, (dg, du) = jax_cake.reference.gate_grad(dh, g, u). Arms:
-  xla           = jnp.dot(dy, W_down), then the activation gradient (one XLA fusion);
-  composed      = the planner's jax_cake dgrad, then the same XLA pass;
-  fused         = the planner's gradient plan (jax_cake.planner.gated.plan_gate_grad: the
-                  epilogue on the ping-pong 128 x 192 cluster 2x1 tile);
-  fused_pp192c1 = that epilogue on the ping-pong 128 x 192 cluster 1x1 tile.
 Protocol and timing are jax_cake.tools.bench's: one child process per (run, mode), paired
 interleaved groups (order rotated), `--steps` x (step, L2 flush) per call, CUPTI device
 time. Each arm's h and gu are checked against the xla arm's once before timing. The
@@ -53,54 +42,32 @@ FORCED = {
 REL_TOL = 2.0**-6
 
 
-def arm_plan(arm: str, tokens: int, d_in: int, d_out: int, direction: str = "fwd"):
-    """The Plan the arm's step runs (fused: op fwd_gated or dgrad_gated; composed: fwd or
-    dgrad). bwd: d_in is F, d_out the model width (the down projection's)."""
+def arm_plan(arm: str, tokens: int, d_in: int, d_out: int):
+    """The Plan the arm's step runs (fused: op fwd_gated; composed: op fwd)."""
     from jax_cake import planner
-    from jax_cake.planner.gated import plan_gate_grad, plan_gated
+    from jax_cake.planner.gated import plan_gated
 
     kind, _, forced = arm.partition("_")
-    args = dict(tokens=tokens, d_out=d_out, activation=ACTIVATION, epilogue=kind == "fused")
-    planner_fn, fused_op, plain_op = plan_gated, "fwd_gated", "fwd"
-    if direction == "bwd":
-        planner_fn, fused_op, plain_op = plan_gate_grad, "dgrad_gated", "dgrad"
-        args["d_ff"] = d_in
-    else:
-        args["d_in"] = d_in
+    args = dict(tokens=tokens, d_in=d_in, d_out=d_out, activation=ACTIVATION, epilogue=kind == "fused")
     if not forced:
-        plan = planner_fn(**args)
+        plan = plan_gated(**args)
     else:
         tile, cluster, schedule = FORCED[forced]
         with planner.force("det", tile=tile, cluster=cluster, schedule=schedule):
-            plan = planner_fn(**args)
+            plan = plan_gated(**args)
         if (plan.tile, plan.cluster, plan.schedule) != (tile, cluster, schedule):
             raise RuntimeError(f"{arm}: the forced plan ran {plan.tile} {plan.cluster} {plan.schedule}")
-    if plan.op != (fused_op if kind == "fused" else plain_op):
+    if plan.op != ("fwd_gated" if kind == "fused" else "fwd"):
         raise RuntimeError(f"{arm}: planned op {plan.op!r} ({plan.reason})")
     return plan
 
 
-def step_fn(arm: str, point: bench.Point, direction: str = "fwd") -> Callable:
-    """(x, w) -> (h, gu) for the arm; bwd: (gu, w_down, dy) -> (d_gu,)."""
+def step_fn(arm: str, point: bench.Point) -> Callable:
+    """(x, w) -> (h, gu) for the arm."""
     import jax.numpy as jnp
 
     from jax_cake import contract, primitives, reference
 
-    if direction == "bwd":
-        if arm == "xla":
-
-            def xla_grad(gu, wd, dy):
-                g, u = reference.deinterleave(gu, -1, contract.GATE_BLOCK)
-                dh = jnp.dot(dy, wd).astype(jnp.bfloat16)
-                return (reference.interleave(*reference.gate_grad(dh, g, u, ACTIVATION), -1, contract.GATE_BLOCK),)
-
-            return xla_grad
-        plan = arm_plan(arm, point.tokens, point.d_in, point.d_out, direction)
-
-        def kernel_grad(gu, wd, dy):
-            return (primitives.dgrad_gated(dy[None], wd[None], gu[None], plan, ACTIVATION, contract.GATE_BLOCK)[0],)
-
-        return kernel_grad
     if arm == "xla":
 
         def xla(x, w):
@@ -117,17 +84,15 @@ def step_fn(arm: str, point: bench.Point, direction: str = "fwd") -> Callable:
     return kernel
 
 
-def check_results(steps: dict[str, Callable], *args) -> None:
-    """Every arm's outputs ((h, gu), or (d_gu,)) within REL_TOL (relative to the largest
-    entry) of the xla arm's."""
+def check_results(steps: dict[str, Callable], x, w) -> None:
+    """Every arm's (h, gu) within REL_TOL (relative to the largest entry) of the xla arm's."""
     import jax
     import numpy as np
 
-    ref = [np.asarray(v, np.float32) for v in jax.jit(steps["xla"])(*args)]
-    names = ("h", "gu") if len(ref) == 2 else ("d_gu",)
+    ref = [np.asarray(v, np.float32) for v in jax.jit(steps["xla"])(x, w)]
     for arm, step in steps.items():
-        got = [np.asarray(v, np.float32) for v in jax.jit(step)(*args)]
-        for name, a, b in zip(names, got, ref):
+        got = [np.asarray(v, np.float32) for v in jax.jit(step)(x, w)]
+        for name, a, b in zip(("h", "gu"), got, ref):
             err = float(np.max(np.abs(a - b))) / float(np.max(np.abs(b)))
             if not (np.all(np.isfinite(a)) and err <= REL_TOL):
                 raise RuntimeError(f"{arm}: {name} is {err:.3g} (max-relative) off the xla arm's")
@@ -136,17 +101,8 @@ def check_results(steps: dict[str, Callable], *args) -> None:
 def measure(point: bench.Point, arms: Sequence[str], timer_kind: str) -> dict[str, list[float]]:
     """{arm: per-group median step time in us}, the arms interleaved in paired groups."""
     buf, x, w, dy = bench.make_inputs(point, FLAGS.flush_mb)
-    steps = {arm: step_fn(arm, point, FLAGS.direction) for arm in dict.fromkeys(("xla", *arms))}
-    if FLAGS.direction == "bwd":
-        import jax.numpy as jnp
-
-        from jax_cake import contract, reference
-
-        # The saved pre-activation: x [T, F] and a permutation of it, interleaved as gu.
-        gu = reference.interleave(x, jnp.flip(x, 0), -1, contract.GATE_BLOCK)
-        check_results(steps, gu, w, dy)
-        programs = {arm: bench.steps_program(steps[arm], FLAGS.steps) for arm in arms}
-        return bench.measure_arms(programs, buf, (gu, w, dy), timer_kind)
+    del dy  # the forward only: its step programs get None
+    steps = {arm: step_fn(arm, point) for arm in dict.fromkeys(("xla", *arms))}
     check_results(steps, x, w)
     programs = {arm: bench.steps_program(lambda x, w, dy, s=steps[arm]: s(x, w), FLAGS.steps) for arm in arms}
     return bench.measure_arms(programs, buf, (x, w, None), timer_kind)
@@ -155,12 +111,9 @@ def measure(point: bench.Point, arms: Sequence[str], timer_kind: str) -> dict[st
 def main(argv):
     del argv
     note = " d_out is 2F (gate and up); fused = the planner's gated plan (the silu epilogue)."
-    if FLAGS.direction == "bwd":
-        note = " The gradient: d_in is F, d_out the model width; fused = the planner's gradient plan (the silu epilogue)."
     bench.plain_arm_bench_main("jax_cake.tools.gated_bench", ARMS, OP, measure, note)
 
 
 if __name__ == "__main__":
     bench.define_arm_bench_flags(ARMS, tokens=["8192"], d_in=["4096"], d_out=["28672"])
-    flags.DEFINE_enum("direction", "fwd", ["fwd", "bwd"], "The gated forward, or its gradient (the down projection's dgrad).")
     app.run(main)

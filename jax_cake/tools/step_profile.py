@@ -2,6 +2,7 @@
 
     python -m jax_cake.tools.step_profile --case=mlp --md=out/mlp_profile.md
     python -m jax_cake.tools.step_profile --case=block --arms=xla,jax_cake --steps=5
+    python -m jax_cake.tools.step_profile --case=mlp --timeline --gate_grad_epilogue
 
 Each arm's step (jax_cake.tools.model_bench's case, the same inputs and arms) is jitted
 and warmed up, then `--steps` steps run under one CUPTI trace (the public jax.profiler
@@ -10,7 +11,8 @@ API). Every kernel's time is its median over the steps of its summed duration in
 counts once per launch; jax_cake's CuTe DSL kernels share one truncated name, so they are
 one row). The table lists, per arm, the kernels by time, the share of
 the step, and the step's total kernel time (the sum, not the wall span: kernels on one
-stream run one after another). Command buffers stay on while profiling (XLA's default
+stream run one after another); `--timeline` adds one step's launches in launch order,
+where the position tells jax_cake's kernels apart. Command buffers stay on while profiling (XLA's default
 graph mode). Needs a GPU: a CPU has no device timeline.
 """
 
@@ -23,6 +25,7 @@ from typing import Sequence
 
 from absl import app, flags
 
+from jax_cake.planner import gated as gated_planner
 from jax_cake.tools import bench, model_bench
 
 FLAGS = flags.FLAGS
@@ -57,6 +60,34 @@ def kernel_times(events: Sequence[tuple[int, int, str]], steps: int) -> dict[str
     return {n: statistics.median(t.get(n, 0.0) for t in totals) for n in names}
 
 
+def kernel_timeline(events: Sequence[tuple[int, int, str]], steps: int) -> list[tuple[str, float]]:
+    """[(kernel row name, median us over steps)] of one step's launches in launch order,
+    from the trace's events of `steps` identical steps (kernel_times' split): the order
+    tells apart the CuTe DSL kernels that share one name."""
+    if steps < 1 or len(events) % steps:
+        raise ValueError(f"{len(events)} kernel events do not split into {steps} identical steps")
+    per = len(events) // steps
+    return [
+        (display_name(events[i][2]), statistics.median((events[s * per + i][1] - events[s * per + i][0]) / 1e3 for s in range(steps)))
+        for i in range(per)
+    ]
+
+
+def timeline_table(timelines: dict[str, list[tuple[str, float]]], min_us: float) -> str:
+    """Per arm, one step's launches of at least min_us in launch order (the rest summed)."""
+    lines = []
+    for arm, launches in timelines.items():
+        lines += [f"**{arm}**, launch order:", "", "| # | kernel | us |", "|---|---|---|"]
+        for i, (name, us) in enumerate(launches):
+            if us >= min_us:
+                lines.append(f"| {i} | `{name}` | {us:.1f} |")
+        small = [us for _, us in launches if us < min_us]
+        if small:
+            lines.append(f"| | ({len(small)} launches under {min_us:g} us) | {sum(small):.1f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def table(profiles: dict[str, dict[str, float]], top: int) -> str:
     lines = []
     for arm, times in profiles.items():
@@ -72,7 +103,8 @@ def table(profiles: dict[str, dict[str, float]], top: int) -> str:
     return "\n".join(lines)
 
 
-def profile_arm(case, arm: str, steps: int) -> dict[str, float]:
+def profile_arm(case, arm: str, steps: int) -> list[tuple[int, int, str]]:
+    """The trace events of `steps` steps of the arm (jitted and warmed up first)."""
     import jax
 
     x, params, opt = case.inputs()
@@ -83,7 +115,21 @@ def profile_arm(case, arm: str, steps: int) -> dict[str, float]:
         out = step(x, params, opt)
     jax.block_until_ready(out)
     events, _ = bench.device_events(session.stop())
-    return kernel_times(events, steps)
+    return events
+
+
+GRAD_EPILOGUE_ARM = "jax_cake, gradient epilogue"
+
+
+def profile_with_gradient_epilogue(case, steps: int) -> list[tuple[int, int, str]]:
+    """profile_arm of the jax_cake arm traced with the MLP backward's gradient epilogue
+    kernel planned (held back by default: planner.gated.GATE_GRAD_EPILOGUE_ENABLED)."""
+    held_back = gated_planner.GATE_GRAD_EPILOGUE_ENABLED
+    gated_planner.GATE_GRAD_EPILOGUE_ENABLED = True
+    try:
+        return profile_arm(case, "jax_cake", steps)  # traced (and planned) inside
+    finally:
+        gated_planner.GATE_GRAD_EPILOGUE_ENABLED = held_back
 
 
 def main(argv):
@@ -97,7 +143,13 @@ def main(argv):
         raise app.UsageError(f"--arms: {arms} must be a subset of {list(case.arms)}")
     h = bench.device_header("device")
     header = f"step_profile: {case.label}; {h['gpu']}, jax {h['jax']}, {h['date']}, {FLAGS.steps} steps per arm"
-    text = header + "\n\n" + table({arm: profile_arm(case, arm, FLAGS.steps) for arm in arms}, FLAGS.top)
+    events = {arm: profile_arm(case, arm, FLAGS.steps) for arm in arms}
+    if FLAGS.gate_grad_epilogue and "jax_cake" in case.arms:
+        events[GRAD_EPILOGUE_ARM] = profile_with_gradient_epilogue(case, FLAGS.steps)
+    text = header + "\n\n" + table({arm: kernel_times(e, FLAGS.steps) for arm, e in events.items()}, FLAGS.top)
+    if FLAGS.timeline:
+        timelines = {arm: kernel_timeline(e, FLAGS.steps) for arm, e in events.items()}
+        text += "\n" + timeline_table(timelines, FLAGS.timeline_min_us)
     print(text)
     if FLAGS.md:
         with open(FLAGS.md, "w") as f:
@@ -110,4 +162,12 @@ if __name__ == "__main__":
     flags.DEFINE_integer("steps", 5, "Profiled steps per arm.")
     flags.DEFINE_integer("top", 14, "Kernels listed per arm.")
     flags.DEFINE_string("md", None, "Write the table here.")
+    flags.DEFINE_bool("timeline", False, "Also list one step's launches in launch order, per arm.")
+    flags.DEFINE_float("timeline_min_us", 20.0, "--timeline: launches shorter than this are summed in one row.")
+    flags.DEFINE_bool(
+        "gate_grad_epilogue",
+        False,
+        f"Also profile the jax_cake arm with the MLP backward's gradient epilogue kernel planned "
+        f"(held back by default: jax_cake.planner.gated.GATE_GRAD_EPILOGUE_ENABLED), as arm {GRAD_EPILOGUE_ARM!r}.",
+    )
     app.run(main)
