@@ -653,3 +653,35 @@ def test_fp32_split_tail_pieces_stay_within_one_promotion_interval():
     assert p.reduction != "split_tail" and p.tile == (128, 160, 64), jc.explain(p)
     p = jc.plan("wgrad", tokens=long_t, d_in=5120, d_out=1024, out_dtype="bfloat16", device=H200)
     assert p.reduction == "split_tail", jc.explain(p)
+
+
+def test_force_gemm_pins_one_gemm_and_leaves_the_others_to_the_planner():
+    """force(gemm=(op, m, n, k)): the down projection's dgrad (T 8192, d_ff 14336 -> 4096:
+    m 8192, n 14336, k 4096) on the pinned ping-pong tile; its forward, another dgrad and
+    the wgrad keep the planner's plans."""
+    down = dict(tokens=8192, d_in=14336, d_out=4096, device=H200)
+    other = dict(tokens=8192, d_in=4096, d_out=28672, device=H200)
+    free = {op: jc.plan(op, **down) for op in ("fwd", "dgrad", "wgrad")}
+    free_other = jc.plan("dgrad", **other)
+    pin = dict(tile=(128, 192, 64), schedule="pingpong", cluster=(2, 1))
+    with jc.planner.force("det", gemm=("dgrad", 8192, 14336, 4096), **pin):
+        pinned = jc.plan("dgrad", **down)
+        rest = {op: jc.plan(op, **down) for op in ("fwd", "wgrad")}
+        pinned_other = jc.plan("dgrad", **other)
+    assert (pinned.tile, pinned.schedule, pinned.cluster) == ((128, 192, 64), "pingpong", (2, 1)), jc.explain(pinned)
+    assert (free["dgrad"].tile, free["dgrad"].schedule) != (pinned.tile, pinned.schedule)
+    assert rest == {op: free[op] for op in ("fwd", "wgrad")} and pinned_other == free_other
+    # the gated gradient planner keeps a pin that names its GEMM, and ignores one that does not
+    from jax_cake.planner.gated import GATED_TILE, plan_gate_grad
+
+    grad = dict(tokens=8192, d_ff=14336, d_out=4096, activation="silu", device=H200, epilogue=True)
+    with jc.planner.force("det", gemm=("dgrad", 8192, 14336, 4096), tile=(128, 192, 64), schedule="pingpong", cluster=(1, 1)):
+        named = plan_gate_grad(**grad)
+    with jc.planner.force("det", gemm=("fwd", 8192, 4096, 14336), tile=(128, 128, 64), schedule="pingpong"):
+        unnamed = plan_gate_grad(**grad)
+    assert (named.op, named.cluster) == ("dgrad_gated", (1, 1)), jc.explain(named)
+    assert (unnamed.op, unnamed.tile, unnamed.cluster) == ("dgrad_gated", GATED_TILE, (2, 1)), jc.explain(unnamed)
+    for bad in (("bwd", 1, 2, 3), ("fwd", 8192, 0, 4096), ("fwd", 8192, 4096)):
+        with pytest.raises(ValueError, match="gemm"):
+            with jc.planner.force("det", gemm=bad):
+                pass

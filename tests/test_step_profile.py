@@ -64,3 +64,27 @@ def test_the_gradient_epilogue_arm_is_traced_with_the_kernel_planned_then_held_b
     monkeypatch.setattr(step_profile, "profile_arm", lambda case, arm, steps: seen.append((arm, gated.GATE_GRAD_EPILOGUE_ENABLED)) or [])
     assert step_profile.profile_with_gradient_epilogue(None, 3) == []
     assert seen == [("jax_cake", True)] and gated.GATE_GRAD_EPILOGUE_ENABLED is False
+
+
+def test_parse_pin_names_one_gemm_and_a_det_arm():
+    gemm, arm = step_profile.parse_pin("dgrad:8192:14336:4096=det/t128x192x64/pp/c2")
+    assert gemm == ("dgrad", 8192, 14336, 4096)
+    assert (arm.tile, arm.schedule, arm.cluster) == ((128, 192, 64), "pingpong", (2, 1))
+    for bad in ("dgrad:8192:14336=det/pp", "dgrad:8192:14336:4096", "dgrad:8192:x:4096=det", "fwd:1:2:3=split/s2"):
+        with pytest.raises(ValueError, match="--pin"):
+            step_profile.parse_pin(bad)
+
+
+def test_a_pinned_arm_is_traced_under_a_force_that_names_its_gemm(monkeypatch):
+    from jax_cake.planner import overrides
+
+    seen = []
+
+    def fake_profile(case, arm, steps):
+        seen.append((arm, overrides.forced("tile"), overrides.forced("schedule"), overrides.applies("dgrad", 8192, 14336, 4096), overrides.applies("fwd", 8192, 4096, 14336)))
+        return []
+
+    monkeypatch.setattr(step_profile, "profile_arm", fake_profile)
+    step_profile.profile_pinned(None, "dgrad:8192:14336:4096=det/t128x192x64/pp/c2", 3)
+    assert seen == [("jax_cake", (128, 192, 64), "pingpong", True, False)]
+    assert overrides.forced("tile") is None

@@ -21,7 +21,7 @@ from absl import logging
 
 from jax_cake import contract
 from jax_cake.planner import device as device_lib
-from jax_cake.planner import router_variants, tables, variants
+from jax_cake.planner import overrides, router_variants, tables, variants
 from jax_cake.planner.overrides import forced
 from jax_cake.planner.plan_type import OPS, Plan
 
@@ -413,6 +413,18 @@ def plan(
         m, n, k = d_out, d_in, tokens
     args = (op, batch, m, n, k, out_dtype, dev)
 
+    if not overrides.applies(op, m, n, k):  # a force block that names another GEMM
+        with overrides.released():
+            return plan(
+                op,
+                tokens=tokens,
+                d_in=d_in,
+                d_out=d_out,
+                batch=batch,
+                out_dtype=out_dtype,
+                deterministic=deterministic,
+                device=dev,
+            )
     if forced("program") == "xla":
         return _xla_plan(*args, "forced by jax_cake.planner.force")
     if os.environ.get("JAX_CAKE_DISABLE", "") not in ("", "0"):  # read at trace time: debugging, bisecting

@@ -127,7 +127,9 @@ def _with_epilogue(base: Plan, op: str, store: str, d_ff: int, activation: str, 
     if not base.uses_kernel:
         return base
     program = base.program
-    pinned = overrides.forced("tile") is not None or overrides.forced("schedule") is not None
+    pinned = overrides.applies(base.op, base.m, base.n, base.k) and (
+        overrides.forced("tile") is not None or overrides.forced("schedule") is not None
+    )
     reason = None
     if not (GATED_EPILOGUE_ENABLED if epilogue is None else epilogue):
         reason = "the gated kernel epilogue is switched off"

@@ -18,6 +18,25 @@ def forced(key: str) -> Any:
     return _forced.get(key)
 
 
+def applies(op: str, m: int, n: int, k: int) -> bool:
+    """Whether the pins of the current block apply to the GEMM (op, m, n, k) (Plan.op, m,
+    n, k): always, unless the block names one GEMM (`force(gemm=...)`)."""
+    gemm = _forced.get("gemm")
+    return gemm is None or tuple(gemm) == (op, m, n, k)
+
+
+@contextlib.contextmanager
+def released() -> Iterator[None]:
+    """No pins inside the block (a GEMM that the current block's `gemm` does not name)."""
+    saved = dict(_forced)
+    _forced.clear()
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
+
+
 @contextlib.contextmanager
 def force(
     program: str,
@@ -26,6 +45,7 @@ def force(
     tile: tuple[int, int, int] | None = None,
     schedule: str | None = None,
     cluster: tuple[int, int] | None = None,
+    gemm: tuple[str, int, int, int] | None = None,
 ) -> Iterator[None]:
     """Plans traced inside the block use `program` for the weight gradient.
 
@@ -33,8 +53,11 @@ def force(
     every op). schedule "pingpong" runs fwd and dgrad on the ping-pong 128 x 128 variants,
     "tiles" on the cooperative tiles (None: the planner's rule, `choose.pingpong_rule`).
     cluster (1, 1) or (2, 1) sets fwd/dgrad's CTA pairing where the library holds that
-    variant (None: the planner's rule). Planning is at trace time: jit a new function
-    inside the block (a function traced earlier keeps its plan).
+    variant (None: the planner's rule). gemm: (op, m, n, k) as Plan.op, m, n, k ("fwd":
+    tokens, d_out, d_in; "dgrad": tokens, d_in, d_out; "wgrad": d_out, d_in, tokens): the
+    pins apply to that GEMM only, every other plan in the block is the planner's own (to
+    try one GEMM's variants inside a whole training step). Planning is at trace time: jit
+    a new function inside the block (a function traced earlier keeps its plan).
     """
     if program not in ("det", "split", "xla"):
         raise ValueError(f"force: program must be 'det', 'split' or 'xla', got {program!r}")
@@ -42,9 +65,13 @@ def force(
         raise ValueError(f"force: schedule must be None, 'pingpong' or 'tiles', got {schedule!r}")
     if cluster not in (None, (1, 1), (2, 1)):
         raise ValueError(f"force: cluster must be None, (1, 1) or (2, 1), got {cluster!r}")
+    if gemm is not None and not (
+        len(gemm) == 4 and gemm[0] in ("fwd", "dgrad", "wgrad") and all(isinstance(d, int) and d > 0 for d in gemm[1:])
+    ):
+        raise ValueError(f"force: gemm must be None or (op, m, n, k) with op 'fwd', 'dgrad' or 'wgrad', got {gemm!r}")
     saved = dict(_forced)
     _forced.clear()
-    _forced.update(program=program, splits=splits, tile=tile, schedule=schedule, cluster=cluster)
+    _forced.update(program=program, splits=splits, tile=tile, schedule=schedule, cluster=cluster, gemm=gemm)
     try:
         yield
     finally:

@@ -27,8 +27,7 @@ from typing import Any
 from absl import logging
 
 from jax_cake import contract
-from jax_cake.planner import choose, variants
-from jax_cake.planner.overrides import forced
+from jax_cake.planner import choose, overrides, variants
 from jax_cake.planner.plan_type import Plan
 
 OP = "fwd_residual"
@@ -61,7 +60,7 @@ def plan_residual(*, tokens: int, d_in: int, d_out: int, batch: int = 1, device:
         held = "the fused residual kernels are held back (RESIDUAL_KERNELS_ENABLED)"
         return dataclasses.replace(base, reason=f"{base.reason}; then a separate add of the residual ({held})")
     ranked = choose.ranked_tiles("fwd", batch, base.m, base.n, base.sm_count, "bfloat16")
-    pinned = forced("tile")
+    pinned = overrides.forced("tile") if overrides.applies("fwd", base.m, base.n, base.k) else None
     if pinned is not None:
         ranked.insert(0, (tuple(pinned), f"{pinned[0]}x{pinned[1]} tiles (forced)"))
     for tile, tile_note in ranked:

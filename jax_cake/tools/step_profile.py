@@ -3,6 +3,8 @@
     python -m jax_cake.tools.step_profile --case=mlp --md=out/mlp_profile.md
     python -m jax_cake.tools.step_profile --case=block --arms=xla,jax_cake --steps=5
     python -m jax_cake.tools.step_profile --case=mlp --timeline --gate_grad_epilogue
+    python -m jax_cake.tools.step_profile --case=mlp --timeline \
+        --pin=dgrad:8192:14336:4096=det/t128x192x64/pp/c2
 
 Each arm's step (jax_cake.tools.model_bench's case, the same inputs and arms) is jitted
 and warmed up, then `--steps` steps run under one CUPTI trace (the public jax.profiler
@@ -12,7 +14,9 @@ counts once per launch; jax_cake's CuTe DSL kernels share one truncated name, so
 one row). The table lists, per arm, the kernels by time, the share of
 the step, and the step's total kernel time (the sum, not the wall span: kernels on one
 stream run one after another); `--timeline` adds one step's launches in launch order,
-where the position tells jax_cake's kernels apart. Command buffers stay on while profiling (XLA's default
+where the position tells jax_cake's kernels apart. `--pin` adds arms that run one GEMM of
+the step on a chosen variant (`planner.force(gemm=...)`): a variant judged in the step's
+own conditions, which an isolated GEMM benchmark does not reproduce. Command buffers stay on while profiling (XLA's default
 graph mode). Needs a GPU: a CPU has no device timeline.
 """
 
@@ -121,6 +125,29 @@ def profile_arm(case, arm: str, steps: int) -> list[tuple[int, int, str]]:
 GRAD_EPILOGUE_ARM = "jax_cake, gradient epilogue"
 
 
+def parse_pin(text: str):
+    """((op, m, n, k), bench.ArmSpec) of a --pin "OP:M:N:K=ARM": the GEMM as Plan.op, m, n,
+    k, and a det arm of jax_cake.tools.bench (det/tMxNxK/pp|tiles/c1|c2)."""
+    gemm, sep, arm_name = text.partition("=")
+    op, *dims = gemm.split(":")
+    if not sep or len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise ValueError(f"--pin {text!r}: expected OP:M:N:K=ARM, e.g. dgrad:8192:14336:4096=det/t128x192x64/pp/c2")
+    arm = bench.parse_arm(arm_name)
+    if arm.kind != "det":
+        raise ValueError(f"--pin {text!r}: the arm must be det[/tMxNxK][/pp|/tiles][/c1|/c2], got {arm_name!r}")
+    return (op, *(int(d) for d in dims)), arm
+
+
+def profile_pinned(case, pin: str, steps: int) -> list[tuple[int, int, str]]:
+    """profile_arm of the jax_cake arm traced with one GEMM of the step pinned to a
+    variant (parse_pin; planner.force(gemm=...)), every other GEMM as planned."""
+    from jax_cake import planner
+
+    gemm, arm = parse_pin(pin)
+    with planner.force("det", tile=arm.tile, schedule=arm.schedule, cluster=arm.cluster, gemm=gemm):
+        return profile_arm(case, "jax_cake", steps)  # traced (and planned) inside
+
+
 def profile_with_gradient_epilogue(case, steps: int) -> list[tuple[int, int, str]]:
     """profile_arm of the jax_cake arm traced with the MLP backward's gradient epilogue
     kernel planned (held back by default: planner.gated.GATE_GRAD_EPILOGUE_ENABLED)."""
@@ -143,7 +170,11 @@ def main(argv):
         raise app.UsageError(f"--arms: {arms} must be a subset of {list(case.arms)}")
     h = bench.device_header("device")
     header = f"step_profile: {case.label}; {h['gpu']}, jax {h['jax']}, {h['date']}, {FLAGS.steps} steps per arm"
+    for pin in FLAGS.pin or ():
+        parse_pin(pin)  # a bad pin fails before anything runs
     events = {arm: profile_arm(case, arm, FLAGS.steps) for arm in arms}
+    for pin in FLAGS.pin or ():
+        events[f"jax_cake, {pin}"] = profile_pinned(case, pin, FLAGS.steps)
     if FLAGS.gate_grad_epilogue and "jax_cake" in case.arms:
         events[GRAD_EPILOGUE_ARM] = profile_with_gradient_epilogue(case, FLAGS.steps)
     text = header + "\n\n" + table({arm: kernel_times(e, FLAGS.steps) for arm, e in events.items()}, FLAGS.top)
@@ -162,6 +193,12 @@ if __name__ == "__main__":
     flags.DEFINE_integer("steps", 5, "Profiled steps per arm.")
     flags.DEFINE_integer("top", 14, "Kernels listed per arm.")
     flags.DEFINE_string("md", None, "Write the table here.")
+    flags.DEFINE_multi_string(
+        "pin",
+        None,
+        "OP:M:N:K=ARM: one more arm, the jax_cake arm with that GEMM (Plan.op, m, n, k) pinned to a det "
+        "arm of jax_cake.tools.bench (e.g. dgrad:8192:14336:4096=det/t128x192x64/pp/c2); repeatable.",
+    )
     flags.DEFINE_bool("timeline", False, "Also list one step's launches in launch order, per arm.")
     flags.DEFINE_float("timeline_min_us", 20.0, "--timeline: launches shorter than this are summed in one row.")
     flags.DEFINE_bool(
