@@ -16,8 +16,8 @@ the step, and the step's total kernel time (the sum, not the wall span: kernels 
 stream run one after another); `--timeline` adds one step's launches in launch order,
 where the position tells jax_cake's kernels apart. `--pin` adds arms that run one GEMM of
 the step on a chosen variant (`planner.force(gemm=...)`): a variant judged in the step's
-own conditions, which an isolated GEMM benchmark does not reproduce. Command buffers stay on while profiling (XLA's default
-graph mode). Needs a GPU: a CPU has no device timeline.
+own conditions, which an isolated GEMM benchmark does not reproduce. Command buffers stay
+on while profiling (XLA's default graph mode). Needs a GPU: a CPU has no device timeline.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Sequence
 
 from absl import app, flags
 
+from jax_cake import planner
 from jax_cake.planner import gated as gated_planner
 from jax_cake.tools import bench, model_bench
 
@@ -47,17 +48,23 @@ def display_name(name: str) -> str:
     return DSL_KERNELS if name.startswith(_DSL_PREFIX) else bench.base_kernel_name(name)
 
 
+def _steps(events: Sequence[tuple[int, int, str]], steps: int) -> list[Sequence[tuple[int, int, str]]]:
+    """The events of `steps` identical steps, in time order, split evenly into the steps
+    (each step launches the same kernels)."""
+    if steps < 1 or len(events) % steps:
+        raise ValueError(f"{len(events)} kernel events do not split into {steps} identical steps")
+    per = len(events) // steps
+    return [events[s * per : (s + 1) * per] for s in range(steps)]
+
+
 def kernel_times(events: Sequence[tuple[int, int, str]], steps: int) -> dict[str, float]:
     """{kernel base name: median over steps of its summed us per step} from the trace's
     (start_ns, end_ns, name) events of `steps` identical steps, in time order. The events
     split into steps evenly (each step launches the same kernels)."""
-    if steps < 1 or len(events) % steps:
-        raise ValueError(f"{len(events)} kernel events do not split into {steps} identical steps")
-    per = len(events) // steps
     totals = []
-    for s in range(steps):
+    for launches in _steps(events, steps):
         step = collections.Counter()
-        for start, end, name in events[s * per : (s + 1) * per]:
+        for start, end, name in launches:
             step[display_name(name)] += (end - start) / 1e3
         totals.append(step)
     names = sorted(set().union(*totals))
@@ -66,14 +73,12 @@ def kernel_times(events: Sequence[tuple[int, int, str]], steps: int) -> dict[str
 
 def kernel_timeline(events: Sequence[tuple[int, int, str]], steps: int) -> list[tuple[str, float]]:
     """[(kernel row name, median us over steps)] of one step's launches in launch order,
-    from the trace's events of `steps` identical steps (kernel_times' split): the order
-    tells apart the CuTe DSL kernels that share one name."""
-    if steps < 1 or len(events) % steps:
-        raise ValueError(f"{len(events)} kernel events do not split into {steps} identical steps")
-    per = len(events) // steps
+    from the trace's events of `steps` identical steps: the order tells apart the CuTe DSL
+    kernels that share one name."""
+    per_step = _steps(events, steps)
     return [
-        (display_name(events[i][2]), statistics.median((events[s * per + i][1] - events[s * per + i][0]) / 1e3 for s in range(steps)))
-        for i in range(per)
+        (display_name(name), statistics.median((step[i][1] - step[i][0]) / 1e3 for step in per_step))
+        for i, (_, _, name) in enumerate(per_step[0])
     ]
 
 
@@ -141,8 +146,6 @@ def parse_pin(text: str):
 def profile_pinned(case, pin: str, steps: int) -> list[tuple[int, int, str]]:
     """profile_arm of the jax_cake arm traced with one GEMM of the step pinned to a
     variant (parse_pin; planner.force(gemm=...)), every other GEMM as planned."""
-    from jax_cake import planner
-
     gemm, arm = parse_pin(pin)
     with planner.force("det", tile=arm.tile, schedule=arm.schedule, cluster=arm.cluster, gemm=gemm):
         return profile_arm(case, "jax_cake", steps)  # traced (and planned) inside
@@ -170,6 +173,8 @@ def main(argv):
         raise app.UsageError(f"--arms: {arms} must be a subset of {list(case.arms)}")
     h = bench.device_header("device")
     header = f"step_profile: {case.label}; {h['gpu']}, jax {h['jax']}, {h['date']}, {FLAGS.steps} steps per arm"
+    if FLAGS.pin and "jax_cake" not in case.arms:
+        raise app.UsageError(f"--pin: case {FLAGS.case!r} has no jax_cake arm to pin a GEMM of")
     for pin in FLAGS.pin or ():
         parse_pin(pin)  # a bad pin fails before anything runs
     events = {arm: profile_arm(case, arm, FLAGS.steps) for arm in arms}
