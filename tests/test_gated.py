@@ -690,9 +690,9 @@ def test_the_fused_mlp_backward_gives_the_composed_values(w_dtype, with_residual
     x3, wd3 = x.reshape(1, -1, d_in), wd[None]
     with jax.set_mesh(jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])):  # nothing to partition
         composed = _mlp_vjp("silu", with_residual)(x, wg, wu, wd, dy, r)
-        assert not gated_pipeline.fuses_mlp(x3, wg, wu, wd3, activation="silu")
+        assert gated_pipeline.fused_mlp_plan(x3, wg, wu, wd3, activation="silu") is None
         _fused_mlp_on_this_host(monkeypatch)
-        assert gated_pipeline.fuses_mlp(x3, wg, wu, wd3, activation="silu")
+        assert gated_pipeline.fused_mlp_plan(x3, wg, wu, wd3, activation="silu") is not None
         fused = _mlp_vjp("silu", with_residual)(x, wg, wu, wd, dy, r)
     for name, a, b in zip(("y", "dx", "dwg", "dwu", "dwd", "dr"), fused, composed):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -700,19 +700,19 @@ def test_the_fused_mlp_backward_gives_the_composed_values(w_dtype, with_residual
 
 
 def test_the_fused_mlp_form_needs_the_kernel_plan_and_the_interleave(monkeypatch):
-    """fuses_mlp: off the GPU (an XLA plan) and where d_ff is no multiple of 16 the MLP is
+    """fused_mlp_plan: off the GPU (an XLA plan) and where d_ff is no multiple of 16 the MLP is
     the composition; with the gradient kernel planned it is one custom_vjp."""
     from jax_cake.pipeline import gated as gated_pipeline
 
     x3, wg, wd3 = _s((1, 256, 64), BF), _s((160, 64), F32), _s((1, 48, 160), F32)
     odd, wd_odd = _s((152, 64), F32), _s((1, 48, 152), F32)
     with jax.set_mesh(jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])):
-        assert not gated_pipeline.fuses_mlp(x3, wg, wg, wd3, activation="silu")
+        assert gated_pipeline.fused_mlp_plan(x3, wg, wg, wd3, activation="silu") is None
         _fused_mlp_on_this_host(monkeypatch)
-        assert gated_pipeline.fuses_mlp(x3, wg, wg, wd3, activation="silu")
-        assert not gated_pipeline.fuses_mlp(x3, odd, odd, wd_odd, activation="silu")
+        assert gated_pipeline.fused_mlp_plan(x3, wg, wg, wd3, activation="silu") is not None
+        assert gated_pipeline.fused_mlp_plan(x3, odd, odd, wd_odd, activation="silu") is None
     # with operands to partition (8 host devices, no mesh): the composition
-    assert jax.device_count() > 1 and not gated_pipeline.fuses_mlp(x3, wg, wg, wd3, activation="silu")
+    assert jax.device_count() > 1 and gated_pipeline.fused_mlp_plan(x3, wg, wg, wd3, activation="silu") is None
 
 
 @pytest.mark.parametrize("axis,block", [(0, 16), (-1, 16), (-1, 1)])

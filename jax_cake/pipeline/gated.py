@@ -24,12 +24,13 @@ fusion:
 
 The MLP (swiglu_mlp: y = [r +] h Wd^T) is one more custom_vjp here where the down
 projection's dgrad kernel with the activation gradient in its epilogue is planned
-(`fuses_mlp`, jax_cake.planner.gated.plan_gate_grad): the forward is the gated GEMM and the
-down projection's forward GEMM (the residual in its epilogue); the backward's d_gu comes
-straight from that dgrad kernel (it reads the saved gu; dh never reaches memory), dWd is
-the wgrad of dy and the saved h, dx ONE dgrad over K = 2F, and dWg, dWu one wgrad per
-weight from dg, du (split out of d_gu by one XLA pass), as in the composition. Elsewhere the MLP is the gated projection followed by the projection pipeline's
-down projection, with the same values up to the FP32 rounding of the activation.
+(`fused_mlp_plan`, jax_cake.planner.gated.plan_gate_grad): the forward is the gated GEMM
+and the down projection's forward GEMM (the residual in its epilogue); the backward's d_gu
+comes straight from that dgrad kernel (it reads the saved gu; dh never reaches memory),
+dWd is the wgrad of dy and the saved h, dx ONE dgrad over K = 2F, and dWg, dWu one wgrad
+per weight from dg, du (split out of d_gu by one XLA pass), as in the composition.
+Elsewhere the MLP is the gated projection followed by the projection pipeline's down
+projection, with the same values up to the FP32 rounding of the activation.
 
 Why interleaved, not [Wg; Wu] stacked (fused_projections' layout): with d_ff sharded
 (Wg and Wu column-parallel on F) the interleave is row by row, so any shard of the
@@ -53,6 +54,7 @@ from jax_cake import contract, primitives, reference
 from jax_cake.pipeline import fused, projection
 from jax_cake.planner import device as device_lib
 from jax_cake.planner.gated import GATE_GRAD_OP, plan_gate_grad, plan_gated
+from jax_cake.planner.plan_type import Plan
 from jax_cake.primitives import partitioning
 
 _BF16 = jnp.bfloat16
@@ -164,6 +166,7 @@ class MlpOptions:
 
     gated: Options
     down: projection.Options  # the down projection's (w_down's dtype, the residual epilogue)
+    gate_grad: Plan  # the down projection's dgrad with the gradient epilogue (fused_mlp_plan)
 
 
 def _mlp_forward(x3, w_gate, w_up, wd3, r3, options: MlpOptions):
@@ -187,18 +190,9 @@ def _mlp_bwd(options, saved, dy):
     x3, w_gate, w_up, wd3, h, gu = saved
     dy = dy.astype(_BF16)
     _, _, down_wgrad_plan = projection.plans(h, wd3, options.down)
-    b, t, d_ff = h.shape
-    gate_grad_plan = plan_gate_grad(
-        tokens=t,
-        d_ff=d_ff,
-        d_out=wd3.shape[1],
-        activation=options.gated.activation,
-        batch=b,
-        device=device_lib.current(dy, wd3),
-    )
     # The down projection's dgrad with the activation's gradient in its epilogue: d_gu
     # straight from the kernel (dh is never written).
-    d_gu = primitives.dgrad_gated(dy, wd3, gu, gate_grad_plan, options.gated.activation, options.gated.block)
+    d_gu = primitives.dgrad_gated(dy, wd3, gu, options.gate_grad, options.gated.activation, options.gated.block)
     dw_down = primitives.wgrad(dy, h, down_wgrad_plan, deterministic=options.down.deterministic)
     # dg, du for one wgrad per weight (the composed MLP's weight gradients): one XLA pass.
     parts = reference.deinterleave(d_gu, -1, options.gated.block)
@@ -210,13 +204,13 @@ def _mlp_bwd(options, saved, dy):
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-def fuses_mlp(x3, w_gate, w_up, w_down3, r3=None, *, activation: str) -> bool:
-    """Whether project_mlp runs the MLP as one custom_vjp (its backward's activation
-    gradient in the down projection's dgrad kernel): where that kernel is planned, on
-    operands that need no partitioning."""
+def fused_mlp_plan(x3, w_gate, w_up, w_down3, r3=None, *, activation: str) -> Plan | None:
+    """The plan of the down projection's dgrad with the activation gradient in its
+    epilogue where project_mlp runs the MLP as one custom_vjp (where that kernel is
+    planned, on operands that need no partitioning), else None (the composition)."""
     others = (w_down3,) if r3 is None else (w_down3, r3)
     if _block(x3, w_gate, w_up) != contract.GATE_BLOCK or not partitioning.unpartitioned(*others):
-        return False
+        return None
     plan = plan_gate_grad(
         tokens=x3.shape[1],
         d_ff=w_gate.shape[0],
@@ -225,21 +219,23 @@ def fuses_mlp(x3, w_gate, w_up, w_down3, r3=None, *, activation: str) -> bool:
         batch=x3.shape[0],
         device=device_lib.current(x3, w_down3),
     )
-    return plan.op == GATE_GRAD_OP
+    return plan if plan.op == GATE_GRAD_OP else None
 
 
 def project_mlp(x3, w_gate, w_up, w_down3, r3, *, activation: str, deterministic: bool):
     """y3 [1, T, d_out] bf16 = [r3 +] gated(x3) w_down^T for validated operands (w_down3
-    [1, d_out, F], r3 None or [1, T, d_out] bf16): one custom_vjp where fuses_mlp, else the
+    [1, d_out, F], r3 None or [1, T, d_out] bf16): one custom_vjp where fused_mlp_plan, else the
     gated projection followed by the projection pipeline's down projection (the same
     values up to the FP32 rounding of the activation)."""
     args = [x3, w_gate, w_up, w_down3] + ([r3] if r3 is not None else [])
     x3, w_gate, w_up, w_down3, *rest = partitioning.to_common_varying(*args)
     r3 = rest[0] if rest else None
-    if not fuses_mlp(x3, w_gate, w_up, w_down3, r3, activation=activation):
-        h3 = _gated(x3, w_gate, w_up, _options(x3, w_gate, w_up, activation, deterministic))
+    gated = _options(x3, w_gate, w_up, activation, deterministic)
+    gate_grad = fused_mlp_plan(x3, w_gate, w_up, w_down3, r3, activation=activation)
+    if gate_grad is None:
+        h3 = _gated(x3, w_gate, w_up, gated)
         return projection.project(h3, w_down3, deterministic=deterministic, residual=r3)
     down = projection.Options(
         deterministic=deterministic, w_dtype=jnp.dtype(w_down3.dtype).name, residual=r3 is not None
     )
-    return _mlp(x3, w_gate, w_up, w_down3, r3, MlpOptions(_options(x3, w_gate, w_up, activation, deterministic), down))
+    return _mlp(x3, w_gate, w_up, w_down3, r3, MlpOptions(gated, down, gate_grad))

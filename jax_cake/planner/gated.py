@@ -91,6 +91,8 @@ def plan_gated(
     plan.
     """
     base = choose.plan("fwd", tokens=tokens, d_in=d_in, d_out=d_out, batch=batch, device=device)
+    if epilogue is None:
+        epilogue = GATED_EPILOGUE_ENABLED
     return _with_epilogue(base, OP, f"gated_{activation}", d_out // 2, activation, epilogue, "h = bf16({act}(g) * u)")
 
 
@@ -121,9 +123,10 @@ def plan_gate_grad(
     )
 
 
-def _with_epilogue(base: Plan, op: str, store: str, d_ff: int, activation: str, epilogue, what: str) -> Plan:
-    """base (the plain GEMM's plan) turned into op's on the gated tile, or base itself with
-    the reason the epilogue runs as an XLA pass (module docstring)."""
+def _with_epilogue(base: Plan, op: str, store: str, d_ff: int, activation: str, epilogue: bool, what: str) -> Plan:
+    """base (the plain GEMM's plan) turned into op's on the gated tile where epilogue (the
+    caller's resolved switch) allows it, or base itself with the reason the epilogue runs
+    as an XLA pass (module docstring)."""
     if not base.uses_kernel:
         return base
     program = base.program
@@ -131,7 +134,7 @@ def _with_epilogue(base: Plan, op: str, store: str, d_ff: int, activation: str, 
         overrides.forced("tile") is not None or overrides.forced("schedule") is not None
     )
     reason = None
-    if not (GATED_EPILOGUE_ENABLED if epilogue is None else epilogue):
+    if not epilogue:
         reason = "the gated kernel epilogue is switched off"
     elif d_ff % contract.GATE_BLOCK != 0:
         reason = f"d_ff = {d_ff} is not a multiple of {contract.GATE_BLOCK} (the kernels' gate/up interleave)"

@@ -255,8 +255,7 @@ def dgrad_gated(dy, w, gu, plan: Plan, activation: str, block: int, *, out_shard
 
     def dgrad_then_gate(dy, w, gu):
         dh = dgrad(dy, w, store_plan, out_sharding=out_sharding)
-        g, u = reference.deinterleave(gu, -1, block)
-        return reference.interleave(*reference.gate_grad(dh, g, u, activation), -1, block)
+        return reference.interleaved_gate_grad(dh, gu, activation, block)
 
     if plan.op != "dgrad_gated" or out_sharding is not None or block != GATE_BLOCK:
         return dgrad_then_gate(dy, w, gu)

@@ -223,8 +223,7 @@ def dgrad_gated(dy, w, gu, plan: Plan, activation: str):
     (contract.GATE_BLOCK; a plan for op "dgrad_gated")."""
 
     def ref(dy, w, gu):
-        g, u = reference.deinterleave(gu, -1, GATE_BLOCK)
-        return reference.interleave(*reference.gate_grad(reference.dgrad(dy, w), g, u, activation), -1, GATE_BLOCK)
+        return reference.interleaved_gate_grad(reference.dgrad(dy, w), gu, activation, GATE_BLOCK)
 
     def cuda(dy, w, gu):
         result = result_type(dy, gu.shape, jnp.bfloat16)

@@ -237,7 +237,7 @@ def test_swiglu_mlp_backward_through_the_gradient_epilogue(monkeypatch):
     text = step().lower(*args).as_text()
     assert h.custom_calls(text, "jax_cake_dgrad_gated") == 1 and h.custom_calls(text, "jax_cake_dgrad") == 1
     fused = step()(*args)
-    monkeypatch.setattr(gated_pipeline, "fuses_mlp", lambda *a, **k: False)
+    monkeypatch.setattr(gated_pipeline, "fused_mlp_plan", lambda *a, **k: None)
     assert h.custom_calls(step().lower(*args).as_text(), "jax_cake_dgrad_gated") == 0
     composed = step()(*args)
     np.testing.assert_array_equal(np.asarray(fused[0]), np.asarray(composed[0]))  # y: the same forward
