@@ -22,24 +22,28 @@ _F32 = jnp.float32
 _BF16 = jnp.bfloat16
 
 
-def _bmm(a, b, contract_a: int, contract_b: int):
-    """Batched a . b over one contracted axis each, batch axis 0, FP32 accumulation."""
-    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((0,), (0,))), preferred_element_type=_F32)
+def _bmm(a, b, contract_a: int, contract_b: int, out_dtype):
+    """Batched a . b over one contracted axis each, batch axis 0: FP32 accumulation, one
+    rounding to out_dtype. XLA accumulates a BF16 dot in FP32 and rounds its result once
+    (on CPU bit for bit the FP32 dot rounded afterwards; cuBLAS rounds its FP32
+    accumulator), so asking for out_dtype directly keeps the semantics, and on a GPU
+    cuBLAS writes the BF16 result itself: no FP32 result and convert pass behind it."""
+    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((0,), (0,))), preferred_element_type=out_dtype)
 
 
 def fwd(x, w, out_dtype=_BF16):
     """y[B, T, d_out] (bf16, or out_dtype) = x[B, T, d_in] . w[B, d_out, d_in]^T."""
-    return _bmm(x, w, 2, 2).astype(out_dtype)
+    return _bmm(x, w, 2, 2, out_dtype)
 
 
 def dgrad(dy, w, out_dtype=_BF16):
     """dx[B, T, d_in] (bf16, or out_dtype) = dy[B, T, d_out] . w[B, d_out, d_in]."""
-    return _bmm(dy, w, 2, 1).astype(out_dtype)
+    return _bmm(dy, w, 2, 1, out_dtype)
 
 
 def wgrad(dy, x, out_dtype):
     """dw[B, d_out, d_in] (out_dtype, from the FP32 sum) = dy[B, T, d_out]^T . x[B, T, d_in]."""
-    return _bmm(dy, x, 1, 1).astype(out_dtype)
+    return _bmm(dy, x, 1, 1, out_dtype)
 
 
 def add_into(c, y):

@@ -58,6 +58,27 @@ def test_unaligned_shape_lowers_to_xla_on_cuda():
     assert text.count("dot_general") >= 3
 
 
+def test_the_xla_path_asks_xla_for_bf16_results_directly():
+    """The unaligned step's fwd and dgrad on CUDA: dots with a bf16 result, not an f32
+    result and a convert (cuBLAS writes bf16 itself); the FP32 dw stays an f32 dot."""
+    text = cuda_text(_train_step(), _spec((37, 20), jnp.bfloat16), _spec((12, 20), jnp.float32))
+    dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
+    results = sorted(re.search(r"-> tensor<[^>]*x(\w+)>$", l.strip()).group(1) for l in dots)
+    assert results == ["bf16", "bf16", "f32"], dots
+
+
+def test_a_bf16_result_dot_has_the_bits_of_an_fp32_dot_rounded_once():
+    from jax_cake import reference
+
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (1, 64, 8192), jnp.bfloat16)
+    w = jax.random.normal(kw, (1, 96, 8192), jnp.bfloat16)
+    once = jax.lax.dot_general(x, w, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    y = reference.fwd(x, w)
+    assert y.dtype == jnp.bfloat16
+    assert bool(jnp.array_equal(y, once.astype(jnp.bfloat16)))
+
+
 def test_cpu_lowering_has_no_custom_calls():
     text = jax.jit(_train_step()).trace(_spec((64, 128), jnp.bfloat16), _spec((32, 128), jnp.float32)).lower().as_text()
     assert "custom_call @jax_cake" not in text

@@ -294,6 +294,6 @@ def test_remat_policy_saves_the_xla_output_by_name(policy, xla_fwds):
     args = (spec((1024, 256), jnp.bfloat16), spec((512, 256), jnp.float32), spec((256, 512), jnp.float32))
     with tables.use_table(table_of(xla_row("fwd", d_in=256, d_out=512, lo=1024, hi=1024))):
         text = cuda_text(grad, *args)
-    fwd_dots = [line for line in text.splitlines() if "dot_general" in line and "-> tensor<1x1024x512xf32>" in line]
+    fwd_dots = [line for line in text.splitlines() if "dot_general" in line and "-> tensor<1x1024x512xbf16>" in line]
     assert len(fwd_dots) == xla_fwds, text
     assert text.count("custom_call @jax_cake_fwd(") == 1  # the second layer: its kernel, run once

@@ -70,7 +70,9 @@ def test_parse_pin_names_one_gemm_and_a_det_arm():
     gemm, arm = step_profile.parse_pin("dgrad:8192:14336:4096=det/t128x192x64/pp/c2")
     assert gemm == ("dgrad", 8192, 14336, 4096)
     assert (arm.tile, arm.schedule, arm.cluster) == ((128, 192, 64), "pingpong", (2, 1))
-    for bad in ("dgrad:8192:14336=det/pp", "dgrad:8192:14336:4096", "dgrad:8192:x:4096=det", "fwd:1:2:3=split/s2"):
+    gemm, arm = step_profile.parse_pin("fwd:8192:28672:4096=xla")
+    assert gemm == ("fwd", 8192, 28672, 4096) and arm.kind == "xla"
+    for bad in ("dgrad:8192:14336=det/pp", "dgrad:8192:14336:4096", "dgrad:8192:x:4096=det", "fwd:1:2:3=split/s2", "fwd:1:2:3=xla/path"):
         with pytest.raises(ValueError, match="--pin"):
             step_profile.parse_pin(bad)
 
@@ -88,3 +90,20 @@ def test_a_pinned_arm_is_traced_under_a_force_that_names_its_gemm(monkeypatch):
     step_profile.profile_pinned(None, "dgrad:8192:14336:4096=det/t128x192x64/pp/c2", 3)
     assert seen == [("jax_cake", (128, 192, 64), "pingpong", True, False)]
     assert overrides.forced("tile") is None
+
+
+def test_an_xla_pin_sends_only_its_gemm_to_the_xla_path(monkeypatch):
+    import jax_cake as jc
+    from jax_cake.planner import device as device_lib
+
+    h200 = device_lib.DeviceInfo(platform="cuda", kind="NVIDIA H200", arch="sm_90a", sm_count=132)
+    plans = []
+
+    def fake_profile(case, arm, steps):
+        down = dict(tokens=8192, d_in=14336, d_out=4096, device=h200)
+        plans.append((jc.planner.plan("dgrad", **down).backend, jc.planner.plan("fwd", **down).backend))
+        return []
+
+    monkeypatch.setattr(step_profile, "profile_arm", fake_profile)
+    step_profile.profile_pinned(None, "dgrad:8192:14336:4096=xla", 3)
+    assert plans == [("xla", "sm90a")]

@@ -4,7 +4,7 @@
     python -m jax_cake.tools.step_profile --case=block --arms=xla,jax_cake --steps=5
     python -m jax_cake.tools.step_profile --case=mlp --timeline --gate_grad_epilogue
     python -m jax_cake.tools.step_profile --case=mlp --timeline \
-        --pin=dgrad:8192:14336:4096=det/t128x192x64/pp/c2
+        --pin=dgrad:8192:14336:4096=det/t128x192x64/pp/c2 --pin=fwd:8192:28672:4096=xla
 
 Each arm's step (jax_cake.tools.model_bench's case, the same inputs and arms) is jitted
 and warmed up, then `--steps` steps run under one CUPTI trace (the public jax.profiler
@@ -15,8 +15,10 @@ one row). The table lists, per arm, the kernels by time, the share of
 the step, and the step's total kernel time (the sum, not the wall span: kernels on one
 stream run one after another); `--timeline` adds one step's launches in launch order,
 where the position tells jax_cake's kernels apart. `--pin` adds arms that run one GEMM of
-the step on a chosen variant (`planner.force(gemm=...)`): a variant judged in the step's
-own conditions, which an isolated GEMM benchmark does not reproduce. Command buffers stay
+the step on a chosen variant, or on XLA's path (`=xla`), through `planner.force(gemm=...)`:
+a variant judged in the step's own conditions, which an isolated GEMM benchmark does not
+reproduce (the step's memory-bound passes leave the GPU below its power cap, so its GEMMs
+run at higher clocks than back-to-back calls: docs/benchmarks.md). Command buffers stay
 on while profiling (XLA's default graph mode). Needs a GPU: a CPU has no device timeline.
 """
 
@@ -132,22 +134,25 @@ GRAD_EPILOGUE_ARM = "jax_cake, gradient epilogue"
 
 def parse_pin(text: str):
     """((op, m, n, k), bench.ArmSpec) of a --pin "OP:M:N:K=ARM": the GEMM as Plan.op, m, n,
-    k, and a det arm of jax_cake.tools.bench (det/tMxNxK/pp|tiles/c1|c2)."""
+    k, and either a det arm of jax_cake.tools.bench (det/tMxNxK/pp|tiles/c1|c2) or "xla"
+    (that GEMM on the XLA path: XLA's dot, and for a gated GEMM its XLA pass)."""
     gemm, sep, arm_name = text.partition("=")
     op, *dims = gemm.split(":")
     if not sep or len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
         raise ValueError(f"--pin {text!r}: expected OP:M:N:K=ARM, e.g. dgrad:8192:14336:4096=det/t128x192x64/pp/c2")
     arm = bench.parse_arm(arm_name)
-    if arm.kind != "det":
-        raise ValueError(f"--pin {text!r}: the arm must be det[/tMxNxK][/pp|/tiles][/c1|/c2], got {arm_name!r}")
+    if arm.kind not in ("det", "xla") or (arm.kind == "xla" and arm_name != "xla"):
+        raise ValueError(f"--pin {text!r}: the arm must be det[/tMxNxK][/pp|/tiles][/c1|/c2] or xla, got {arm_name!r}")
     return (op, *(int(d) for d in dims)), arm
 
 
 def profile_pinned(case, pin: str, steps: int) -> list[tuple[int, int, str]]:
     """profile_arm of the jax_cake arm traced with one GEMM of the step pinned to a
-    variant (parse_pin; planner.force(gemm=...)), every other GEMM as planned."""
+    variant or to the XLA path (parse_pin; planner.force(gemm=...)), every other GEMM as
+    planned."""
     gemm, arm = parse_pin(pin)
-    with planner.force("det", tile=arm.tile, schedule=arm.schedule, cluster=arm.cluster, gemm=gemm):
+    pins = {} if arm.kind == "xla" else dict(tile=arm.tile, schedule=arm.schedule, cluster=arm.cluster)
+    with planner.force(arm.kind, gemm=gemm, **pins):
         return profile_arm(case, "jax_cake", steps)  # traced (and planned) inside
 
 
@@ -202,7 +207,8 @@ if __name__ == "__main__":
         "pin",
         None,
         "OP:M:N:K=ARM: one more arm, the jax_cake arm with that GEMM (Plan.op, m, n, k) pinned to a det "
-        "arm of jax_cake.tools.bench (e.g. dgrad:8192:14336:4096=det/t128x192x64/pp/c2); repeatable.",
+        "arm of jax_cake.tools.bench (e.g. dgrad:8192:14336:4096=det/t128x192x64/pp/c2) or to the XLA path "
+        "(ARM xla); repeatable.",
     )
     flags.DEFINE_bool("timeline", False, "Also list one step's launches in launch order, per arm.")
     flags.DEFINE_float("timeline_min_us", 20.0, "--timeline: launches shorter than this are summed in one row.")

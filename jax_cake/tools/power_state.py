@@ -1,0 +1,132 @@
+"""One GEMM's device time back to back and between memory-bound passes, per arm.
+
+    python -m jax_cake.tools.power_state --md=$OUT/power_state.md     # H200: about a minute
+
+A compute-bound GEMM on the H200 runs at the GPU's power cap: back-to-back launches hold
+the clock down, a memory-bound pass between them lets it recover (a training step is the
+second case). So one kernel's time depends on what runs around it, and a comparison of two
+kernels holds only under the same conditions. For each GEMM of `--gemms` (op:d_in:d_out at
+T = `--tokens`) and each arm of `--arms` (jax_cake.tools.bench's syntax: xla, det/...),
+the jitted op runs `--launches` times back to back, then `--launches` times each followed
+by a pass over a `--pass_mb` buffer (bench.flush: a read and a write of it), each under one
+CUPTI trace. An arm's time is the median over launches of its kernels' summed time in a
+launch (the pass's kernels left out); the table gives both, and XLA's time over each arm's
+in the same state. Needs a GPU: a CPU has no device timeline.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Sequence
+
+from absl import app, flags
+
+from jax_cake.tools import bench
+
+FLAGS = flags.FLAGS
+DEFAULT_GEMMS = ("dgrad:14336:4096", "fwd:4096:14336")
+DEFAULT_ARMS = ("xla", "det/t128x256x64/tiles/c2", "det/t128x192x64/pp/c2")
+STATES = ("back to back", "between passes")
+
+
+def parse_gemm(text: str) -> tuple[str, int, int]:
+    """(op, d_in, d_out) of an "op:d_in:d_out" with op fwd or dgrad."""
+    op, *dims = text.split(":")
+    if op not in ("fwd", "dgrad") or len(dims) != 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise ValueError(f"--gemms: {text!r} is not fwd|dgrad:d_in:d_out")
+    return op, int(dims[0]), int(dims[1])
+
+
+def per_launch_us(events: Sequence[tuple[int, int, str]], skip: set[str], kernels_per_launch: int) -> list[float]:
+    """Each launch's summed kernel time (us), from the (start_ns, end_ns, name) events of
+    launches in time order that each bring `kernels_per_launch` kernels besides those whose
+    base name is in `skip`."""
+    durations = [(end - start) / 1e3 for start, end, name in events if bench.base_kernel_name(name) not in skip]
+    if kernels_per_launch < 1 or len(durations) % kernels_per_launch:
+        raise RuntimeError(f"{len(durations)} kernels do not split into launches of {kernels_per_launch}")
+    return [sum(durations[i : i + kernels_per_launch]) for i in range(0, len(durations), kernels_per_launch)]
+
+
+def _traced(call, launches: int) -> list[tuple[int, int, str]]:
+    import jax
+
+    session = bench.ProfileSession()
+    for _ in range(launches):
+        out = call()
+    jax.block_until_ready(out)
+    return bench.device_events(session.stop())[0]
+
+
+def measure(op: str, d_in: int, d_out: int, arms: Sequence[str], tokens: int, launches: int, pass_mb: int) -> dict:
+    """{arm: {state: median us}} of one GEMM (module docstring)."""
+    import jax
+
+    point = bench.Point(tokens, d_in, d_out, "bfloat16")
+    buf, x, w, dy = bench.make_inputs(point, pass_mb)
+    pass_only = jax.jit(bench.flush)
+    jax.block_until_ready(pass_only(buf))
+    pass_names = {bench.base_kernel_name(n) for _, _, n in _traced(lambda: pass_only(buf), 1)}
+    out = {}
+    for name in arms:
+        arm = bench.parse_arm(name)
+        fn = bench.op_fn(op, bench.jax_projection(arm))
+
+        def then_pass(buf, x, w, dy, fn=fn):
+            y = fn(x, w, dy)
+            return y, bench.flush(jax.lax.optimization_barrier((y, buf))[1])
+
+        with bench.planning_for(arm):
+            alone = jax.jit(fn).lower(x, w, dy).compile()
+            paired = jax.jit(then_pass).lower(buf, x, w, dy).compile()
+        jax.block_until_ready((alone(x, w, dy), paired(buf, x, w, dy)))  # warm up
+        per_launch = len(_traced(lambda: alone(x, w, dy), 1))
+        times = {
+            STATES[0]: per_launch_us(_traced(lambda: alone(x, w, dy), launches), set(), per_launch),
+            STATES[1]: per_launch_us(_traced(lambda: paired(buf, x, w, dy), launches), pass_names, per_launch),
+        }
+        out[name] = {state: statistics.median(t) for state, t in times.items()}
+    return out
+
+
+def table(results: dict[tuple[str, int, int], dict], header: str = "") -> str:
+    """Markdown: per GEMM and arm the time in each state and XLA's time over the arm's."""
+    lines = [header, ""] if header else []
+    lines += [
+        "| GEMM | arm | " + " | ".join(f"{s} (us)" for s in STATES) + " | " + " | ".join(f"XLA / arm, {s}" for s in STATES) + " |",
+        "|---|---|" + "---|" * (2 * len(STATES)),
+    ]
+    for (op, d_in, d_out), arms in results.items():
+        xla = arms.get("xla")
+        for arm, t in arms.items():
+            ratios = [f"{xla[s] / t[s]:.3f}" if xla and arm != "xla" else "" for s in STATES]
+            lines.append(f"| {op} {d_in} -> {d_out} | {arm} | " + " | ".join(f"{t[s]:.0f}" for s in STATES) + " | " + " | ".join(ratios) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    del argv
+    import jax
+
+    gemms = [parse_gemm(g) for g in FLAGS.gemms]
+    arms = list(FLAGS.arms)
+    for a in arms:
+        bench.parse_arm(a)  # a bad arm fails before anything runs
+    if jax.devices()[0].platform != "gpu":
+        raise app.UsageError("power_state needs a GPU: a CPU has no device timeline")
+    results = {g: measure(*g, arms, FLAGS.tokens, FLAGS.launches, FLAGS.pass_mb) for g in gemms}
+    text = table(results, f"power_state: {jax.devices()[0].device_kind}, jax {jax.__version__}, T={FLAGS.tokens}, "
+                 f"{FLAGS.launches} launches per state, {FLAGS.pass_mb} MiB pass")
+    print(text)
+    if FLAGS.md:
+        with open(FLAGS.md, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    flags.DEFINE_list("gemms", list(DEFAULT_GEMMS), "op:d_in:d_out GEMMs (op fwd or dgrad).")
+    flags.DEFINE_list("arms", list(DEFAULT_ARMS), "Arms in jax_cake.tools.bench's syntax (xla first for the ratios).")
+    flags.DEFINE_integer("tokens", 8192, "T.")
+    flags.DEFINE_integer("launches", 300, "Launches per state.")
+    flags.DEFINE_integer("pass_mb", 1536, "The memory-bound pass's buffer (MiB) between launches.")
+    flags.DEFINE_string("md", None, "Write the table here.")
+    app.run(main)
