@@ -128,8 +128,9 @@ ffi::Error CheckCommonAttrs(const char* target, const Attrs& at) {
   const std::string who = std::string("jax_cake: ") + target;
   if (at.schedule < 0 || at.schedule >= kNumSchedules)
     return ffi::Error::InvalidArgument(who + ": schedule must be " + kScheduleChoices);
-  if (at.raster < 0 || at.raster >= kNumRasters)
-    return ffi::Error::InvalidArgument(who + ": raster must be " + kRasterChoices);
+  if (at.raster < 0 || at.raster > kRasterBandMax)
+    return ffi::Error::InvalidArgument(who + ": raster must be " + kRasterChoices + " or a band of 2 to " +
+                                       std::to_string(kRasterBandMax) + " rows");
   if (at.splits < 1 || at.splits > 65535) return ffi::Error::InvalidArgument(who + ": splits must be in [1, 65535]");
   if (at.reduction < 0 || at.reduction >= kNumReductions)
     return ffi::Error::InvalidArgument(who + ": reduction must be " + kReductionChoices);

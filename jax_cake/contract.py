@@ -32,10 +32,27 @@ SCHEDULE_SPLIT_TAIL = 1  # whole waves, then the tail's tiles cut along K (wgrad
 SCHEDULE_PINGPONG = 2  # the two consumer warpgroups take whole tiles in turns (fwd/dgrad)
 SCHEDULES = {"tiles": SCHEDULE_TILES, "split_tail": SCHEDULE_SPLIT_TAIL, "pingpong": SCHEDULE_PINGPONG}
 
-# The `raster` attribute: which tile index runs fastest in a CTA's walk.
+# The `raster` attribute: the order of the CTAs' walk over the tiles. Tiles are walked in
+# bands of B cluster rows of M tiles (the last band may be shorter): M fastest within a
+# band, then N, then the next band. Code 0 walks M first over all of M (one band); code 1
+# is bands of one row (N first); a code B from 2 to RASTER_BAND_MAX is bands of B rows,
+# which keeps a wave's A rows and B rows both few where neither operand fits in L2.
+# Plan.raster names them "m", "n" and "m<B>" (raster_code).
 RASTER_M = 0
 RASTER_N = 1
 RASTERS = {"m": RASTER_M, "n": RASTER_N}
+RASTER_BAND_MAX = 65535
+
+
+def raster_code(raster: str) -> int:
+    """The `raster` attribute's code of a Plan.raster name: "m" -> 0, "n" -> 1, "m<B>" -> B
+    (bands of B cluster rows, 2 <= B <= RASTER_BAND_MAX)."""
+    if raster in RASTERS:
+        return RASTERS[raster]
+    band = raster[1:]
+    if raster[:1] == "m" and band.isdigit() and 2 <= int(band) <= RASTER_BAND_MAX and band[0] != "0":
+        return int(band)
+    raise ValueError(f"raster must be 'm', 'n' or 'm<B>' with B in [2, {RASTER_BAND_MAX}], got {raster!r}")
 
 # The `activation` attribute of jax_cake_fwd_gated and jax_cake_dgrad_gated: the gated
 # epilogue's act in h = act(g) * u, or the one whose gradient the dgrad epilogue applies
@@ -157,7 +174,9 @@ def header_text() -> str:
 
     codes("The `reduction` attribute.", "Reduction", REDUCTIONS)
     codes("The `schedule` attribute.", "Schedule", SCHEDULES)
-    codes("The `raster` attribute.", "Raster", RASTERS)
+    codes("The `raster` attribute: 0 and 1; codes 2 .. kRasterBandMax are bands of that many rows.", "Raster", RASTERS)
+    lines.append(f"constexpr int64_t kRasterBandMax = {RASTER_BAND_MAX};")
+    lines.append("")
     codes("The `activation` attribute (jax_cake_fwd_gated, jax_cake_dgrad_gated).", "Activation", ACTIVATION_CODES)
     codes("A variant's epilogue (Variant::store in the generated variant table).", "Store", STORES)
     lines.append("// Gate and up rows interleave in blocks of this many rows (jax_cake_fwd_gated, jax_cake_dgrad_gated).")

@@ -779,15 +779,21 @@ class GemmSm90(GemmSm90Base):
 
     @cute.jit
     def _decode(self, tile_id, tiles_m, tiles_n, num_l, raster):
-        """Linear tile id -> (pid_m, pid_n, l, split). The fastest index walks M
-        (raster 0) or N (raster 1); batch, then split, vary slowest."""
+        """Linear tile id -> (pid_m, pid_n, l, split). Tiles go in bands of `raster` rows
+        of M tiles (0: one band of all of them), M fastest within a band, then N
+        (jax_cake.contract's raster codes: 1 walks N first); batch, then split, vary
+        slowest."""
         tiles_mn = tiles_m * tiles_n
         mn = tile_id % tiles_mn
         z = tile_id // tiles_mn
-        m0 = mn % tiles_m
-        n0 = mn // tiles_m
-        n1 = mn % tiles_n
-        m1 = mn // tiles_n
-        pid_m = m0 + (m1 - m0) * raster
-        pid_n = n0 + (n1 - n0) * raster
+        band = tiles_m
+        if raster > 0:
+            band = cutlass.min(raster, tiles_m)
+        band_tiles = band * tiles_n
+        band_idx = mn // band_tiles
+        first_m = band_idx * band
+        rows = cutlass.min(band, tiles_m - first_m)
+        within = mn - band_idx * band_tiles
+        pid_m = first_m + within % rows
+        pid_n = within // rows
         return pid_m, pid_n, z % num_l, z // num_l

@@ -195,6 +195,16 @@ def det_splits(tiles: int, k: int, tile_k: int, sm_count: int, fill_waves: bool 
     return best
 
 
+def _raster(op: str, n: int) -> str:
+    """The tile walk (Plan.raster) of a kernel plan: a forced one, else fwd and dgrad walk
+    N first from _RASTER_N_MIN up (the activation rows stay in L2 while the weight tiles
+    stream), M first otherwise."""
+    pinned = forced("raster")
+    if pinned is not None:
+        return pinned
+    return "n" if op in ("fwd", "dgrad") and n >= _RASTER_N_MIN else "m"
+
+
 def _wgrad_plan(
     base: dict, dev: device_lib.DeviceInfo, deterministic: bool, out_dtype: str, tokens: int, d_in: int, d_out: int
 ) -> Plan:
@@ -261,6 +271,7 @@ def _wgrad_plan(
             cluster=cluster,
             splits=splits,
             reduction=reduction,
+            raster=_raster("wgrad", n),
             workspace_bytes=variants.workspace_bytes(splits, contract.REDUCTIONS[reduction], batch, m, n, out_dtype),
             reason=reason + cluster_note,
         )
@@ -325,6 +336,7 @@ def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why
         tile=tile,
         splits=splits,
         reduction="split_tail",
+        raster=_raster("wgrad", n),
         schedule="split_tail",
         workspace_bytes=variants.workspace_bytes(
             splits, code, batch, m, n, out_dtype, tile=tile, sm_count=dev.sm_count
@@ -469,8 +481,7 @@ def plan(
         # A forced tile pins fwd/dgrad only together with a forced schedule (alone it is
         # the wgrad tile); the ping-pong tile follows in _pingpong_tile.
         tile, tile_note = tuple(forced_tile), f"{forced_tile[0]}x{forced_tile[1]} tiles (forced)"
-    # Walking tiles along N first keeps the activation rows in L2 while the weight tiles stream.
-    raster = "n" if n >= _RASTER_N_MIN else "m"
+    raster = _raster(op, n)
     schedule = "tiles"
     pp_tile = _pingpong_tile(op)
     pingpong_note = pingpong_rule(op, n, k, pp_tile)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+from jax_cake import contract
+
 _forced: dict[str, Any] = {}
 
 
 def forced(key: str) -> Any:
-    """The pinned value of `key` ("program", "splits", "tile", "schedule", "cluster"), or
+    """The pinned value of `key` ("program", "splits", "tile", "schedule", "cluster",
+    "raster"), or
     None outside a `force` block or where the block leaves it to the planner."""
     return _forced.get(key)
 
@@ -45,6 +48,7 @@ def force(
     tile: tuple[int, int, int] | None = None,
     schedule: str | None = None,
     cluster: tuple[int, int] | None = None,
+    raster: str | None = None,
     gemm: tuple[str, int, int, int] | None = None,
 ) -> Iterator[None]:
     """Plans traced inside the block use `program` for the weight gradient.
@@ -53,7 +57,8 @@ def force(
     every op). schedule "pingpong" runs fwd and dgrad on the ping-pong 128 x 128 variants,
     "tiles" on the cooperative tiles (None: the planner's rule, `choose.pingpong_rule`).
     cluster (1, 1) or (2, 1) sets fwd/dgrad's CTA pairing where the library holds that
-    variant (None: the planner's rule). gemm: (op, m, n, k) as Plan.op, m, n, k ("fwd":
+    variant (None: the planner's rule). raster: the kernels' tile walk, "m", "n" or "m<B>"
+    (Plan.raster; None: the planner's rule). gemm: (op, m, n, k) as Plan.op, m, n, k ("fwd":
     tokens, d_out, d_in; "dgrad": tokens, d_in, d_out; "wgrad": d_out, d_in, tokens): the
     pins apply to that GEMM only, every other plan in the block is the planner's own (to
     try one GEMM's variants inside a whole training step). Planning is at trace time: jit
@@ -65,13 +70,20 @@ def force(
         raise ValueError(f"force: schedule must be None, 'pingpong' or 'tiles', got {schedule!r}")
     if cluster not in (None, (1, 1), (2, 1)):
         raise ValueError(f"force: cluster must be None, (1, 1) or (2, 1), got {cluster!r}")
+    if raster is not None:
+        try:
+            contract.raster_code(raster)
+        except ValueError as e:
+            raise ValueError(f"force: {e}") from None
     if gemm is not None and not (
         len(gemm) == 4 and gemm[0] in ("fwd", "dgrad", "wgrad") and all(isinstance(d, int) and d > 0 for d in gemm[1:])
     ):
         raise ValueError(f"force: gemm must be None or (op, m, n, k) with op 'fwd', 'dgrad' or 'wgrad', got {gemm!r}")
     saved = dict(_forced)
     _forced.clear()
-    _forced.update(program=program, splits=splits, tile=tile, schedule=schedule, cluster=cluster, gemm=gemm)
+    _forced.update(
+        program=program, splits=splits, tile=tile, schedule=schedule, cluster=cluster, raster=raster, gemm=gemm
+    )
     try:
         yield
     finally:

@@ -43,7 +43,7 @@ class Plan:
     # (the last partial wave's tiles cut into `splits` K pieces summed in piece order in
     # the kernel: reproducible); contract.REDUCTIONS holds their codes
     reduction: str = "none"
-    raster: str = "m"  # tiles walk along m first, or "n"
+    raster: str = "m"  # tiles walk along m first, "n" first, or "m<B>" in bands of B rows (contract.raster_code)
     workspace_bytes: int = 0
     reason: str = ""
     sm_count: int = 0  # the device's SM count the plan was made for (kernel plans)
@@ -125,6 +125,6 @@ class Plan:
             "cluster_n": np.int64(self.cluster[1]),
             "splits": np.int64(self.splits),
             "reduction": np.int64(contract.REDUCTIONS[self.reduction]),
-            "raster": np.int64(contract.RASTERS[self.raster]),
+            "raster": np.int64(contract.raster_code(self.raster)),
             "schedule": np.int64(contract.SCHEDULES[self.schedule]),
         }

@@ -84,6 +84,8 @@ from typing import Callable, Iterable, Sequence
 
 from absl import app, flags
 
+from jax_cake import contract
+
 GRID_TOKENS = (16172, 16231, 16384)
 GRID_D_IN = (4096, 5120)
 GRID_D_OUT = (32, 48, 64, 512, 1024, 4096)
@@ -232,11 +234,12 @@ COLUMNS = FAMILIES["dense"].columns
 
 @dataclasses.dataclass(frozen=True)
 class ArmSpec:
-    """An arm name parsed: one of ALL_ARMS, options only on 'split[/sN][/tMxNxK][/pp|/tiles][/c1|/c2]'
-    and 'det[/tMxNxK][/pp|/tiles][/c1|/c2]' (tMxNxK: the wgrad tile; pp / tiles: fwd and
-    dgrad forced onto the ping-pong variants, or onto the cooperative tiles where the
-    planner would pick ping-pong; c1 / c2: fwd and dgrad CTA clusters (1, 1) / (2, 1) where
-    the library holds them)."""
+    """An arm name parsed: one of ALL_ARMS, options only on
+    'split[/sN][/tMxNxK][/pp|/tiles][/c1|/c2][/rR]' and 'det[/tMxNxK][/pp|/tiles][/c1|/c2][/rR]'
+    (tMxNxK: the wgrad tile; pp / tiles: fwd and dgrad forced onto the ping-pong variants,
+    or onto the cooperative tiles where the planner would pick ping-pong; c1 / c2: fwd and
+    dgrad CTA clusters (1, 1) / (2, 1) where the library holds them; rR: the tile walk R,
+    m, n or m<B>, Plan.raster)."""
 
     name: str
     kind: str
@@ -244,6 +247,7 @@ class ArmSpec:
     tile: tuple[int, int, int] | None = None
     schedule: str | None = None
     cluster: tuple[int, int] | None = None
+    raster: str | None = None
     path: bool = False  # xla/path: jax_cake's own XLA path (the op under planner.force("xla"))
 
 
@@ -253,7 +257,7 @@ def parse_arm(name: str) -> ArmSpec:
         return ArmSpec(name, kind, path=True)
     if kind not in ALL_ARMS or (opts and kind not in ("split", "det")):
         raise ValueError(f"arm {name!r}: expected one of {ALL_ARMS}, options only on split and det (and xla/path)")
-    splits = tile = schedule = cluster = None
+    splits = tile = schedule = cluster = raster = None
     for opt in opts:
         if opt in ("pp", "tiles"):
             schedule = {"pp": "pingpong", "tiles": "tiles"}[opt]
@@ -263,12 +267,15 @@ def parse_arm(name: str) -> ArmSpec:
             splits = int(opt[1:])
         elif re.fullmatch(r"t\d+x\d+x\d+", opt):
             tile = tuple(int(v) for v in opt[1:].split("x"))
+        elif re.fullmatch(r"r(m|n|m[1-9]\d*)", opt):
+            raster = opt[1:]
+            contract.raster_code(raster)
         else:
             raise ValueError(
                 f"arm {name!r}: option {opt!r} is none of sN (splits; split only), tMxNxK (wgrad tile), "
-                "pp, tiles, c1, c2"
+                "pp, tiles, c1, c2, rm, rn, rm<B>"
             )
-    return ArmSpec(name, kind, splits, tile, schedule, cluster)
+    return ArmSpec(name, kind, splits, tile, schedule, cluster, raster)
 
 
 def split_arm_name(splits: int | None, tile: Sequence[int] | None) -> str:
@@ -351,7 +358,9 @@ def planning_for(arm: ArmSpec):
         with planner.force("xla"):
             yield
         return
-    with planner.force(arm.kind, splits=arm.splits, tile=arm.tile, schedule=arm.schedule, cluster=arm.cluster):
+    with planner.force(
+        arm.kind, splits=arm.splits, tile=arm.tile, schedule=arm.schedule, cluster=arm.cluster, raster=arm.raster
+    ):
         yield
 
 

@@ -299,6 +299,32 @@ def _clusters():
 
 CLUSTERS = _clusters()
 
+def _bands():
+    """Tiles walked in bands of cluster rows (raster codes >= 2): 7 M tiles in bands of 3
+    (a short last band), batch 2, a band wider than M, and many tiles per CTA at a Llama
+    width in bands of 8, on the cooperative, CTA-pair, ping-pong, wgrad and split-tail
+    programs."""
+    c2 = (2, 1)
+    fwd_dgrad = [
+        dict(tile=(128, 256, 64)),
+        dict(tile=(128, 256, 64), cluster=c2),
+        dict(tile=(128, 192, 64), cluster=c2, schedule="pingpong"),
+    ]
+    cases = []
+    for shape, band in (((1, 777, 1032, 200), 3), ((2, 300, 520, 264), 3), ((1, 777, 1032, 200), 64)):
+        for program in ("fwd", "dgrad"):
+            cases += [GemmCase(program, shape, raster=band, **kw) for kw in fwd_dgrad]
+        for dt in ("float32", "bfloat16"):
+            cases.append(GemmCase("wgrad", shape, (128, 128, 64), dt, raster=band))
+        cases.append(GemmCase("wgrad", shape, (128, 256, 64), "bfloat16", 4, contract.REDUCTION_SPLIT_TAIL, raster=band))
+    for program in ("fwd", "dgrad"):
+        cases += [GemmCase(program, (1, 8192, 4096, 2048), raster=8, **kw) for kw in fwd_dgrad]
+    return cases
+
+
+BANDS = _bands()
+
+
 def _residual():
     """The residual add (jax_cake_fwd_residual) on every reduce-add fwd tile: one row, K
     below one tile, ragged M / N edges, batches, both rasters, and the down projection
@@ -319,7 +345,9 @@ def _residual():
 RESIDUAL_CASES = _residual()
 
 # Every case checked against float64, each once (the groups overlap in places).
-ALL_VALUE_CASES = _dedup(TINY + SANITY + TILES + SEED_GRID + SPLIT_TAIL + PROMOTE_TO_OUTPUT + PINGPONG + CLUSTERS)
+ALL_VALUE_CASES = _dedup(
+    TINY + SANITY + TILES + SEED_GRID + SPLIT_TAIL + PROMOTE_TO_OUTPUT + PINGPONG + CLUSTERS + BANDS
+)
 
 
 def _ordered_determinism():
@@ -337,7 +365,7 @@ def _ordered_determinism():
 
 
 # Deterministic programs run REPEATS times, bitwise equal.
-REPEAT_CASES = _dedup(_ordered_determinism() + SPLIT_TAIL + PROMOTE_TO_OUTPUT + PINGPONG)
+REPEAT_CASES = _dedup(_ordered_determinism() + SPLIT_TAIL + PROMOTE_TO_OUTPUT + PINGPONG + BANDS)
 
 # Arrival-order (atomic) split-K against its ordered twin: not bitwise, within 1e-5.
 ATOMIC_CASES = [
