@@ -47,12 +47,24 @@ RASTER_BAND_MAX = 65535
 def raster_code(raster: str) -> int:
     """The `raster` attribute's code of a Plan.raster name: "m" -> 0, "n" -> 1, "m<B>" -> B
     (bands of B cluster rows, 2 <= B <= RASTER_BAND_MAX)."""
+    if not isinstance(raster, str):
+        raise TypeError(f"raster must be a str ('m', 'n' or 'm<B>'), got {type(raster).__name__}")
     if raster in RASTERS:
         return RASTERS[raster]
     band = raster[1:]
     if raster[:1] == "m" and band.isdigit() and 2 <= int(band) <= RASTER_BAND_MAX and band[0] != "0":
         return int(band)
     raise ValueError(f"raster must be 'm', 'n' or 'm<B>' with B in [2, {RASTER_BAND_MAX}], got {raster!r}")
+
+
+def describe_raster(raster: str) -> str:
+    """The tile walk of a Plan.raster name in words, for plan reasons."""
+    code = raster_code(raster)
+    if code == RASTER_M:
+        return "tiles walk along M first"
+    if code == RASTER_N:
+        return "tiles walk along N first"
+    return f"tiles walk in bands of {code} cluster rows, M first within a band"
 
 # The `activation` attribute of jax_cake_fwd_gated and jax_cake_dgrad_gated: the gated
 # epilogue's act in h = act(g) * u, or the one whose gradient the dgrad epilogue applies

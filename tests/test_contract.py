@@ -113,3 +113,18 @@ def test_dense_attributes_are_the_plans():
     bound = re.findall(r'\.Attr<int64_t>\("(\w+)"\)', source)
     plan = make_plan("fwd", tokens=8, d_in=8, d_out=8)
     assert sorted(set(bound)) == sorted([*plan.ffi_attributes(), "activation"])
+
+
+def test_raster_codes_name_the_walks():
+    assert [contract.raster_code(r) for r in ("m", "n", "m2", "m8", f"m{contract.RASTER_BAND_MAX}")] == [
+        contract.RASTER_M,
+        contract.RASTER_N,
+        2,
+        8,
+        contract.RASTER_BAND_MAX,
+    ]
+    for bad in ("", "m1", "m0", "m08", "n4", "b8", f"m{contract.RASTER_BAND_MAX + 1}", "M8"):
+        with pytest.raises(ValueError, match="raster"):
+            contract.raster_code(bad)
+    assert contract.describe_raster("n") == "tiles walk along N first"
+    assert contract.describe_raster("m8") == "tiles walk in bands of 8 cluster rows, M first within a band"

@@ -589,9 +589,10 @@ def test_plan_gated_puts_the_epilogue_on_the_wide_pingpong_tile(t, d_in, f, want
         assert p.op == "fwd" and "then an XLA pass (" in p.reason, jc.explain(p)
         return
     assert p.op == "fwd_gated" and (p.tile, p.cluster, p.schedule) == want, jc.explain(p)
-    assert "ping-pong 128x192" in p.reason
+    assert "128x192" in p.reason and "ping-pong" in p.reason
     off = plan_gated(tokens=t, d_in=d_in, d_out=2 * f, activation="silu", device=H200, epilogue=False)
-    assert off.op == "fwd" and off.tile == (128, 256, 64)
+    plain = jc.plan("fwd", tokens=t, d_in=d_in, d_out=2 * f, device=H200)
+    assert off.op == "fwd" and (off.tile, off.schedule, off.cluster) == (plain.tile, plain.schedule, plain.cluster)
     gelu = plan_gated(tokens=t, d_in=d_in, d_out=2 * f, activation="gelu", device=H200)
     assert gelu.op == "fwd" and "no compiled gated_gelu variant" in gelu.reason
     # a force() pin keeps its tile: the cooperative gated tile the benchmark compares with
@@ -627,7 +628,8 @@ def test_plan_gate_grad_puts_the_epilogue_on_the_wide_pingpong_tile(t, f, d, wan
     assert (p.m, p.n, p.k) == (t, f, d) and p.program == "dgrad"
     assert p.unfused().op == "dgrad" and p.unfused().tile == p.tile
     off = plan_gate_grad(tokens=t, d_ff=f, d_out=d, activation="silu", device=H200, epilogue=False)
-    assert off.op == "dgrad" and off.tile == (128, 256, 64)
+    plain = jc.plan("dgrad", tokens=t, d_in=f, d_out=d, device=H200)
+    assert off.op == "dgrad" and (off.tile, off.schedule) == (plain.tile, plain.schedule)
     gelu = plan_gate_grad(tokens=t, d_ff=f, d_out=d, activation="gelu", device=H200, epilogue=True)
     assert gelu.op == "dgrad" and "no compiled gate_grad_gelu variant" in gelu.reason
 

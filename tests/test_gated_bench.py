@@ -24,8 +24,8 @@ EXPECTED = {
     "fused": ("jax_cake_fwd_gated", 192, 2, contract.SCHEDULE_PINGPONG),
     "fused_pp192c1": ("jax_cake_fwd_gated", 192, 1, contract.SCHEDULE_PINGPONG),
     "fused_coop256c2": ("jax_cake_fwd_gated", 256, 2, contract.SCHEDULE_TILES),
-    "composed": ("jax_cake_fwd", 256, 2, contract.SCHEDULE_TILES),
-    "composed_pp192c2": ("jax_cake_fwd", 192, 2, contract.SCHEDULE_PINGPONG),
+    "composed": ("jax_cake_fwd", 192, 2, contract.SCHEDULE_PINGPONG),
+    "composed_coop256c2": ("jax_cake_fwd", 256, 2, contract.SCHEDULE_TILES),
 }
 
 

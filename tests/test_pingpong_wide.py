@@ -96,9 +96,6 @@ def test_force_reaches_every_pingpong_variant(op, d_in, d_out):
             p = jc.plan(op, tokens=8192, d_in=d_in, d_out=d_out, device=H200)
         assert (p.tile, p.cluster, p.schedule) == (arm["tile"], arm["cluster"], "pingpong"), jc.explain(p)
         assert p.ffi_attributes()["schedule"] == contract.SCHEDULE_PINGPONG
-    # unforced: no measurement yet, so never a wide ping-pong tile
-    p = jc.plan(op, tokens=8192, d_in=d_in, d_out=d_out, device=H200)
-    assert p.tile[1] in (64, 128, 256), jc.explain(p)
 
 
 def test_forced_tile_needs_a_forced_schedule_for_fwd_and_dgrad():

@@ -543,6 +543,61 @@ def test_force_schedule_overrides_the_pingpong_rule():
             pass
 
 
+@pytest.mark.parametrize(
+    "op, d_in, d_out, want",
+    [
+        ("fwd", 4096, 14336, "pingpong"),  # Llama-3-8B gate / up: 192 divides N = 14336
+        ("dgrad", 14336, 4096, "pingpong"),  # its input gradient (N = d_in = 14336)
+        ("fwd", 4096, 6144, "pingpong"),  # fused QKV with GQA kv 1024
+        ("fwd", 8192, 8192, "pingpong"),  # Llama-3-70B attention out: 8192 / 192 leaves a tile 2/3 full of 43
+        ("fwd", 14336, 4096, "tiles"),  # the down projection: the last 192-wide tile of N = 4096 is a third full
+        ("dgrad", 4096, 14336, "tiles"),  # the same N = 4096
+        ("fwd", 4096, 4096, "tiles"),
+        ("fwd", 2048, 14336, "tiles"),  # K = 2048 < _PINGPONG_WIDE_MIN_K: not measured
+    ],
+)
+def test_wide_pingpong_rule_at_the_llama_shapes(op, d_in, d_out, want):
+    p = jc.plan(op, tokens=8192, d_in=d_in, d_out=d_out, device=H200)
+    assert p.schedule == want, jc.explain(p)
+    if want == "pingpong":
+        assert (p.tile, p.cluster) == ((128, 192, 64), (2, 1)) and "ping-pong" in p.reason, jc.explain(p)
+    else:
+        assert (p.tile, p.cluster) == ((128, 256, 64), (2, 1)), jc.explain(p)
+    with jc.planner.force("det", schedule="tiles"):  # a forced schedule wins over the rule
+        assert jc.plan(op, tokens=8192, d_in=d_in, d_out=d_out, device=H200).schedule == "tiles"
+
+
+@pytest.mark.parametrize(
+    "op, d_in, d_out, t, want",
+    [
+        ("fwd", 4096, 14336, 8192, "m8"),
+        ("dgrad", 14336, 4096, 8192, "m8"),
+        ("fwd", 4096, 512, 16384, "m8"),  # from N = 512 up
+        ("fwd", 4096, 256, 16384, "m"),  # below: M first
+        ("dgrad", 256, 4096, 16384, "m"),  # dgrad's N is d_in
+        ("wgrad", 4096, 14336, 8192, "m16"),  # bf16 dw
+        ("wgrad", 4096, 48, 16384, "m16"),  # one band covers all of M: the M-first walk
+    ],
+)
+def test_raster_rule_walks_in_bands(op, d_in, d_out, t, want):
+    out = "float32" if d_out == 48 else "bfloat16"
+    p = jc.plan(op, tokens=t, d_in=d_in, d_out=d_out, out_dtype=out, device=H200)
+    assert p.uses_kernel and p.raster == want, jc.explain(p)
+    assert p.ffi_attributes()["raster"] == contract.raster_code(want)
+    if op != "wgrad":
+        assert contract.describe_raster(want) in p.reason
+    with jc.planner.force("det", raster="n"):  # a pin wins over the rule
+        pinned = jc.plan(op, tokens=t, d_in=d_in, d_out=d_out, out_dtype=out, device=H200)
+    assert pinned.raster == "n" and pinned.ffi_attributes()["raster"] == contract.RASTER_N
+
+
+def test_force_raster_names_a_walk():
+    for bad in ("x", "m1", "m0", "m08", f"m{contract.RASTER_BAND_MAX + 1}", "n2", 8):
+        with pytest.raises((ValueError, TypeError), match="raster"):
+            with jc.planner.force("det", raster=bad):
+                pass
+
+
 def _pingpong_walk(num_items: int, cluster_id: int, num_clusters: int, k_tiles: int):
     """A model of one CTA's ping-pong consumers as gemm_sm90's kernel writes them: the
     turn barriers' event order and each warpgroup's stage counter per tile. Returns
@@ -657,18 +712,18 @@ def test_fp32_split_tail_pieces_stay_within_one_promotion_interval():
 
 def test_force_gemm_pins_one_gemm_and_leaves_the_others_to_the_planner():
     """force(gemm=(op, m, n, k)): the down projection's dgrad (T 8192, d_ff 14336 -> 4096:
-    m 8192, n 14336, k 4096) on the pinned ping-pong tile; its forward, another dgrad and
+    m 8192, n 14336, k 4096) on the pinned cooperative tile; its forward, another dgrad and
     the wgrad keep the planner's plans."""
     down = dict(tokens=8192, d_in=14336, d_out=4096, device=H200)
     other = dict(tokens=8192, d_in=4096, d_out=28672, device=H200)
     free = {op: jc.plan(op, **down) for op in ("fwd", "dgrad", "wgrad")}
     free_other = jc.plan("dgrad", **other)
-    pin = dict(tile=(128, 192, 64), schedule="pingpong", cluster=(2, 1))
+    pin = dict(tile=(128, 256, 64), schedule="tiles", cluster=(1, 1))
     with jc.planner.force("det", gemm=("dgrad", 8192, 14336, 4096), **pin):
         pinned = jc.plan("dgrad", **down)
         rest = {op: jc.plan(op, **down) for op in ("fwd", "wgrad")}
         pinned_other = jc.plan("dgrad", **other)
-    assert (pinned.tile, pinned.schedule, pinned.cluster) == ((128, 192, 64), "pingpong", (2, 1)), jc.explain(pinned)
+    assert (pinned.tile, pinned.schedule, pinned.cluster) == ((128, 256, 64), "tiles", (1, 1)), jc.explain(pinned)
     assert (free["dgrad"].tile, free["dgrad"].schedule) != (pinned.tile, pinned.schedule)
     assert rest == {op: free[op] for op in ("fwd", "wgrad")} and pinned_other == free_other
     # the gated gradient planner keeps a pin that names its GEMM, and ignores one that does not

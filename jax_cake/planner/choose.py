@@ -85,9 +85,18 @@ _WAVE_FILL = 0.9
 # router checks exercise them directly either way); they meet the 5e-6 target on the
 # H200 (docs/planner.md).
 ROUTER_KERNELS_ENABLED = True
-# fwd/dgrad walk tiles along N first from this N up: the activation rows stay in L2 while
-# the weight tiles stream (docs/planner.md).
+# The tile walk (contract's raster codes). A wave of 132 CTAs walking N first reads the
+# whole weight once the weight's rows exceed a wave (B operand 4096 x 14336 bf16: 117 MB
+# against the H200's 60 MB L2), so fwd and dgrad from this N up walk in bands of
+# _RASTER_BAND_FWD cluster rows: a wave then covers about as many A rows as B rows.
+# Measured on the H200 (jax 0.11.2, 2026-12-04, power_state, T 8192): bands of 8 beat
+# the N-first walk by 1-10 % at eight Llama shapes and tie at 4096 -> 4096, whose weight
+# fits in L2; where all N tiles fit in a band the walk is the N-first one's. wgrad walks
+# in bands of _RASTER_BAND_WGRAD (6-7 % faster than M first where d_out >= 8192, the same
+# walk where d_out <= 4096). docs/planner.md.
 _RASTER_N_MIN = 512
+_RASTER_BAND_FWD = 8
+_RASTER_BAND_WGRAD = 16
 # A split tail cuts each tail tile into at most this many K pieces (each piece but the
 # last costs a partial-tile store and load).
 _MAX_TAIL_SPLITS = 4
@@ -106,6 +115,16 @@ _PINGPONG_DGRAD_MIN_K = 64
 _PINGPONG_DGRAD_MAX_K = 1024
 _PINGPONG_DGRAD_MIN_N = 4096
 _PINGPONG_TILE = (128, 128, 64)
+# Compute-bound fwd/dgrad (K >= _PINGPONG_WIDE_MIN_K, N >= _CLUSTER_MIN_N) run the
+# ping-pong 128 x 192 tile where its utilization times _PINGPONG_WIDE_PRIOR beats the
+# cooperative pick's: each tile's epilogue runs under the other warpgroup's K loop. On the
+# H200 (jax 0.11.2, 2026-12-04, power_state, T 8192, both in bands of 8) it ran 0.7-2 %
+# faster than the cooperative 128 x 256 where 192 divides N (6144, 14336) or nearly does
+# (8192, 28672: a tie), and 2-4 % slower at N = 4096, whose last 192-wide tile is a third
+# full (docs/planner.md).
+_PINGPONG_WIDE_TILE = (128, 192, 64)
+_PINGPONG_WIDE_MIN_K = 4096
+_PINGPONG_WIDE_PRIOR = 1.015
 
 
 # --- the planner ------------------------------------------------------------------------
@@ -147,20 +166,23 @@ def _wave_fill(ctas: int, sm_count: int) -> float:
     return ctas / (math.ceil(ctas / sm_count) * sm_count)
 
 
+def _tile_score(tile, batch: int, m: int, n: int, sm_count: int, prior: float) -> tuple[float, str]:
+    """(score, note) of a tile: edge-and-wave utilization times the tile's prior."""
+    tm, tn = tile[0], tile[1]
+    count = batch * math.ceil(m / tm) * math.ceil(n / tn)
+    edge = (m * n * batch) / (count * tm * tn)
+    score = edge * _wave_fill(count, sm_count) * prior
+    return score, f"{tm}x{tn} tiles: {count} tiles over {sm_count} SMs, {edge:.0%} of the tile area used"
+
+
 def ranked_tiles(
     program: str, batch: int, m: int, n: int, sm_count: int, out_dtype: str | None = None
 ) -> list[tuple[tuple[int, int, int], str]]:
     """Compiled tiles, best first: edge-and-wave utilization weighted by the tile prior."""
     ranked = []
     for tile in compiled_tiles(program, out_dtype):
-        tm, tn, _ = tile
-        count = batch * math.ceil(m / tm) * math.ceil(n / tn)
-        edge = (m * n * batch) / (count * tm * tn)
-        wave = _wave_fill(count, sm_count)
-        score = edge * wave * _TILE_PRIOR.get((tm, tn), 0.8)
-        ranked.append(
-            (score, tile, f"{tm}x{tn} tiles: {count} tiles over {sm_count} SMs, {edge:.0%} of the tile area used")
-        )
+        score, note = _tile_score(tile, batch, m, n, sm_count, _TILE_PRIOR.get(tile[:2], 0.8))
+        ranked.append((score, tile, note))
     ranked.sort(key=lambda r: r[0], reverse=True)
     return [(tile, note) for _, tile, note in ranked]
 
@@ -195,14 +217,16 @@ def det_splits(tiles: int, k: int, tile_k: int, sm_count: int, fill_waves: bool 
     return best
 
 
-def _raster(op: str, n: int) -> str:
-    """The tile walk (Plan.raster) of a kernel plan: a forced one, else fwd and dgrad walk
-    N first from _RASTER_N_MIN up (the activation rows stay in L2 while the weight tiles
-    stream), M first otherwise."""
+def raster(op: str, n: int) -> str:
+    """The tile walk (Plan.raster) of a kernel plan of op ("fwd", "dgrad", "wgrad") with
+    N = n: a forced one, else bands of _RASTER_BAND_WGRAD cluster rows for wgrad, of
+    _RASTER_BAND_FWD for fwd and dgrad from N = _RASTER_N_MIN up, M first below."""
     pinned = forced("raster")
     if pinned is not None:
         return pinned
-    return "n" if op in ("fwd", "dgrad") and n >= _RASTER_N_MIN else "m"
+    if op == "wgrad":
+        return f"m{_RASTER_BAND_WGRAD}"
+    return f"m{_RASTER_BAND_FWD}" if n >= _RASTER_N_MIN else "m"
 
 
 def _wgrad_plan(
@@ -271,7 +295,7 @@ def _wgrad_plan(
             cluster=cluster,
             splits=splits,
             reduction=reduction,
-            raster=_raster("wgrad", n),
+            raster=raster("wgrad", n),
             workspace_bytes=variants.workspace_bytes(splits, contract.REDUCTIONS[reduction], batch, m, n, out_dtype),
             reason=reason + cluster_note,
         )
@@ -336,7 +360,7 @@ def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why
         tile=tile,
         splits=splits,
         reduction="split_tail",
-        raster=_raster("wgrad", n),
+        raster=raster("wgrad", n),
         schedule="split_tail",
         workspace_bytes=variants.workspace_bytes(
             splits, code, batch, m, n, out_dtype, tile=tile, sm_count=dev.sm_count
@@ -481,10 +505,12 @@ def plan(
         # A forced tile pins fwd/dgrad only together with a forced schedule (alone it is
         # the wgrad tile); the ping-pong tile follows in _pingpong_tile.
         tile, tile_note = tuple(forced_tile), f"{forced_tile[0]}x{forced_tile[1]} tiles (forced)"
-    raster = _raster(op, n)
+    walk = raster(op, n)
     schedule = "tiles"
     pp_tile = _pingpong_tile(op)
     pingpong_note = pingpong_rule(op, n, k, pp_tile)
+    if not pingpong_note and forced("schedule") is None:
+        pp_tile, pingpong_note = _PINGPONG_WIDE_TILE, _wide_pingpong_rule(op, batch, m, n, k, dev.sm_count, tile)
     one_pass = contract.REDUCTION_NONE
     if pingpong_note and pingpong_clusters(op, pp_tile):
         tile, schedule, tile_note = pp_tile, "pingpong", pingpong_note
@@ -500,11 +526,25 @@ def plan(
         **base,
         tile=tile,
         cluster=cluster,
-        raster=raster,
+        raster=walk,
         schedule=schedule,
-        reason=f"one pass over K={k} (no reduction across CTAs, reproducible), tiles walk along {raster} first: "
+        reason=f"one pass over K={k} (no reduction across CTAs, reproducible), {contract.describe_raster(walk)}: "
         f"{tile_note}{cluster_note}",
     )
+
+
+def _wide_pingpong_rule(op: str, batch: int, m: int, n: int, k: int, sm_count: int, tile) -> str:
+    """Why a compute-bound fwd/dgrad runs the ping-pong _PINGPONG_WIDE_TILE instead of the
+    cooperative `tile` ("": it does not; the rule at _PINGPONG_WIDE_PRIOR)."""
+    if k < _PINGPONG_WIDE_MIN_K or n < _CLUSTER_MIN_N:
+        return ""
+    if not pingpong_clusters(op, _PINGPONG_WIDE_TILE):
+        return ""
+    wide, wide_note = _tile_score(_PINGPONG_WIDE_TILE, batch, m, n, sm_count, _PINGPONG_WIDE_PRIOR)
+    coop, _ = _tile_score(tile, batch, m, n, sm_count, _TILE_PRIOR.get(tile[:2], 0.8))
+    if wide <= coop:
+        return ""
+    return f"{wide_note}, ping-pong (K={k}: each tile's epilogue runs under the other warpgroup's MMAs)"
 
 
 def pingpong_clusters(op: str, tile) -> list[tuple[int, int]]:

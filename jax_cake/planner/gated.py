@@ -5,8 +5,8 @@ and the down projection's dgrad with the activation's gradient.
 projection and its activation in one kernel (jax_cake_fwd_gated, docs/ffi_contract.md);
 `plan_gate_grad` one with op "dgrad_gated" where it runs the down projection's dgrad
 dh = dy W_down and, from dh and the saved pre-activation, d[gate|up] in one kernel
-(jax_cake_dgrad_gated). Both where the plain GEMM's planner picks its widest tiles
-(128 x 256: the large, compute-bound shapes), and for the gradient only where enabled
+(jax_cake_dgrad_gated). Both where the plain GEMM's planner picks a tile at least as wide
+as GATED_TILE (128 x 256 or 128 x 192: the large, compute-bound shapes), and for the gradient only where enabled
 (GATE_GRAD_EPILOGUE_ENABLED: held back, slower than the pass it replaces as built): then
 the epilogue runs on the ping-pong 128 x 192 tile (GATED_TILE) with the planner's cluster,
 or 1x1; under a force() pin of the tile or schedule, on the pinned tile. The forward kernel writes the pre-activation gu (the
@@ -46,7 +46,7 @@ GATED_EPILOGUE_ENABLED = True
 # H200 (jax 0.11.2, 2026-12-03, `python -m jax_cake.tools.gated_bench --runs=2 --modes=g
 # --groups=8`, T 8192, 4096 -> 2 x 14336, device time): fused on it 2814 us, on the
 # cooperative 128 x 256 c2x1 tile 3168 us, the plain forward + XLA pass 3079 us, XLA's dot
-# + pass 3036 us. Where the forward planner picks a narrower tile than 128 x 256 (smaller
+# + pass 3036 us. Where the forward planner picks a narrower tile than 128 x 192 (smaller
 # shapes) the pass runs after the GEMM.
 # Whether plan_gate_grad may plan the gradient kernel by default (epilogue=None). Held back:
 # in the SwiGLU MLP step (H200, jax 0.11.2, 2026-12-03, T 8192, 4096 -> 14336 -> 4096,
@@ -138,7 +138,7 @@ def _with_epilogue(base: Plan, op: str, store: str, d_ff: int, activation: str, 
         reason = "the gated kernel epilogue is switched off"
     elif d_ff % contract.GATE_BLOCK != 0:
         reason = f"d_ff = {d_ff} is not a multiple of {contract.GATE_BLOCK} (the kernels' gate/up interleave)"
-    elif base.tile[1] < 256 and not pinned:
+    elif base.tile[1] < GATED_TILE[1] and not pinned:
         reason = f"the planner's {base.tile[0]}x{base.tile[1]} tiles (the epilogue runs on the {_GATED_TILE_NAME} tile)"
     else:
         # A force() pin keeps the pinned tile; else the wide ping-pong tile.
@@ -153,7 +153,11 @@ def _with_epilogue(base: Plan, op: str, store: str, d_ff: int, activation: str, 
                 cluster=cluster,
                 schedule=schedule,
                 reason=(
-                    (base.reason if pinned else f"{base.reason}; for the epilogue the {_GATED_TILE_NAME} tile instead")
+                    (
+                        base.reason
+                        if pinned or (base.tile, base.schedule) == (tile, schedule)
+                        else f"{base.reason}; for the epilogue the {_GATED_TILE_NAME} tile instead"
+                    )
                     + f"; the {activation} epilogue in the kernel: " + what.format(act=activation)
                 ),
             )

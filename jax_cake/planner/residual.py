@@ -71,7 +71,7 @@ def plan_residual(*, tokens: int, d_in: int, d_out: int, batch: int = 1, device:
             tile,
             reason=(
                 f"residual add in the forward kernel: one pass over K={base.k}, each finished tile rounded to bf16 "
-                f"and reduce-added (TMA) into the residual's buffer, tiles walk along {base.raster} first: {tile_note}"
+                f"and reduce-added (TMA) into the residual's buffer, {contract.describe_raster(base.raster)}: {tile_note}"
             ),
         )
     reason = "no compiled residual-add (bf16 reduce-add) fwd variant fits the ranked tiles"

@@ -8,8 +8,9 @@ One step: (h, gu) from x [T, d_in] bf16 and W [2F, d_in] bf16 (gate and up rows
 interleaved in blocks of 16, as jax_cake stacks them): gu = x W^T is the pre-activation
 a training step saves, h = bf16(silu(g) * u). Arms:
   xla              = jnp.dot(x, W^T), then the activation (one XLA fusion);
-  composed         = the planner's jax_cake forward, then the same XLA pass;
-  composed_pp192c2 = the ping-pong 128 x 192 cluster 2x1 forward forced, then the pass;
+  composed         = the planner's jax_cake forward (here the ping-pong 128 x 192 cluster
+                     2x1 tile), then the same XLA pass;
+  composed_coop256c2 = the cooperative 128 x 256 cluster 2x1 forward forced, then the pass;
   fused            = the planner's gated plan (jax_cake.planner.gated: here the gated
                      epilogue on the ping-pong 128 x 192 cluster 2x1 tile);
   fused_pp192c1    = the gated epilogue on the ping-pong 128 x 192 cluster 1x1 tile;
@@ -29,7 +30,7 @@ from absl import app, flags
 from jax_cake.tools import bench
 
 FLAGS = flags.FLAGS
-ARMS = ("fused", "fused_pp192c1", "fused_coop256c2", "composed", "composed_pp192c2", "xla")
+ARMS = ("fused", "fused_pp192c1", "fused_coop256c2", "composed", "composed_coop256c2", "xla")
 OP = "gated"
 ACTIVATION = "silu"
 # (tile, cluster, schedule) the ping-pong arms force.

@@ -5,8 +5,8 @@
 A compute-bound GEMM on the H200 runs at the GPU's power cap: back-to-back launches hold
 the clock down, a memory-bound pass between them lets it recover (a training step is the
 second case). So one kernel's time depends on what runs around it, and a comparison of two
-kernels holds only under the same conditions. For each GEMM of `--gemms` (op:d_in:d_out at
-T = `--tokens`) and each arm of `--arms` (jax_cake.tools.bench's syntax: xla, det/...),
+kernels holds only under the same conditions. For each GEMM of `--gemms` (op:d_in:d_out[:w_dtype]
+at T = `--tokens`, w_dtype the wgrad output) and each arm of `--arms` (jax_cake.tools.bench's syntax: xla, det/...),
 the jitted op runs `--launches` times back to back, then `--launches` times each followed
 by a pass over a `--pass_mb` buffer (bench.flush: a read and a write of it), each under one
 CUPTI trace. An arm's time is the median over launches of its kernels' summed time in a
@@ -29,12 +29,23 @@ DEFAULT_ARMS = ("xla", "det/t128x256x64/tiles/c2", "det/t128x192x64/pp/c2")
 STATES = ("back to back", "between passes")
 
 
-def parse_gemm(text: str) -> tuple[str, int, int]:
-    """(op, d_in, d_out) of an "op:d_in:d_out" with op fwd or dgrad."""
+GEMM_OPS = ("fwd", "dgrad", "wgrad")
+W_DTYPES = ("bfloat16", "float32")
+
+
+def parse_gemm(text: str) -> tuple[str, int, int, str]:
+    """(op, d_in, d_out, w dtype) of an "op:d_in:d_out[:w_dtype]", op one of GEMM_OPS and
+    w_dtype (the wgrad output: bfloat16, the default, or float32) one of W_DTYPES."""
     op, *dims = text.split(":")
-    if op not in ("fwd", "dgrad") or len(dims) != 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
-        raise ValueError(f"--gemms: {text!r} is not fwd|dgrad:d_in:d_out")
-    return op, int(dims[0]), int(dims[1])
+    dtype = dims.pop() if len(dims) == 3 else "bfloat16"
+    if (
+        op not in GEMM_OPS
+        or len(dims) != 2
+        or not all(d.isdigit() and int(d) > 0 for d in dims)
+        or dtype not in W_DTYPES
+    ):
+        raise ValueError(f"--gemms: {text!r} is not {'|'.join(GEMM_OPS)}:d_in:d_out[:{'|'.join(W_DTYPES)}]")
+    return op, int(dims[0]), int(dims[1]), dtype
 
 
 def per_launch_us(events: Sequence[tuple[int, int, str]], skip: set[str], kernels_per_launch: int) -> list[float]:
@@ -57,11 +68,13 @@ def _traced(call, launches: int) -> list[tuple[int, int, str]]:
     return bench.device_events(session.stop())[0]
 
 
-def measure(op: str, d_in: int, d_out: int, arms: Sequence[str], tokens: int, launches: int, pass_mb: int) -> dict:
+def measure(
+    op: str, d_in: int, d_out: int, w_dtype: str, arms: Sequence[str], tokens: int, launches: int, pass_mb: int
+) -> dict:
     """{arm: {state: median us}} of one GEMM (module docstring)."""
     import jax
 
-    point = bench.Point(tokens, d_in, d_out, "bfloat16")
+    point = bench.Point(tokens, d_in, d_out, w_dtype)
     buf, x, w, dy = bench.make_inputs(point, pass_mb)
     pass_only = jax.jit(bench.flush)
     jax.block_until_ready(pass_only(buf))
@@ -95,11 +108,12 @@ def table(results: dict[tuple[str, int, int], dict], header: str = "") -> str:
         "| GEMM | arm | " + " | ".join(f"{s} (us)" for s in STATES) + " | " + " | ".join(f"XLA / arm, {s}" for s in STATES) + " |",
         "|---|---|" + "---|" * (2 * len(STATES)),
     ]
-    for (op, d_in, d_out), arms in results.items():
+    for (op, d_in, d_out, w_dtype), arms in results.items():
         xla = arms.get("xla")
+        gemm = f"{op} {d_in} -> {d_out}" + (f" ({w_dtype} dw)" if op == "wgrad" else "")
         for arm, t in arms.items():
             ratios = [f"{xla[s] / t[s]:.3f}" if xla and arm != "xla" else "" for s in STATES]
-            lines.append(f"| {op} {d_in} -> {d_out} | {arm} | " + " | ".join(f"{t[s]:.0f}" for s in STATES) + " | " + " | ".join(ratios) + " |")
+            lines.append(f"| {gemm} | {arm} | " + " | ".join(f"{t[s]:.0f}" for s in STATES) + " | " + " | ".join(ratios) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -123,7 +137,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    flags.DEFINE_list("gemms", list(DEFAULT_GEMMS), "op:d_in:d_out GEMMs (op fwd or dgrad).")
+    flags.DEFINE_list("gemms", list(DEFAULT_GEMMS), "op:d_in:d_out[:w_dtype] GEMMs (op fwd, dgrad or wgrad).")
     flags.DEFINE_list("arms", list(DEFAULT_ARMS), "Arms in jax_cake.tools.bench's syntax (xla first for the ratios).")
     flags.DEFINE_integer("tokens", 8192, "T.")
     flags.DEFINE_integer("launches", 300, "Launches per state.")

@@ -302,8 +302,8 @@ CLUSTERS = _clusters()
 def _bands():
     """Tiles walked in bands of cluster rows (raster codes >= 2): 7 M tiles in bands of 3
     (a short last band), batch 2, a band wider than M, and many tiles per CTA at a Llama
-    width in bands of 8, on the cooperative, CTA-pair, ping-pong, wgrad and split-tail
-    programs."""
+    width in bands of 8, on the cooperative, CTA-pair, ping-pong, wgrad (one pass and ordered
+    K splits) and split-tail programs."""
     c2 = (2, 1)
     fwd_dgrad = [
         dict(tile=(128, 256, 64)),
@@ -317,6 +317,7 @@ def _bands():
         for dt in ("float32", "bfloat16"):
             cases.append(GemmCase("wgrad", shape, (128, 128, 64), dt, raster=band))
         cases.append(GemmCase("wgrad", shape, (128, 256, 64), "bfloat16", 4, contract.REDUCTION_SPLIT_TAIL, raster=band))
+        cases.append(GemmCase("wgrad", shape, (128, 128, 64), "float32", 3, contract.REDUCTION_ORDERED, raster=band))
     for program in ("fwd", "dgrad"):
         cases += [GemmCase(program, (1, 8192, 4096, 2048), raster=8, **kw) for kw in fwd_dgrad]
     return cases
@@ -327,16 +328,16 @@ BANDS = _bands()
 
 def _residual():
     """The residual add (jax_cake_fwd_residual) on every reduce-add fwd tile: one row, K
-    below one tile, ragged M / N edges, batches, both rasters, and the down projection
-    of a Llama-3-8B-shaped block (8192 x 14336 -> 4096)."""
+    below one tile, ragged M / N edges, batches, the M-first, N-first and band walks, and the
+    down projection of a Llama-3-8B-shaped block (8192 x 14336 -> 4096) in bands of 8."""
     tiles = [v.tile for v in variants.VARIANTS if v.program == "fwd" and v.store == "add"]
     cases = []
     for shape in ((1, 1, 4096, 32), (1, 37, 136, 64), (1, 777, 1032, 200), (2, 300, 520, 264), (3, 129, 264, 72)):
         for t in tiles:
-            for raster in (0, 1):
+            for raster in (0, 1, 3, 8):
                 cases.append(GemmCase("fwd", shape, t, raster=raster, residual=True))
     for t in tiles:
-        cases.append(GemmCase("fwd", (1, 8192, 14336, 4096), t, raster=1, residual=True))
+        cases.append(GemmCase("fwd", (1, 8192, 14336, 4096), t, raster=8, residual=True))
     return cases
 
 
