@@ -93,7 +93,8 @@ ffi::Error NoVariant(const VariantKey& k) {
                 k.store == kStoreAdd ? ", reduce-add store"
                 : k.store == kStoreGatedSilu ? ", gated silu epilogue"
                 : k.store == kStoreGatedGelu ? ", gated gelu epilogue"
-                : k.store == kStoreGateGradSilu ? ", silu gradient epilogue" : "",
+                : k.store == kStoreGateGradSilu ? ", silu gradient epilogue"
+                : k.store == kStoreGateUpHalves ? ", gate and up operand halves" : "",
                 k.schedule == kScheduleSplitTail ? ", split tail" : (k.schedule == kSchedulePingpong ? ", ping-pong" : ""));
   return ffi::Error::InvalidArgument(buf);
 }
@@ -532,6 +533,46 @@ ffi::Error DgradGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::B
   return Launch(v, g, stream);
 }
 
+// dx[B, T, d_in] = dg[B, T, F] . Wg + du[B, T, F] . Wu   (M = T, N = d_in, K = 2F)
+// w[B, 2F, d_in] is the gated projection's weight, gate and up rows interleaved in blocks
+// of kGateBlock (jax_cake_fwd_gated's); the kernel reads its gate rows with dg's K tiles,
+// then its up rows with du's, through two views of w (no copy). One pass over K: bitwise
+// reproducible.
+ffi::Error DgradGateUpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dg, ffi::Buffer<ffi::BF16> du,
+                           ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::Buffer<ffi::BF16>> dx, int64_t tile_m,
+                           int64_t tile_n, int64_t tile_k, int64_t cluster_m, int64_t cluster_n, int64_t splits,
+                           int64_t reduction, int64_t raster, int64_t schedule) {
+  const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
+  const std::string who = kDgradGateUpTarget;
+  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
+  JC_RETURN_IF_ERROR(CheckCommonAttrs(kDgradGateUpTarget, at));
+  JC_RETURN_IF_ERROR(CheckOnePass(kDgradGateUpTarget, at));
+  JC_RETURN_IF_ERROR(CheckRank3("dg", dg.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3("du", du.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
+  Shapes s;
+  if (!s.Bind(dg.dimensions(), "BTF") || !s.Bind(du.dimensions(), "BTF") || !s.Bind(w.dimensions(), "BGI") ||
+      !s.Bind(dx->dimensions(), "BTI"))
+    return ffi::Error::InvalidArgument(who + ": shapes must be dg and du[B,T,F], w[B,2F,d_in], dx[B,T,d_in]");
+  const int64_t B = s['B'], T = s['T'], d_in = s['I'], F = s['F'];
+  if (s['G'] != 2 * F || F % kGateBlock != 0)
+    return ffi::Error::InvalidArgument(who + ": w must have 2F rows with F a multiple of " +
+                                       std::to_string(kGateBlock) + ", got " + std::to_string(s['G']) +
+                                       " rows and F " + std::to_string(F));
+  JC_RETURN_IF_ERROR(CheckWidths(kDgradGateUpTarget, d_in, F));
+  const VariantKey key = at.Key("dgrad", kBf16, kStoreGateUpHalves, schedule);
+  const Variant* v = FindVariant(key);
+  if (!v) return NoVariant(key);
+  GemmArgs g;
+  g.a = KMajor(dg.untyped_data(), T, F, B);
+  g.b = MnMajor(w.untyped_data(), d_in, 2 * F, B);  // N-major; the kernel splits its K into the gate and up rows
+  g.c = KMajor(dx->untyped_data(), T, d_in, B);
+  g.aux = KMajor(du.untyped_data(), T, F, B);
+  g.splits = 1;
+  g.raster = static_cast<int32_t>(raster);
+  return Launch(v, g, stream);
+}
+
 }  // namespace
 }  // namespace jax_cake
 
@@ -606,6 +647,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_GATED_HANDLER, jax_cake::DgradGated
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS.Attr<int64_t>("activation"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_GATE_UP_HANDLER, jax_cake::DgradGateUpImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS,
                               {ffi::Traits::kCmdBufferCompatible});
 
 // ---------------------------------------------------------------- plain C entry points

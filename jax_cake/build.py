@@ -180,10 +180,12 @@ def export_kernels(arch: str, obj_dir: pathlib.Path) -> list:
         a = operand(cutlass.BFloat16, 1 if v.a_major == "k" else 0)
         b = operand(cutlass.BFloat16, 1 if v.b_major == "k" else 0)
         c = operand(dtypes[v.out_dtype], 1)
-        # The variant's second tensor: the gated epilogue's h or the gradient epilogue's
-        # pre-activation (bf16, laid out as C), else the split-tail workspace (flags,
-        # partial tiles), unused by the other variants.
-        aux = operand(cutlass.BFloat16, 1) if v.activation or v.gate_grad else operand(cutlass.Float32, 0)
+        # The variant's second tensor: the gated epilogue's h, the gradient epilogue's
+        # pre-activation or the up half of a gate_up_halves dgrad's A (bf16, row-major
+        # like C and A), else the split-tail workspace (flags, partial tiles), unused by
+        # the other variants.
+        bf16_aux = v.activation or v.gate_grad or v.store == "gate_up_halves"
+        aux = operand(cutlass.BFloat16, 1) if bf16_aux else operand(cutlass.Float32, 0)
         compiled = cute.compile(
             GemmSm90(v), a, b, c, aux, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(132), make_fake_stream()
         )

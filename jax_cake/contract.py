@@ -82,8 +82,10 @@ GATE_BLOCK = 16
 # A variant's epilogue in the generated variant table (Variant::store), GemmVariant.store:
 # "plain" (TMA store), "add" (TMA reduce-add), "gated_<act>" (the gated epilogue: the
 # pre-activation and h = act(g) * u, two outputs), "gate_grad_<act>" (the dgrad epilogue
-# d[gate|up] from dh and the saved pre-activation).
-STORES = {"plain": 0, "add": 1, "gated_silu": 2, "gated_gelu": 3, "gate_grad_silu": 4}
+# d[gate|up] from dh and the saved pre-activation), "gate_up_halves" (a plain store of a
+# dgrad whose K runs over two operand pairs: dx of the gated projection from dg, du and
+# the gate and up rows of the interleaved weight, jax_cake_dgrad_gate_up).
+STORES = {"plain": 0, "add": 1, "gated_silu": 2, "gated_gelu": 3, "gate_grad_silu": 4, "gate_up_halves": 5}
 
 # A variant's output dtype in the generated variant table (the `out_dtype` of its entry).
 OUT_BF16 = 0
@@ -104,6 +106,10 @@ FWD_GATED_TARGET = "jax_cake_fwd_gated"
 # d_gu: the down projection's dgrad dh = dy w_down with the activation's gradient in the
 # epilogue, d[gate|up] from dh and the saved pre-activation gu (the gated backward).
 DGRAD_GATED_TARGET = "jax_cake_dgrad_gated"
+# dx = dg Wg + du Wu: the gated projection's input gradient as ONE GEMM over K = 2F from
+# the cotangent's halves dg, du [T, F] and the interleaved weight W [2F, d_in] (its gate
+# rows, then its up rows, read in place): no interleaved copy of the cotangent.
+DGRAD_GATE_UP_TARGET = "jax_cake_dgrad_gate_up"
 ROUTER_FWD_TARGET = "jax_cake_router_fwd"
 ROUTER_DGRAD_TARGET = "jax_cake_router_dgrad"
 ROUTER_WGRAD_TARGET = "jax_cake_router_wgrad"
@@ -116,6 +122,7 @@ TARGETS = (
     FWD_RESIDUAL_TARGET,
     FWD_GATED_TARGET,
     DGRAD_GATED_TARGET,
+    DGRAD_GATE_UP_TARGET,
     ROUTER_FWD_TARGET,
     ROUTER_DGRAD_TARGET,
     ROUTER_WGRAD_TARGET,
@@ -191,7 +198,10 @@ def header_text() -> str:
     lines.append("")
     codes("The `activation` attribute (jax_cake_fwd_gated, jax_cake_dgrad_gated).", "Activation", ACTIVATION_CODES)
     codes("A variant's epilogue (Variant::store in the generated variant table).", "Store", STORES)
-    lines.append("// Gate and up rows interleave in blocks of this many rows (jax_cake_fwd_gated, jax_cake_dgrad_gated).")
+    lines.append(
+        "// Gate and up rows interleave in blocks of this many rows "
+        "(jax_cake_fwd_gated, jax_cake_dgrad_gated, jax_cake_dgrad_gate_up)."
+    )
     lines.append(f"constexpr int64_t kGateBlock = {GATE_BLOCK};")
     lines.append("")
     lines.append("// A variant's output dtype (Variant::out_dtype in the generated variant table).")

@@ -9,6 +9,7 @@ act'(g)), du = bf16(dh * act(g)) in FP32; dx one GEMM over K = 2F (the gate and 
 interleaved); dW from the wgrad's FP32 accumulator in the weight's dtype.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -336,7 +337,10 @@ def test_checkpoint_recomputes_the_same_values(policy, mlp):
 
 
 def _counts(text):
-    return tuple(len(custom_call_lines(text, f"jax_cake_{op}")) for op in ("fwd", "dgrad", "wgrad"))
+    """(forward, input-gradient, weight-gradient) GEMM calls; dx of the gated projection
+    is a dgrad that reads the cotangent's halves (jax_cake_dgrad_gate_up)."""
+    targets = (("fwd",), ("dgrad", "dgrad_gate_up"), ("wgrad",))
+    return tuple(sum(len(custom_call_lines(text, f"jax_cake_{op}")) for op in ops) for ops in targets)
 
 
 T, D_IN, F, D_OUT = 1024, 256, 128, 256
@@ -378,9 +382,12 @@ def test_cuda_lowering_one_fwd_over_2f_one_dgrad_over_k_2f(f):
     assert len(fwd) == 1 and f"(tensor<1x{T}x{D_IN}xbf16>, tensor<1x{2 * f}x{D_IN}xbf16>) -> tensor<1x{T}x{2 * f}xbf16>" in fwd[0]
     (residual,) = custom_call_lines(text, "jax_cake_fwd_residual")
     assert f"(tensor<1x{T}x{f}xbf16>, tensor<1x{D_OUT}x{f}xbf16>, tensor<1x{T}x{D_OUT}xbf16>)" in residual
-    # dgrads: the down projection's dh, and ONE dx over K = 2F
-    assert len(dgrad) == 2
-    assert any(f"(tensor<1x{T}x{2 * f}xbf16>, tensor<1x{2 * f}x{D_IN}xbf16>) -> tensor<1x{T}x{D_IN}xbf16>" in c for c in dgrad)
+    # dgrads: the down projection's dh, and ONE dx over K = 2F that reads dg, du and the
+    # interleaved weight in place
+    assert len(dgrad) == 1 and f"(tensor<1x{T}x{D_OUT}xbf16>, tensor<1x{D_OUT}x{f}xbf16>)" in dgrad[0]
+    (dx,) = custom_call_lines(text, "jax_cake_dgrad_gate_up")
+    halves = f"tensor<1x{T}x{f}xbf16>, tensor<1x{T}x{f}xbf16>, tensor<1x{2 * f}x{D_IN}xbf16>"
+    assert f"({halves}) -> tensor<1x{T}x{D_IN}xbf16>" in dx
     shapes = sorted(re.search(r"-> \(tensor<([0-9x]+x[a-z0-9]+)>", c).group(1) for c in wgrad)
     if f < WIDE_D_OUT:  # one wgrad over 2F (FP32: one weight is FP32), split by rows
         assert shapes == sorted([f"1x{2 * f}x{D_IN}xf32", f"1x{D_OUT}x{f}xf32"])
@@ -638,8 +645,9 @@ def test_plan_gate_grad_puts_the_epilogue_on_the_wide_pingpong_tile(t, f, d, wan
 def test_cuda_lowering_of_the_mlp_runs_the_gradient_epilogue(with_residual, monkeypatch):
     """At the Llama MLP shape, with the gradient epilogue enabled, the backward's d[gate|up]
     comes from ONE jax_cake_dgrad_gated call (dy, w_down, the saved gu -> d_gu); dh never
-    exists, so the only plain dgrad is dx over K = 2F. Held back (the default): the
-    composition, a dgrad for dh and one for dx."""
+    exists, so the only plain dgrad is dx over K = 2F (over d_gu, which exists). Held back
+    (the default): the composition, a dgrad for dh, and dx from dg, du and the
+    interleaved weight read in place (jax_cake_dgrad_gate_up)."""
     from jax_cake.planner import gated as gated_planner
 
     t, d, f = 8192, 4096, 14336
@@ -647,7 +655,10 @@ def test_cuda_lowering_of_the_mlp_runs_the_gradient_epilogue(with_residual, monk
     grads = lambda *a: _remat_grads("none", True, residual=with_residual)(*a)
     held_back = cuda_text(grads, *args)
     assert not custom_call_lines(held_back, "jax_cake_dgrad_gated")
-    assert len(custom_call_lines(held_back, "jax_cake_dgrad")) == 2
+    assert len(custom_call_lines(held_back, "jax_cake_dgrad")) == 1  # dh
+    (dx,) = custom_call_lines(held_back, "jax_cake_dgrad_gate_up")  # dx from dg, du in place
+    halves = f"tensor<1x{t}x{f}xbf16>, tensor<1x{t}x{f}xbf16>, tensor<1x{2 * f}x{d}xbf16>"
+    assert f"({halves}) -> tensor<1x{t}x{d}xbf16>" in dx
     monkeypatch.setattr(gated_planner, "GATE_GRAD_EPILOGUE_ENABLED", True)
     text = cuda_text(lambda *a: _remat_grads("none", True, residual=with_residual)(*a), *args)
     (fused,) = custom_call_lines(text, "jax_cake_dgrad_gated")
@@ -734,3 +745,65 @@ def test_interleave_is_a_select_with_the_stacked_layout(axis, block):
     assert all(bool(jnp.all(h == w)) for h, w in zip(jc.reference.deinterleave(got, axis, block), (a, b)))
     text = jax.jit(lambda a, b: jc.reference.interleave(a, b, axis, block)).lower(a, b).as_text()
     assert "select" in text and "concatenate" not in text
+
+
+# --- dx from the cotangent's halves (jax_cake_dgrad_gate_up) ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "t,d_in,f",
+    [
+        (8192, 4096, 14336),  # Llama-3-8B gate/up: the planner's 128 x 256 c2x1 dgrad
+        (8192, 8192, 28672),  # Llama-3-70B: the ping-pong 128 x 192 c2x1
+        (2048, 1024, 1024),  # 128 x 128
+    ],
+)
+def test_plan_gate_up_dgrad_keeps_the_dgrad_plan_and_reads_the_halves(t, d_in, f, monkeypatch):
+    from helpers import H200
+
+    from jax_cake.planner import gated
+
+    base = jc.plan("dgrad", tokens=t, d_in=d_in, d_out=2 * f, device=H200)
+    p = gated.plan_gate_up_dgrad(base)
+    assert p.op == "dgrad_gate_up" and p.program == "dgrad", jc.explain(p)
+    kept = (p.tile, p.cluster, p.schedule, p.raster, p.k)
+    assert kept == (base.tile, base.cluster, base.schedule, base.raster, 2 * f)
+    assert p.unfused() == dataclasses.replace(base, reason=p.reason)
+    monkeypatch.setattr(gated, "GATE_UP_DGRAD_ENABLED", False)
+    assert gated.plan_gate_up_dgrad(base) is base
+
+
+def test_plan_gate_up_dgrad_falls_back_where_no_variant_or_no_kernel():
+    from helpers import H200
+
+    from jax_cake.planner import gated
+
+    base = jc.plan("dgrad", tokens=4096, d_in=1024, d_out=2048, device=H200)
+    p = gated.plan_gate_up_dgrad(dataclasses.replace(base, tile=(128, 64, 64)))  # no such variant
+    assert p.op == "dgrad" and "no gate_up_halves variant" in p.reason
+    on_cpu = jc.plan("dgrad", tokens=4096, d_in=1024, d_out=2048)
+    assert gated.plan_gate_up_dgrad(on_cpu) is on_cpu
+
+
+def test_dgrad_gate_up_is_the_dgrad_over_the_interleaved_cotangent():
+    """The primitive's value (kernel plan, run here by its reference; XLA plan; vmap over
+    the tokens' batch): bitwise the plain dgrad over dg, du interleaved as W's rows."""
+    from helpers import H200
+
+    from jax_cake import primitives, reference
+    from jax_cake.planner import gated
+
+    t, d_in, f = 256, 128, 64
+    dg, du = rand(1, (1, t, f), BF), rand(2, (1, t, f), BF)
+    w = (0.1 * rand(3, (1, 2 * f, d_in), F32)).astype(BF)
+    base = jc.plan("dgrad", tokens=t, d_in=d_in, d_out=2 * f, device=H200)
+    kernel_plan = gated.plan_gate_up_dgrad(base)
+    assert kernel_plan.op == "dgrad_gate_up"
+    want = primitives.dgrad(reference.interleave(dg, du, -1, contract.GATE_BLOCK), w, base)
+    for plan in (kernel_plan, jc.plan("dgrad", tokens=t, d_in=d_in, d_out=2 * f)):
+        got = jax.jit(lambda *a: primitives.dgrad_gate_up(*a, plan, contract.GATE_BLOCK))(dg, du, w)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    batched = jax.vmap(lambda a, b: primitives.dgrad_gate_up(a, b, w, kernel_plan, contract.GATE_BLOCK))(
+        jnp.stack([dg, du]), jnp.stack([du, dg])
+    )
+    np.testing.assert_array_equal(np.asarray(batched[0]), np.asarray(want))

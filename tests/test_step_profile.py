@@ -57,13 +57,17 @@ def test_timeline_table_lists_long_launches_and_sums_the_short_ones():
     assert lines[4:7] == ["| 0 | `a` | 100.0 |", "| 2 | `c` | 50.0 |", "| | (2 launches under 20 us) | 5.0 |"]
 
 
-def test_the_gradient_epilogue_arm_is_traced_with_the_kernel_planned_then_held_back_again(monkeypatch):
+@pytest.mark.parametrize("switch,value", [("GATE_GRAD_EPILOGUE_ENABLED", True), ("GATE_UP_DGRAD_ENABLED", False)])
+def test_a_switch_arm_is_traced_with_the_switch_set_then_restored(monkeypatch, switch, value):
     from jax_cake.planner import gated
 
+    before = getattr(gated, switch)
+    assert before is not value
     seen = []
-    monkeypatch.setattr(step_profile, "profile_arm", lambda case, arm, steps: seen.append((arm, gated.GATE_GRAD_EPILOGUE_ENABLED)) or [])
-    assert step_profile.profile_with_gradient_epilogue(None, 3) == []
-    assert seen == [("jax_cake", True)] and gated.GATE_GRAD_EPILOGUE_ENABLED is False
+    record = lambda case, arm, steps: seen.append((arm, getattr(gated, switch))) or []
+    monkeypatch.setattr(step_profile, "profile_arm", record)
+    assert step_profile.profile_with_switch(None, 3, switch, value) == []
+    assert seen == [("jax_cake", value)] and getattr(gated, switch) is before
 
 
 def test_parse_pin_names_one_gemm_and_a_det_arm():

@@ -104,6 +104,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.utils.distributed import spin_lock_ld_lt_relaxed_wait
 
+from jax_cake import contract
 from jax_cake.kernels.epilogue_sm90 import make_epilogue, tile_sub_tiles
 from jax_cake.kernels.gemm_base_sm90 import ACC_REGS_WIDE, EPI_BARRIER_ID, GemmSm90Base, fence_tensor
 from jax_cake.planner.variants import OUTPUT_PROMOTE_EVERY, GemmVariant
@@ -141,10 +142,17 @@ class GemmSm90(GemmSm90Base):
             raise ValueError(f"tile_k must be 64, got {variant.tile_k}")
         if variant.cluster not in ((1, 1), (2, 1)):
             raise ValueError(f"cluster must be (1, 1) or (2, 1), got {variant.cluster}")
-        if variant.store not in ("plain", "add", "gated_silu", "gated_gelu", "gate_grad_silu"):
+        if variant.store not in ("plain", "add", "gated_silu", "gated_gelu", "gate_grad_silu", "gate_up_halves"):
             raise ValueError(
-                f"store must be 'plain', 'add', 'gated_silu', 'gated_gelu' or 'gate_grad_silu', got {variant.store!r}"
+                "store must be 'plain', 'add', 'gated_silu', 'gated_gelu', 'gate_grad_silu' or 'gate_up_halves', "
+                f"got {variant.store!r}"
             )
+        if variant.store == "gate_up_halves" and (
+            variant.program != "dgrad"
+            or variant.out_dtype != "bfloat16"
+            or variant.schedule not in ("tiles", "pingpong")
+        ):
+            raise ValueError("store='gate_up_halves' needs dgrad, bfloat16 output and schedule 'tiles' or 'pingpong'")
         if variant.gate_grad is not None and (
             variant.program != "dgrad" or variant.out_dtype != "bfloat16" or variant.schedule not in ("tiles", "pingpong")
         ):
@@ -197,6 +205,7 @@ class GemmSm90(GemmSm90Base):
         self.reduce_add = variant.store == "add"
         self.activation = variant.activation  # the gated epilogue's, else None
         self.gate_grad = variant.gate_grad  # the gradient epilogue's activation, else None
+        self.gate_up_halves = variant.store == "gate_up_halves"
         self.split_tail = variant.schedule == "split_tail"
         self.pingpong = variant.schedule == "pingpong"
         self.promote = variant.promote and variant.promote_in == "registers"
@@ -284,8 +293,17 @@ class GemmSm90(GemmSm90Base):
         a_smem_staged, b_smem_staged, epi_smem_staged = self._smem_layouts(
             a_layout, self.ab_dtype, b_layout, self.ab_dtype, c_layout, self.c_dtype, self.ab_stage, self.epi_buffers
         )
+        # The K loop's second half (gate_up_halves: the up half; the other variants pass
+        # the first half's atoms again, never used).
+        b_first, b_second = mB, mB
+        if cutlass.const_expr(self.gate_up_halves):
+            b_first, b_second = self._gate_up_rows(mB, cute.size(mA, mode=[1]))
         tma_atom_a, tma_a = self._tma_load(mA, a_smem_staged, self.tile_mnk[0])
-        tma_atom_b, tma_b = self._tma_load(mB, b_smem_staged, self.tile_mnk[1], multicast=self.cluster_m)
+        tma_atom_b, tma_b = self._tma_load(b_first, b_smem_staged, self.tile_mnk[1], multicast=self.cluster_m)
+        tma_atom_a2, tma_a2, tma_atom_b2, tma_b2 = tma_atom_a, tma_a, tma_atom_b, tma_b
+        if cutlass.const_expr(self.gate_up_halves):
+            tma_atom_a2, tma_a2 = self._tma_load(mAux, a_smem_staged, self.tile_mnk[0])
+            tma_atom_b2, tma_b2 = self._tma_load(b_second, b_smem_staged, self.tile_mnk[1], multicast=self.cluster_m)
         if cutlass.const_expr(self.reduce_add):
             store_op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp()
         else:
@@ -331,6 +349,10 @@ class GemmSm90(GemmSm90Base):
             tma_a,
             tma_atom_b,
             tma_b,
+            tma_atom_a2,
+            tma_a2,
+            tma_atom_b2,
+            tma_b2,
             tma_atom_c,
             tma_c,
             tma_atom_c_add,
@@ -359,6 +381,10 @@ class GemmSm90(GemmSm90Base):
         mA: cute.Tensor,
         tma_atom_b: cute.CopyAtom,
         mB: cute.Tensor,
+        tma_atom_a2: cute.CopyAtom,
+        mA2: cute.Tensor,
+        tma_atom_b2: cute.CopyAtom,
+        mB2: cute.Tensor,
         tma_atom_c: cute.CopyAtom,
         mC: cute.Tensor,
         tma_atom_c_add: cute.CopyAtom,
@@ -377,6 +403,8 @@ class GemmSm90(GemmSm90Base):
 
         if warp_idx == 0:
             self._prefetch_descriptors(tma_atom_a, tma_atom_b, tma_atom_c)
+            if cutlass.const_expr(self.gate_up_halves):
+                self._prefetch_descriptors(tma_atom_a2, tma_atom_b2)
 
         bidx, _, _ = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
@@ -395,6 +423,10 @@ class GemmSm90(GemmSm90Base):
         num_tiles = tiles_mc * tiles_n * num_l * splits
         # K tiles per split: split s reduces K tiles [s * per_split, (s + 1) * per_split).
         k_tiles = cutlass.Int32((cute.size(mA, mode=[1]) + self.tile_mnk[2] - 1) // self.tile_mnk[2])
+        # gate_up_halves: K runs over the gate half's tiles, then the up half's.
+        k_half = k_tiles
+        if cutlass.const_expr(self.gate_up_halves):
+            k_tiles = 2 * k_half
         per_split = (k_tiles + splits - 1) // splits
         # Work items: tile ids (times splits); with a split tail, the whole tiles [0, dp)
         # and then the pieces of the rem tail tiles, piece-major.
@@ -445,47 +477,82 @@ class GemmSm90(GemmSm90Base):
                     tAsA, tAgA = self._tma_part(tma_atom_a, sA, gA)
                     # With a cluster, this CTA loads slice `rank` of B and multicasts it.
                     tBsB, tBgB = self._tma_part(tma_atom_b, sB, gB, rank, cm)
+                    if cutlass.const_expr(self.gate_up_halves):
+                        gA2 = cute.local_tile(mA2, self.tile_mnk, (pid_m, pid_n, None, l_idx), proj=(1, None, 1))
+                        gB2 = cute.local_tile(mB2, self.tile_mnk, (pid_m, pid_n, None, l_idx), proj=(None, 1, 1))
+                        tAsA2, tAgA2 = self._tma_part(tma_atom_a2, sA, gA2)
+                        tBsB2, tBgB2 = self._tma_part(tma_atom_b2, sB, gB2, rank, cm)
                     for kt in cutlass.range(k_cnt, unroll=1):
                         ab_pipe.producer_acquire(prod_state)
                         k_coord = k_begin + kt
-                        if a_streams:
-                            cute.copy(
-                                tma_atom_a,
-                                tAgA[(None, k_coord)],
-                                tAsA[(None, prod_state.index)],
-                                tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
-                                cache_policy=cutlass.Int64(_L2_EVICT_FIRST),
-                            )
+                        if cutlass.const_expr(self.gate_up_halves):
+                            # The gate half's K tiles, then the up half's.
+                            bar = ab_pipe.producer_get_barrier(prod_state)
+                            idx = prod_state.index
+                            if k_coord < k_half:
+                                cute.copy(tma_atom_a, tAgA[(None, k_coord)], tAsA[(None, idx)], tma_bar_ptr=bar)
+                                if cutlass.const_expr(cm > 1):
+                                    cute.copy(
+                                        tma_atom_b,
+                                        tBgB[(None, k_coord)],
+                                        tBsB[(None, idx)],
+                                        tma_bar_ptr=bar,
+                                        mcast_mask=b_mask,
+                                    )
+                                else:
+                                    cute.copy(tma_atom_b, tBgB[(None, k_coord)], tBsB[(None, idx)], tma_bar_ptr=bar)
+                            else:
+                                k_up = k_coord - k_half
+                                cute.copy(tma_atom_a2, tAgA2[(None, k_up)], tAsA2[(None, idx)], tma_bar_ptr=bar)
+                                if cutlass.const_expr(cm > 1):
+                                    cute.copy(
+                                        tma_atom_b2,
+                                        tBgB2[(None, k_up)],
+                                        tBsB2[(None, idx)],
+                                        tma_bar_ptr=bar,
+                                        mcast_mask=b_mask,
+                                    )
+                                else:
+                                    cute.copy(tma_atom_b2, tBgB2[(None, k_up)], tBsB2[(None, idx)], tma_bar_ptr=bar)
                         else:
-                            cute.copy(
-                                tma_atom_a,
-                                tAgA[(None, k_coord)],
-                                tAsA[(None, prod_state.index)],
-                                tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
-                            )
-                        if cutlass.const_expr(cm > 1):
-                            cute.copy(
-                                tma_atom_b,
-                                tBgB[(None, k_coord)],
-                                tBsB[(None, prod_state.index)],
-                                tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
-                                mcast_mask=b_mask,
-                            )
-                        elif b_streams:
-                            cute.copy(
-                                tma_atom_b,
-                                tBgB[(None, k_coord)],
-                                tBsB[(None, prod_state.index)],
-                                tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
-                                cache_policy=cutlass.Int64(_L2_EVICT_FIRST),
-                            )
-                        else:
-                            cute.copy(
-                                tma_atom_b,
-                                tBgB[(None, k_coord)],
-                                tBsB[(None, prod_state.index)],
-                                tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
-                            )
+                            if a_streams:
+                                cute.copy(
+                                    tma_atom_a,
+                                    tAgA[(None, k_coord)],
+                                    tAsA[(None, prod_state.index)],
+                                    tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
+                                    cache_policy=cutlass.Int64(_L2_EVICT_FIRST),
+                                )
+                            else:
+                                cute.copy(
+                                    tma_atom_a,
+                                    tAgA[(None, k_coord)],
+                                    tAsA[(None, prod_state.index)],
+                                    tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
+                                )
+                            if cutlass.const_expr(cm > 1):
+                                cute.copy(
+                                    tma_atom_b,
+                                    tBgB[(None, k_coord)],
+                                    tBsB[(None, prod_state.index)],
+                                    tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
+                                    mcast_mask=b_mask,
+                                )
+                            elif b_streams:
+                                cute.copy(
+                                    tma_atom_b,
+                                    tBgB[(None, k_coord)],
+                                    tBsB[(None, prod_state.index)],
+                                    tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
+                                    cache_policy=cutlass.Int64(_L2_EVICT_FIRST),
+                                )
+                            else:
+                                cute.copy(
+                                    tma_atom_b,
+                                    tBgB[(None, k_coord)],
+                                    tBsB[(None, prod_state.index)],
+                                    tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
+                                )
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
                 if cutlass.const_expr(cm > 1):
@@ -752,6 +819,20 @@ class GemmSm90(GemmSm90Base):
                     release_state.advance(k_tiles)
             if warp_idx == store_warp:
                 c_pipe.producer_tail()
+
+    @staticmethod
+    def _gate_up_rows(mB, d_ff):
+        """The dgrad's B = W [L, 2F, d_in] read N-major as (d_in, 2F, L), its gate and up
+        rows interleaved in blocks of contract.GATE_BLOCK (reference.interleave) -> two
+        (d_in, F, L) views, the gate rows and the up rows, each K index k at row
+        2 * GATE_BLOCK * (k // GATE_BLOCK) + k % GATE_BLOCK (+ GATE_BLOCK for up): no copy."""
+        blk = contract.GATE_BLOCK
+        s_k, s_l = mB.stride[1], mB.stride[2]
+        layout = cute.make_layout(
+            (cute.size(mB, mode=[0]), (blk, d_ff // blk), cute.size(mB, mode=[2])),
+            stride=(1, (s_k, 2 * blk * s_k), s_l),
+        )
+        return cute.make_tensor(mB.iterator, layout), cute.make_tensor(mB.iterator + blk * s_k, layout)
 
     @cute.jit
     def _item(self, item, dp, rem, splits):

@@ -17,7 +17,8 @@ fusion:
   jax_cake.remat.PREACTIVATION_NAME, so a remat policy can keep it (else the backward
   runs the forward GEMM again).
 - backward: (dg, du) = jax_cake.reference.gate_grad(dh, g, u) (bf16, from the saved
-  bf16 g, u), interleaved as W's rows; dx is ONE dgrad GEMM over K = 2F; dWg and dWu
+  bf16 g, u); dx is ONE dgrad GEMM over K = 2F that reads dg, du and W's gate and up rows
+  in place (primitives.dgrad_gate_up; elsewhere over dg, du interleaved as W's rows); dWg and dWu
   come from jax_cake.pipeline.fused.weight_gradients (one wgrad over 2F split by rows,
   or one wgrad per weight where F >= WIDE_D_OUT), each in its weight's dtype straight
   from the FP32 accumulator.
@@ -53,7 +54,7 @@ import jax.numpy as jnp
 from jax_cake import contract, primitives, reference
 from jax_cake.pipeline import fused, projection
 from jax_cake.planner import device as device_lib
-from jax_cake.planner.gated import GATE_GRAD_OP, plan_gate_grad, plan_gated
+from jax_cake.planner.gated import GATE_GRAD_OP, plan_gate_grad, plan_gate_up_dgrad, plan_gated
 from jax_cake.planner.plan_type import Plan
 from jax_cake.primitives import partitioning
 
@@ -99,19 +100,27 @@ def _gated_bwd(options, saved, dh):
     x3, w_gate, w_up, gu = saved
     g, u = reference.deinterleave(gu, -1, options.block)
     dg, du = reference.gate_grad(dh.astype(_BF16), g, u, options.activation)
-    d_gu = reference.interleave(dg, du, -1, options.block)  # [1, T, 2F] bf16, W's row order
-    return _gate_up_grads(x3, w_gate, w_up, d_gu, (dg, du), options)
+    # [1, T, 2F] bf16 in W's row order, for whichever GEMM reads it whole (XLA drops it
+    # where none does: dx from the halves, one wgrad per weight).
+    d_gu = reference.interleave(dg, du, -1, options.block)
+    return _gate_up_grads(x3, w_gate, w_up, d_gu, (dg, du), options, dx_from_parts=True)
 
 
-def _gate_up_grads(x3, w_gate, w_up, d_gu, parts, options: Options):
+def _gate_up_grads(x3, w_gate, w_up, d_gu, parts, options: Options, *, dx_from_parts: bool):
     """(dx, dw_gate, dw_up) from d_gu [1, T, 2F], the pre-activation's cotangent in W's
-    row order, and its halves parts = (dg, du): dx is ONE dgrad GEMM over K = 2F; the
-    weights' gradients come from fused.weight_gradients."""
+    row order, and its halves parts = (dg, du): dx is ONE dgrad GEMM over K = 2F, from the
+    halves where dx_from_parts (primitives.dgrad_gate_up: no interleaved copy where its
+    kernel runs), else from d_gu; the weights' gradients come from
+    fused.weight_gradients."""
     det, w_dtypes = options.deterministic, options.w_dtypes
     w = stack(w_gate, w_up, options.block)
     _, dgrad_plan, _ = fused.stacked_plans(x3, w, det, w_dtypes)
     (x_spec,) = partitioning.explicit_specs(x3) or (None,)
-    dx = primitives.dgrad(d_gu, w[None], dgrad_plan, out_sharding=x_spec)
+    if dx_from_parts:
+        dgrad_plan = plan_gate_up_dgrad(dgrad_plan)
+        dx = primitives.dgrad_gate_up(*parts, w[None], dgrad_plan, options.block, out_sharding=x_spec)
+    else:
+        dx = primitives.dgrad(d_gu, w[None], dgrad_plan, out_sharding=x_spec)
     dw_gate, dw_up = fused.weight_gradients(
         x3,
         w,
@@ -196,7 +205,7 @@ def _mlp_bwd(options, saved, dy):
     dw_down = primitives.wgrad(dy, h, down_wgrad_plan, deterministic=options.down.deterministic)
     # dg, du for one wgrad per weight (the composed MLP's weight gradients): one XLA pass.
     parts = reference.deinterleave(d_gu, -1, options.gated.block)
-    dx, dw_gate, dw_up = _gate_up_grads(x3, w_gate, w_up, d_gu, parts, options.gated)
+    dx, dw_gate, dw_up = _gate_up_grads(x3, w_gate, w_up, d_gu, parts, options.gated, dx_from_parts=False)
     (dw_down,) = partitioning.as_primal_types((dw_down,), (wd3,))
     return dx, dw_gate, dw_up, dw_down, (dy if options.down.residual else None)
 

@@ -38,6 +38,10 @@ from jax_cake.planner.plan_type import Plan
 
 OP = "fwd_gated"
 GATE_GRAD_OP = "dgrad_gated"
+GATE_UP_DGRAD_OP = "dgrad_gate_up"
+# Whether plan_gate_up_dgrad may plan the gated projection's dx from the cotangent's halves
+# (the benchmark's step profile turns it off to time dx over the interleaved cotangent).
+GATE_UP_DGRAD_ENABLED = True
 # Whether plan_gated may plan the fused kernel at all (the benchmark passes epilogue= to
 # time both ways).
 GATED_EPILOGUE_ENABLED = True
@@ -164,3 +168,27 @@ def _with_epilogue(base: Plan, op: str, store: str, d_ff: int, activation: str, 
         reason = f"no compiled {store} variant of the {tile[0]}x{tile[1]} {schedule} tile"
     _log_separate_pass_once(base.device, program, f"{base.batch}x{base.m}x{base.k}->{base.n}", reason)
     return dataclasses.replace(base, reason=f"{base.reason}; then an XLA pass ({reason})")
+
+
+def plan_gate_up_dgrad(base: Plan) -> Plan:
+    """The gated projection's dx = dg Wg + du Wu as one kernel over K = 2F that reads the
+    cotangent's halves dg, du and the interleaved weight's gate and up rows in place (op
+    "dgrad_gate_up", jax_cake_dgrad_gate_up), or base itself.
+
+    base: the plain dgrad's plan for that GEMM (dy [batch, T, 2F], W [batch, 2F, d_in]).
+    The kernel runs base's tile, cluster and schedule where a "gate_up_halves" variant of
+    them is compiled; it sums the gate half's K tiles, then the up half's (the plain dgrad
+    over the interleaved cotangent sums them in W's row order: the same FP32 sum in
+    another order). Elsewhere XLA interleaves dg and du and base's dgrad runs over that.
+    """
+    if not GATE_UP_DGRAD_ENABLED or not base.uses_kernel or base.op != "dgrad" or base.splits != 1:
+        return base
+    if variants.find_variant("dgrad", base.tile, base.cluster, "bfloat16", "gate_up_halves", base.schedule) is None:
+        return dataclasses.replace(
+            base, reason=f"{base.reason}; dg and du interleaved by an XLA pass first (no gate_up_halves variant)"
+        )
+    return dataclasses.replace(
+        base,
+        op=GATE_UP_DGRAD_OP,
+        reason=f"{base.reason}; reads dg, du and the weight's gate and up rows in place (K: gate half, then up half)",
+    )

@@ -58,10 +58,16 @@ class Plan:
         """The kernel program the FFI handler runs, as the variant tables name it: "fwd",
         "dgrad" or "wgrad" (of the router's family for the router ops; "wgrad" for
         "wgrad_accumulate", "fwd" for "fwd_residual" and "fwd_gated", "dgrad" for
-        "dgrad_gated"); None on the XLA path."""
+        "dgrad_gated" and "dgrad_gate_up"); None on the XLA path."""
         if not self.uses_kernel:
             return None
-        fused = {"wgrad_accumulate": "wgrad", "fwd_residual": "fwd", "fwd_gated": "fwd", "dgrad_gated": "dgrad"}
+        fused = {
+            "wgrad_accumulate": "wgrad",
+            "fwd_residual": "fwd",
+            "fwd_gated": "fwd",
+            "dgrad_gated": "dgrad",
+            "dgrad_gate_up": "dgrad",
+        }
         return fused.get(self.op, self.op.removeprefix("router_"))
 
     def with_add_in_kernel(
@@ -94,9 +100,10 @@ class Plan:
         )
 
     def unfused(self) -> Plan:
-        """A "fwd_gated" or "dgrad_gated" plan as the plain GEMM of the same program (op
-        "fwd", "dgrad"): its GEMM without the gated epilogue."""
-        plain = {"fwd_gated": "fwd", "dgrad_gated": "dgrad"}
+        """A "fwd_gated", "dgrad_gated" or "dgrad_gate_up" plan as the plain GEMM of the
+        same program (op "fwd", "dgrad"): its GEMM without the gated epilogue, or over one
+        operand pair."""
+        plain = {"fwd_gated": "fwd", "dgrad_gated": "dgrad", "dgrad_gate_up": "dgrad"}
         return dataclasses.replace(self, op=plain[self.op]) if self.op in plain else self
 
     @property

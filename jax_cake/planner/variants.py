@@ -69,6 +69,11 @@ class GemmVariant:
     # projection's dgrad (jax_cake_dgrad_gated). The accumulator is dh [M, F]; the second
     # tensor is the saved pre-activation gu [M, 2F] (read), and C [M, 2F] gets d[gate|up]
     # in gu's column order: dg = bf16(dh * u * act'(g)), du = bf16(dh * act(g)).
+    # "gate_up_halves" (dgrad, bf16): a plain store; K runs over two operand pairs, the
+    # cotangent's gate half dg [M, F] (A) with the gate rows of the interleaved weight
+    # [2F, N] (B), then the up half du (the second tensor) with its up rows
+    # (jax_cake_dgrad_gate_up: dx of the gated projection with no interleaved copy of its
+    # cotangent).
     store: str = "plain"
     # "tiles": each CTA walks whole tiles (or splits of them). "split_tail": whole waves of
     # tiles, then the last partial wave's tiles cut into `splits` K pieces that the kernel
@@ -233,6 +238,14 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # planner (planner/gated.py GATE_GRAD_EPILOGUE_ENABLED).
     GemmVariant("dgrad", 128, 192, cluster_m=2, store="gate_grad_silu", schedule="pingpong"),
     GemmVariant("dgrad", 128, 192, store="gate_grad_silu", schedule="pingpong"),
+    # The gated projection's dx over K = 2F from the cotangent's halves dg, du and the
+    # interleaved weight's gate and up rows (jax_cake_dgrad_gate_up): the tiles the dgrad
+    # planner picks for that GEMM (T 8192-16384, d_in 4096-8192, 2F 28672-57344: 128 x 256
+    # c2x1 or the ping-pong 128 x 192 c2x1; smaller shapes 128 x 128).
+    GemmVariant("dgrad", 128, 256, cluster_m=2, store="gate_up_halves"),
+    GemmVariant("dgrad", 128, 256, store="gate_up_halves"),
+    GemmVariant("dgrad", 128, 192, cluster_m=2, store="gate_up_halves", schedule="pingpong"),
+    GemmVariant("dgrad", 128, 128, store="gate_up_halves"),
 )
 
 

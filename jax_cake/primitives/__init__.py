@@ -12,6 +12,7 @@ rules next to the calls.
 
 from jax_cake.primitives.call import (
     dgrad,
+    dgrad_gate_up,
     dgrad_gated,
     fwd,
     fwd_gated,
@@ -24,6 +25,7 @@ from jax_cake.primitives.gemm import router_ffi_operands, targets_from
 
 __all__ = [
     "dgrad",
+    "dgrad_gate_up",
     "dgrad_gated",
     "fwd",
     "fwd_gated",

@@ -11,7 +11,8 @@ a reduce-scatter where the rule allows; the caller reshards to it. deterministic
 add_to (fwd, wgrad): the "add" epilogue, the result added into that operand.
 fwd_gated: the forward GEMM with the "gated" epilogue (SwiGLU / GeGLU), over gate and up
 rows interleaved (reference.interleave); dgrad_gated: the down projection's dgrad with
-that activation's gradient in its epilogue.
+that activation's gradient in its epilogue; dgrad_gate_up: the gated projection's dx from
+the halves of its cotangent.
 """
 
 from __future__ import annotations
@@ -272,6 +273,38 @@ def dgrad_gated(dy, w, gu, plan: Plan, activation: str, block: int, *, out_shard
         return jax.vmap(dgrad_then_gate, in_axes=in_axes, axis_size=axis_size)(dy, w, gu), True
 
     return fused_call(dy, w, gu)
+
+
+def dgrad_gate_up(dg, du, w, plan: Plan, block: int, *, out_sharding=None):
+    """dx[B, T, d_in] bf16 = dg . Wg + du . Wu: the gated projection's input gradient from
+    the halves of its pre-activation's cotangent, dg and du [B, T, F] bf16, and w [B, 2F,
+    d_in], the gate and up rows interleaved in blocks of `block` (reference.interleave).
+
+    For a plan of op "dgrad_gate_up" (jax_cake.planner.gated.plan_gate_up_dgrad) on
+    operands that need no partitioning, one custom call over K = 2F reads dg, du and w's
+    gate and up rows in place. Otherwise, and under vmap or a partitioning rule, XLA
+    interleaves dg and du into w's row order and the plain dgrad runs over that; both
+    give the same sum up to the FP32 order of its terms."""
+    store_plan = plan.unfused()
+
+    def interleave_then_dgrad(dg, du, w):
+        return dgrad(reference.interleave(dg, du, -1, block), w, store_plan, out_sharding=out_sharding)
+
+    if plan.op != "dgrad_gate_up" or out_sharding is not None or block != GATE_BLOCK:
+        return interleave_then_dgrad(dg, du, w)
+
+    @custom_vmap
+    def fused_call(dg, du, w):
+        if not partitioning.unpartitioned(dg, du, w):
+            return interleave_then_dgrad(dg, du, w)
+        return gemm.dgrad_gate_up(dg, du, w, plan)
+
+    @fused_call.def_vmap
+    def rule(axis_size, in_batched, dg, du, w):
+        in_axes = tuple(0 if b else None for b in in_batched)
+        return jax.vmap(interleave_then_dgrad, in_axes=in_axes, axis_size=axis_size)(dg, du, w), True
+
+    return fused_call(dg, du, w)
 
 
 def dgrad(dy, w, plan: Plan, *, out_sharding=None):

@@ -13,6 +13,8 @@ is aliased to the result (input_output_aliases {2: 0}: in place under jit), roun
 and wgrad (the FP32 running sum, jax_cake_wgrad_accumulate). "gated" (fwd,
 jax_cake_fwd_gated) writes the pre-activation and h = act(g) * u from it; its gradient
 (dgrad, jax_cake_dgrad_gated) writes d[gate|up] from dh and the saved pre-activation.
+The gated projection's dx (dgrad, jax_cake_dgrad_gate_up) reads its operands in two
+halves: the cotangent's dg, du and the interleaved weight's gate and up rows.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 from jax_cake import reference
 from jax_cake.contract import (  # the FFI target names and codes, defined once
     ACTIVATION_CODES,
+    DGRAD_GATE_UP_TARGET,
     DGRAD_GATED_TARGET,
     DGRAD_TARGET,
     FWD_GATED_TARGET,
@@ -230,6 +233,22 @@ def dgrad_gated(dy, w, gu, plan: Plan, activation: str):
         return ffi_call(DGRAD_GATED_TARGET, plan, result, dy, w, gu, activation=np.int64(ACTIVATION_CODES[activation]))
 
     return dispatch(plan, ref, cuda, dy, w, gu)
+
+
+def dgrad_gate_up(dg, du, w, plan: Plan):
+    """dx [B, T, d_in] bf16 = dg . Wg + du . Wu for dg, du [B, T, F] and w [B, 2F, d_in]
+    (gate and up rows interleaved in blocks of contract.GATE_BLOCK): one GEMM over K = 2F
+    (a plan for op "dgrad_gate_up")."""
+    b, t, _ = dg.shape
+
+    def ref(dg, du, w):
+        return reference.dgrad(reference.interleave(dg, du, -1, GATE_BLOCK), w)
+
+    def cuda(dg, du, w):
+        result = result_type(dg, (b, t, w.shape[2]), jnp.bfloat16)
+        return ffi_call(DGRAD_GATE_UP_TARGET, plan, result, dg, du, w)
+
+    return dispatch(plan, ref, cuda, dg, du, w)
 
 
 STORE = {

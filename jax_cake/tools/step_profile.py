@@ -130,6 +130,7 @@ def profile_arm(case, arm: str, steps: int) -> list[tuple[int, int, str]]:
 
 
 GRAD_EPILOGUE_ARM = "jax_cake, gradient epilogue"
+INTERLEAVED_DX_ARM = "jax_cake, dx over the interleaved cotangent"
 
 
 def parse_pin(text: str):
@@ -156,15 +157,16 @@ def profile_pinned(case, pin: str, steps: int) -> list[tuple[int, int, str]]:
         return profile_arm(case, "jax_cake", steps)  # traced (and planned) inside
 
 
-def profile_with_gradient_epilogue(case, steps: int) -> list[tuple[int, int, str]]:
-    """profile_arm of the jax_cake arm traced with the MLP backward's gradient epilogue
-    kernel planned (held back by default: planner.gated.GATE_GRAD_EPILOGUE_ENABLED)."""
-    held_back = gated_planner.GATE_GRAD_EPILOGUE_ENABLED
-    gated_planner.GATE_GRAD_EPILOGUE_ENABLED = True
+def profile_with_switch(case, steps: int, switch: str, value: bool) -> list[tuple[int, int, str]]:
+    """profile_arm of the jax_cake arm traced with the planner.gated switch `switch` set
+    to value (GATE_GRAD_EPILOGUE_ENABLED: the MLP backward's gradient epilogue, held back
+    by default; GATE_UP_DGRAD_ENABLED: dx from the cotangent's halves)."""
+    before = getattr(gated_planner, switch)
+    setattr(gated_planner, switch, value)
     try:
         return profile_arm(case, "jax_cake", steps)  # traced (and planned) inside
     finally:
-        gated_planner.GATE_GRAD_EPILOGUE_ENABLED = held_back
+        setattr(gated_planner, switch, before)
 
 
 def main(argv):
@@ -186,7 +188,9 @@ def main(argv):
     for pin in FLAGS.pin or ():
         events[f"jax_cake, {pin}"] = profile_pinned(case, pin, FLAGS.steps)
     if FLAGS.gate_grad_epilogue and "jax_cake" in case.arms:
-        events[GRAD_EPILOGUE_ARM] = profile_with_gradient_epilogue(case, FLAGS.steps)
+        events[GRAD_EPILOGUE_ARM] = profile_with_switch(case, FLAGS.steps, "GATE_GRAD_EPILOGUE_ENABLED", True)
+    if FLAGS.interleaved_dx and "jax_cake" in case.arms:
+        events[INTERLEAVED_DX_ARM] = profile_with_switch(case, FLAGS.steps, "GATE_UP_DGRAD_ENABLED", False)
     text = header + "\n\n" + table({arm: kernel_times(e, FLAGS.steps) for arm, e in events.items()}, FLAGS.top)
     if FLAGS.timeline:
         timelines = {arm: kernel_timeline(e, FLAGS.steps) for arm, e in events.items()}
@@ -217,5 +221,11 @@ if __name__ == "__main__":
         False,
         f"Also profile the jax_cake arm with the MLP backward's gradient epilogue kernel planned "
         f"(held back by default: jax_cake.planner.gated.GATE_GRAD_EPILOGUE_ENABLED), as arm {GRAD_EPILOGUE_ARM!r}.",
+    )
+    flags.DEFINE_bool(
+        "interleaved_dx",
+        False,
+        "Also profile the jax_cake arm with the gated projection's dx over its cotangent interleaved by an XLA "
+        f"pass (jax_cake.planner.gated.GATE_UP_DGRAD_ENABLED off), as arm {INTERLEAVED_DX_ARM!r}.",
     )
     app.run(main)

@@ -1,9 +1,10 @@
 """gated_projection and swiglu_mlp on the GPU: their GEMMs lower to the jax_cake custom
 calls (the gated kernel where d_ff is a multiple of 16), and their values match float64
 references of the defined semantics (h and dx within bf16 rounding, FP32 dW within 1e-5 of
-float64 wgrads of the op's dg, du); each compiled gated kernel, forced; and each compiled
+float64 wgrads of the op's dg, du); each compiled gated kernel, forced; each compiled
 gradient-epilogue kernel (the down projection's dgrad writing d[gate|up]), forced, and
-swiglu_mlp's backward through it."""
+swiglu_mlp's backward through it; each compiled dx kernel that reads the cotangent's
+halves and the weight's gate and up rows in place (jax_cake_dgrad_gate_up), forced."""
 
 import functools
 
@@ -61,7 +62,11 @@ def test_gated_projection_on_the_kernels(case, activation):
     t, d_in, f = case
     fused = plan_gated(tokens=t, d_in=d_in, d_out=2 * f, activation=activation).op == "fwd_gated"
     assert h.custom_calls(text, "jax_cake_fwd_gated" if fused else "jax_cake_fwd") == 1
-    assert h.custom_calls(text, "jax_cake_dgrad") == 1
+    # dx: from dg, du in place where F is a multiple of the interleave's block (a
+    # gate_up_halves variant of the planner's tile), else over them interleaved.
+    halves = f % contract.GATE_BLOCK == 0
+    assert h.custom_calls(text, "jax_cake_dgrad_gate_up") == int(halves)
+    assert h.custom_calls(text, "jax_cake_dgrad") == int(not halves)
     assert h.custom_calls(text, "jax_cake_wgrad") >= 1 and "dot_general" not in text
     out, dx, dwg, dwu = step(x, wg, wu, dh)
     assert (dwg.dtype, dwu.dtype) == (jnp.float32, jnp.float32)
@@ -247,3 +252,48 @@ def test_swiglu_mlp_backward_through_the_gradient_epilogue(monkeypatch):
         assert _within(got, _f64(ref), h.F32_TOL)
     hidden = jax.jit(jax_cake.gated_projection)(x, wg, wu)
     assert _within(fused[4], _f64(dy).T @ _f64(hidden), h.F32_TOL)
+
+
+# --- dx from the cotangent's halves (jax_cake_dgrad_gate_up), each compiled variant forced ----
+
+GATE_UP_VARIANTS = [v for v in jax_cake.planner.variants.VARIANTS if v.store == "gate_up_halves"]
+# (T, d_in, F): whole tiles, several per CTA; ragged T, d_in and F (1040: the gate half's
+# last K tile is a quarter full, so the up half starts on a fresh tile).
+GATE_UP_SHAPES = [(4096, 2048, 2048), (1000, 520, 1040)]
+
+
+@functools.lru_cache(maxsize=None)
+def _gate_up_body(attrs_key: tuple):
+    attrs = dict(attrs_key)
+
+    def body(result, dg, du, w):
+        return jax.ffi.ffi_call(contract.DGRAD_GATE_UP_TARGET, result)(dg, du, w, **attrs)
+
+    return body
+
+
+@pytest.mark.parametrize("shape", GATE_UP_SHAPES, ids=lambda s: "T{}_{}x{}".format(*s))
+@pytest.mark.parametrize("variant", GATE_UP_VARIANTS, ids=lambda v: v.name)
+def test_gate_up_dgrad_kernel(variant, shape):
+    """dx = dg Wg + du Wu within bf16 rounding of float64, Wg and Wu the gate and up rows
+    the kernel reads in place from the interleaved weight; every element written
+    (NaN-poisoned output); the planner's plan lowers to the call; bitwise repeatable."""
+    t, d_in, f = shape
+    key = ("gate_up_kernel", variant.name, *shape)
+    dg = h.rand(h.seed_of("dg", *key), (1, t, f))
+    du = h.rand(h.seed_of("du", *key), (1, t, f))
+    w = h.rand(h.seed_of("w", *key), (1, 2 * f, d_in), scale=0.05)
+    with force("det", tile=variant.tile, cluster=variant.cluster, schedule=variant.schedule):
+        base = jax_cake.plan("dgrad", tokens=t, d_in=d_in, d_out=2 * f)
+    plan = gated_planner.plan_gate_up_dgrad(base)
+    assert plan.op == "dgrad_gate_up", plan
+    assert (plan.tile, plan.cluster, plan.schedule) == (variant.tile, variant.cluster, variant.schedule), plan
+    text = jax.jit(lambda *a: gemm.dgrad_gate_up(*a, plan)).lower(dg, du, w).as_text()
+    assert h.custom_calls(text, "jax_cake_dgrad_gate_up") == 1 and "dot_general" not in text
+    attrs = h.ffi_attrs(variant.tile, cluster=variant.cluster, schedule=variant.schedule, raster=8)
+    body = _gate_up_body(tuple(sorted((k, int(v)) for k, v in attrs.items())))
+    run = lambda: h.run_poisoned(body, (1, t, d_in), jnp.bfloat16, dg, du, w)
+    dx = h.assert_repeatable(run, what=variant.name)
+    wg, wu = (_f64(v[0]) for v in reference.deinterleave(w, 1, contract.GATE_BLOCK))
+    assert np.all(np.isfinite(_f64(dx[0]))), "unwritten (NaN) elements"
+    assert _within(dx[0], _f64(dg[0]) @ wg + _f64(du[0]) @ wu, h.BF16_TOL)

@@ -177,8 +177,10 @@ def test_cases_cover_every_compiled_program():
     (so a newly compiled variant without a GPU test fails here, on CPU)."""
     covered = {c.variant().name for c in cases.ALL_VALUE_CASES + cases.RESIDUAL_CASES}
     # The gated epilogue's variants: test_gated_gpu.test_gated_kernel_epilogue, each forced;
-    # the gradient epilogue's: test_gated_gpu.test_gate_grad_kernel_epilogue.
-    covered |= {v.name for v in test_gated_gpu.GATED_VARIANTS + test_gated_gpu.GATE_GRAD_VARIANTS}
+    # the gradient epilogue's: test_gated_gpu.test_gate_grad_kernel_epilogue; the dx from
+    # the cotangent's halves: test_gated_gpu.test_gate_up_dgrad_kernel.
+    gated = test_gated_gpu.GATED_VARIANTS + test_gated_gpu.GATE_GRAD_VARIANTS + test_gated_gpu.GATE_UP_VARIANTS
+    covered |= {v.name for v in gated}
     assert covered == {v.name for v in variants.VARIANTS}, sorted({v.name for v in variants.VARIANTS} - covered)
     covered = {c.variant().name for c in cases.ROUTER_CASES}
     assert covered == {v.name for v in router_variants.VARIANTS}
@@ -290,8 +292,9 @@ def test_quick_tier_calls_every_compiled_program():
                 assert c.fills_a_tile, c.id
         assert len(quick) < len(case_list)
     covered = {c.variant().name for c in _quick(cases.ALL_VALUE_CASES) + _quick(cases.RESIDUAL_CASES)}
-    # the gated and gradient epilogues: their own file, not full-only
-    covered |= {v.name for v in test_gated_gpu.GATED_VARIANTS + test_gated_gpu.GATE_GRAD_VARIANTS}
+    # the gated and gradient epilogues and the dx from the halves: their own file, not full-only
+    gated = test_gated_gpu.GATED_VARIANTS + test_gated_gpu.GATE_GRAD_VARIANTS + test_gated_gpu.GATE_UP_VARIANTS
+    covered |= {v.name for v in gated}
     assert covered == {v.name for v in variants.VARIANTS}
     assert {c.variant().name for c in _quick(cases.ROUTER_CASES)} == {v.name for v in router_variants.VARIANTS}
     reductions = {(c.variant().name, c.reduction) for c in _quick(cases.ALL_VALUE_CASES)}
