@@ -5,21 +5,19 @@ Checks the exit status and what the example prints: the training loss went down,
 the shard_map gradients matched the unsharded ones.
 """
 
-import os
-import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from helpers import REPO, child_env
 STEP_LOSS = re.compile(r"^step\s+(\d+)\s+loss\s+([0-9.eE+-]+)", re.MULTILINE)
 
 
 def run_process(name, *flags, platform="cpu"):
-    env = dict(os.environ, JAX_PLATFORMS=platform)
-    env.pop("XLA_FLAGS", None)  # the shard_map example sets its own device count
+    # XLA_FLAGS dropped: the shard_map example sets its own device count
+    env = child_env(drop=("XLA_FLAGS",), JAX_PLATFORMS=platform)
     return subprocess.run(
         [sys.executable, str(REPO / "examples" / name), *flags],
         cwd=REPO,

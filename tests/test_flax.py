@@ -3,8 +3,6 @@ on CPU: values and gradients against float64 references of the same bf16 operand
 optax training trajectory against the plain Flax model, the CUDA lowering (faked H200),
 and examples/flax_train.py."""
 
-import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -18,14 +16,13 @@ import pytest
 from flax import nnx
 
 import jax_cake as jc
-from helpers import f64, rand, rel_err, cuda_text
+from helpers import REPO, child_env, f64, rand, rel_err, cuda_text
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 BF16_TOL = 1e-2
 FP32_WGRAD_TOL = 1e-5
 HOOKS = dict(dot_general=jc.dot_general, promote_dtype=jc.promote_dtype)
 MIXED = dict(dtype=BF16, param_dtype=F32)
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # name -> (linen module factory, nnx module factory, input shape, contracted input axes)
 LAYERS = {
@@ -226,8 +223,7 @@ STEP_LOSS = re.compile(r"^step\s+(\d+)\s+loss\s+([0-9.eE+-]+)", re.MULTILINE)
 
 
 def run_flax_example(*flags, platform="cpu"):
-    env = dict(os.environ, JAX_PLATFORMS=platform)
-    env.pop("XLA_FLAGS", None)
+    env = child_env(drop=("XLA_FLAGS",), JAX_PLATFORMS=platform)
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "flax_train.py"), *flags],
         cwd=REPO,
@@ -249,8 +245,7 @@ def test_flax_train_example():
 
 
 def test_flax_train_example_fails_when_the_loss_does_not_fall():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = child_env(drop=("XLA_FLAGS",), JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "flax_train.py"), "--steps=3", "--lr=0", "--layers=1"],
         cwd=REPO,

@@ -14,6 +14,7 @@ import pytest
 from jax_cake import contract
 
 import gpu_helpers as h
+from helpers import child_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_library")]
 
@@ -59,7 +60,7 @@ def test_graph_matches_eager(graph_results):
 def test_custom_calls_run_inside_a_command_buffer(tmp_path):
     """XLA's thunk sequence of the chain holds a command buffer with the custom calls inside
     it. XLA's dump flags must be set before jax starts, so a fresh process compiles it."""
-    env = dict(os.environ)
+    env = child_env()
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_dump_to={tmp_path} --xla_dump_hlo_module_re=.*graph_chain.*"
     ).strip()
