@@ -78,6 +78,16 @@ and its store warp passes the turn once its TMA stores have read the ring
 (cp.async.bulk.wait_group.read 0). The next epilogue is the other warpgroup's, at the end
 of its K loop, so the drain costs nothing while K loops are longer than epilogues.
 
+Two operand pairs along K (`store="gate_up_halves"`, dgrad: dx of the gated projection):
+K = 2F runs over the gate half's ceil(F / 64) K tiles with A = dg and B = the gate rows of
+the interleaved weight W [2F, d_in], then the same count with A = du (the kernel's second
+tensor) and B = W's up rows. Both B halves are views of W, (d_in, (16, F / 16)) with
+strides (1, (d_in, 32 d_in)), the up one 16 rows further (contract.GATE_BLOCK), which the
+TMA reads as a rank-4 box of (64, 16, 4) elements per K tile: no copy. Only the producer
+knows: it picks the pair by K tile, and the consumers see one K loop twice as long. A
+ragged F ends the gate half with a zero-filled partial tile and starts the up half on a
+fresh one.
+
 Streamed activations: in the skinny variants (fwd 128 x 64, wgrad 64-row tiles), when d_out
 fits one tile, every tile of x feeds exactly one CTA tile and x is nearly all the traffic;
 its TMA loads then carry an L2 evict-first hint, so the stream of x replaces itself in L2

@@ -16,6 +16,10 @@ output) and applies jax_cake.reference.gate_grad to it in FP32. So either fused 
 the values of the plain GEMM followed by the reference's elementwise pass, up to the FP32
 rounding of the activation's exp.
 
+`plan_gate_up_dgrad` turns the gated projection's dx (the plain dgrad's plan over K = 2F)
+into op "dgrad_gate_up" where a variant of its tile reads the cotangent's halves dg, du and
+the interleaved weight's gate and up rows in place (jax_cake_dgrad_gate_up).
+
 Otherwise the result is the plain GEMM's plan (op "fwd" or "dgrad"), and the primitive
 runs that GEMM and an XLA elementwise pass (one log line says why): where d_ff is not a
 multiple of contract.GATE_BLOCK (the kernels' interleave), where the planner picks a

@@ -202,6 +202,26 @@ def fwd(x, w, plan: Plan, *, out_sharding=None, add_to=None):
     return _public("fwd", x, w, plan, True, out_sharding, add_to)
 
 
+def _fused_or(fused_call, fallback, out_batched, *operands):
+    """fused_call(*operands), one custom call of a fused kernel on unbatched operands that
+    need no partitioning; otherwise, and under vmap (the rule maps the fallback, so the
+    batch folds into its GEMMs), fallback(*operands), its unfused form with the same
+    values. out_batched: the vmap rule's batched-ness of the result (a bool per output)."""
+
+    @custom_vmap
+    def call(*operands):
+        if not partitioning.unpartitioned(*operands):
+            return fallback(*operands)
+        return fused_call(*operands)
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *operands):
+        in_axes = tuple(0 if b else None for b in in_batched)
+        return jax.vmap(fallback, in_axes=in_axes, axis_size=axis_size)(*operands), out_batched
+
+    return call(*operands)
+
+
 def fwd_gated(x, w, plan: Plan, activation: str, block: int, *, out_sharding=None):
     """(h, gu): the forward GEMM with the "gated" epilogue.
 
@@ -226,19 +246,11 @@ def fwd_gated(x, w, plan: Plan, activation: str, block: int, *, out_sharding=Non
     if plan.op != "fwd_gated" or out_sharding is not None or block != GATE_BLOCK:
         return store_then_gate(x, w)
 
-    @custom_vmap
     def gated_call(x, w):
-        if not partitioning.unpartitioned(x, w):
-            return store_then_gate(x, w)
         h, gu = gemm.fwd_gated(x, w, plan, activation)
         return remat.name_activation(h), remat.name_preactivation(gu)
 
-    @gated_call.def_vmap
-    def rule(axis_size, in_batched, x, w):
-        in_axes = tuple(0 if b else None for b in in_batched)
-        return jax.vmap(store_then_gate, in_axes=in_axes, axis_size=axis_size)(x, w), (True, True)
-
-    return gated_call(x, w)
+    return _fused_or(gated_call, store_then_gate, (True, True), x, w)
 
 
 def dgrad_gated(dy, w, gu, plan: Plan, activation: str, block: int, *, out_sharding=None):
@@ -261,18 +273,10 @@ def dgrad_gated(dy, w, gu, plan: Plan, activation: str, block: int, *, out_shard
     if plan.op != "dgrad_gated" or out_sharding is not None or block != GATE_BLOCK:
         return dgrad_then_gate(dy, w, gu)
 
-    @custom_vmap
     def fused_call(dy, w, gu):
-        if not partitioning.unpartitioned(dy, w, gu):
-            return dgrad_then_gate(dy, w, gu)
         return gemm.dgrad_gated(dy, w, gu, plan, activation)
 
-    @fused_call.def_vmap
-    def rule(axis_size, in_batched, dy, w, gu):
-        in_axes = tuple(0 if b else None for b in in_batched)
-        return jax.vmap(dgrad_then_gate, in_axes=in_axes, axis_size=axis_size)(dy, w, gu), True
-
-    return fused_call(dy, w, gu)
+    return _fused_or(fused_call, dgrad_then_gate, True, dy, w, gu)
 
 
 def dgrad_gate_up(dg, du, w, plan: Plan, block: int, *, out_sharding=None):
@@ -293,18 +297,10 @@ def dgrad_gate_up(dg, du, w, plan: Plan, block: int, *, out_sharding=None):
     if plan.op != "dgrad_gate_up" or out_sharding is not None or block != GATE_BLOCK:
         return interleave_then_dgrad(dg, du, w)
 
-    @custom_vmap
     def fused_call(dg, du, w):
-        if not partitioning.unpartitioned(dg, du, w):
-            return interleave_then_dgrad(dg, du, w)
         return gemm.dgrad_gate_up(dg, du, w, plan)
 
-    @fused_call.def_vmap
-    def rule(axis_size, in_batched, dg, du, w):
-        in_axes = tuple(0 if b else None for b in in_batched)
-        return jax.vmap(interleave_then_dgrad, in_axes=in_axes, axis_size=axis_size)(dg, du, w), True
-
-    return fused_call(dg, du, w)
+    return _fused_or(fused_call, interleave_then_dgrad, True, dg, du, w)
 
 
 def dgrad(dy, w, plan: Plan, *, out_sharding=None):

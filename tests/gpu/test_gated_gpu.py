@@ -168,11 +168,13 @@ GATE_GRAD_SHAPES = [(2048, 1024, 2048), (1000, 520, 1040)]
 
 
 @functools.lru_cache(maxsize=None)
-def _gate_grad_body(attrs_key: tuple):
+def _ffi_body(target: str, attrs_key: tuple):
+    """body(result type, *operands): one call of `target` with the attributes of attrs_key
+    (sorted (name, value) pairs: hashable, so h.run_poisoned caches its program)."""
     attrs = dict(attrs_key)
 
-    def body(result, dy, wd, gu):
-        return jax.ffi.ffi_call(contract.DGRAD_GATED_TARGET, result)(dy, wd, gu, **attrs)
+    def body(result, *operands):
+        return jax.ffi.ffi_call(target, result)(*operands, **attrs)
 
     return body
 
@@ -203,7 +205,7 @@ def test_gate_grad_kernel_epilogue(variant, shape):
     assert h.custom_calls(text, "jax_cake_dgrad_gated") == 1 and "dot_general" not in text
     attrs = h.ffi_attrs(variant.tile, cluster=variant.cluster, schedule=variant.schedule)
     attrs["activation"] = np.int64(contract.ACTIVATION_CODES[variant.gate_grad])
-    body = _gate_grad_body(tuple(sorted((k, int(v)) for k, v in attrs.items())))
+    body = _ffi_body(contract.DGRAD_GATED_TARGET, tuple(sorted((k, int(v)) for k, v in attrs.items())))
     run = lambda: h.run_poisoned(body, gu.shape, jnp.bfloat16, dy, wd, gu)
     d_gu = h.assert_repeatable(run, what=variant.name)
     dh = jax.jit(lambda dy, wd: gemm.dgrad(dy, wd, plan.unfused()))(dy, wd)
@@ -262,16 +264,6 @@ GATE_UP_VARIANTS = [v for v in jax_cake.planner.variants.VARIANTS if v.store == 
 GATE_UP_SHAPES = [(4096, 2048, 2048), (1000, 520, 1040)]
 
 
-@functools.lru_cache(maxsize=None)
-def _gate_up_body(attrs_key: tuple):
-    attrs = dict(attrs_key)
-
-    def body(result, dg, du, w):
-        return jax.ffi.ffi_call(contract.DGRAD_GATE_UP_TARGET, result)(dg, du, w, **attrs)
-
-    return body
-
-
 @pytest.mark.parametrize("shape", GATE_UP_SHAPES, ids=lambda s: "T{}_{}x{}".format(*s))
 @pytest.mark.parametrize("variant", GATE_UP_VARIANTS, ids=lambda v: v.name)
 def test_gate_up_dgrad_kernel(variant, shape):
@@ -291,7 +283,7 @@ def test_gate_up_dgrad_kernel(variant, shape):
     text = jax.jit(lambda *a: gemm.dgrad_gate_up(*a, plan)).lower(dg, du, w).as_text()
     assert h.custom_calls(text, "jax_cake_dgrad_gate_up") == 1 and "dot_general" not in text
     attrs = h.ffi_attrs(variant.tile, cluster=variant.cluster, schedule=variant.schedule, raster=8)
-    body = _gate_up_body(tuple(sorted((k, int(v)) for k, v in attrs.items())))
+    body = _ffi_body(contract.DGRAD_GATE_UP_TARGET, tuple(sorted((k, int(v)) for k, v in attrs.items())))
     run = lambda: h.run_poisoned(body, (1, t, d_in), jnp.bfloat16, dg, du, w)
     dx = h.assert_repeatable(run, what=variant.name)
     wg, wu = (_f64(v[0]) for v in reference.deinterleave(w, 1, contract.GATE_BLOCK))
