@@ -2,11 +2,9 @@
 CUDA lowering of a micro-batch scan step (faked H200)."""
 
 import logging
-import pathlib
 import re
 import subprocess
 import sys
-import os
 
 import jax
 import jax.numpy as jnp
@@ -14,14 +12,13 @@ import numpy as np
 import pytest
 
 import jax_cake as jc
-from helpers import assert_raises_naming, faked_device, rand, custom_call_lines
+from helpers import REPO, assert_raises_naming, child_env, custom_call_lines, faked_device, rand
 from jax_cake import primitives
 from jax_cake.pipeline import projection
 from jax_cake.primitives import gemm
 from jax_cake.planner import variants
 from jax_cake.planner.accumulate import plan_accumulate
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 F32, BF16 = jnp.float32, jnp.bfloat16
 MICRO = 4
 
@@ -221,8 +218,7 @@ def test_grad_accumulator_is_a_keyword_of_both_ops():
 
 
 def test_example_runs_on_cpu():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = child_env(drop=("XLA_FLAGS",), JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "grad_accumulation.py"), "--steps=8", "--micro_batches=4",
          "--tokens=32", "--d_model=32", "--lr=0.3", "--log_every=1"],
@@ -235,8 +231,7 @@ def test_example_runs_on_cpu():
 
 
 def test_bench_runs_on_cpu():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = child_env(drop=("XLA_FLAGS",), JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "jax_cake.tools.accumulate_bench", "--tokens=64", "--d_in=128", "--d_out=128",
          "--runs=1", "--groups=2", "--steps=2", "--flush_mb=1", "--modes=g"],

@@ -10,10 +10,9 @@ import tempfile
 import jax
 from absl.testing import absltest, parameterized
 
-from helpers import faked_device
+from helpers import REPO, faked_device
 from jax_cake.tools import bench
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_cli(*argv: str) -> tuple[str, list[dict]]:

@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 import pytest
+from helpers import REPO
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 HANDLERS = ("JaxCakeFwd", "JaxCakeDgrad", "JaxCakeWgrad")
 
 

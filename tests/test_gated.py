@@ -764,13 +764,13 @@ def test_plan_gate_up_dgrad_keeps_the_dgrad_plan_and_reads_the_halves(t, d_in, f
     from jax_cake.planner import gated
 
     base = jc.plan("dgrad", tokens=t, d_in=d_in, d_out=2 * f, device=H200)
-    p = gated.plan_gate_up_dgrad(base)
+    p = gated.plan_gate_up_dgrad(base, contract.GATE_BLOCK)
     assert p.op == "dgrad_gate_up" and p.program == "dgrad", jc.explain(p)
     kept = (p.tile, p.cluster, p.schedule, p.raster, p.k)
     assert kept == (base.tile, base.cluster, base.schedule, base.raster, 2 * f)
     assert p.unfused() == dataclasses.replace(base, reason=p.reason)
     monkeypatch.setattr(gated, "GATE_UP_DGRAD_ENABLED", False)
-    assert gated.plan_gate_up_dgrad(base) is base
+    assert gated.plan_gate_up_dgrad(base, contract.GATE_BLOCK) is base
 
 
 def test_plan_gate_up_dgrad_falls_back_where_no_variant_or_no_kernel():
@@ -779,15 +779,19 @@ def test_plan_gate_up_dgrad_falls_back_where_no_variant_or_no_kernel():
     from jax_cake.planner import gated
 
     base = jc.plan("dgrad", tokens=4096, d_in=1024, d_out=2048, device=H200)
-    p = gated.plan_gate_up_dgrad(dataclasses.replace(base, tile=(128, 64, 64)))  # no such variant
+    p = gated.plan_gate_up_dgrad(dataclasses.replace(base, tile=(128, 64, 64)), contract.GATE_BLOCK)  # no variant
     assert p.op == "dgrad" and "no gate_up_halves variant" in p.reason
+    row_by_row = gated.plan_gate_up_dgrad(base, 1)  # d_ff not a multiple of 16, or partitioned operands
+    assert row_by_row.op == "dgrad" and "interleaved row by row" in row_by_row.reason
     on_cpu = jc.plan("dgrad", tokens=4096, d_in=1024, d_out=2048)
-    assert gated.plan_gate_up_dgrad(on_cpu) is on_cpu
+    assert gated.plan_gate_up_dgrad(on_cpu, contract.GATE_BLOCK) is on_cpu
 
 
 def test_dgrad_gate_up_is_the_dgrad_over_the_interleaved_cotangent():
-    """The primitive's value (kernel plan, run here by its reference; XLA plan; vmap over
-    the tokens' batch): bitwise the plain dgrad over dg, du interleaved as W's rows."""
+    """The primitive's wiring on the CPU, where every form runs the reference (the
+    kernel's own sum order is tests/gpu/test_gated_gpu.py's): with a kernel plan, an XLA
+    plan and under vmap (the custom_vmap rule), dg and du go to the gate and up rows in
+    that order, bitwise the plain dgrad over them interleaved as W's rows."""
     from helpers import H200
 
     from jax_cake import primitives, reference
@@ -797,7 +801,7 @@ def test_dgrad_gate_up_is_the_dgrad_over_the_interleaved_cotangent():
     dg, du = rand(1, (1, t, f), BF), rand(2, (1, t, f), BF)
     w = (0.1 * rand(3, (1, 2 * f, d_in), F32)).astype(BF)
     base = jc.plan("dgrad", tokens=t, d_in=d_in, d_out=2 * f, device=H200)
-    kernel_plan = gated.plan_gate_up_dgrad(base)
+    kernel_plan = gated.plan_gate_up_dgrad(base, contract.GATE_BLOCK)
     assert kernel_plan.op == "dgrad_gate_up"
     want = primitives.dgrad(reference.interleave(dg, du, -1, contract.GATE_BLOCK), w, base)
     for plan in (kernel_plan, jc.plan("dgrad", tokens=t, d_in=d_in, d_out=2 * f)):

@@ -12,8 +12,8 @@ import jax
 import pytest
 
 from jax_cake.tools import bench, model_bench as mb
+from helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = mb.Sizes(
     skinny_tokens=37,

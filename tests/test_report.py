@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from jax_cake.tools import bench, report
+from helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DENSE_COLUMNS = list(bench.FAMILIES["dense"].columns)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -117,7 +117,7 @@ def _gate_up_grads(x3, w_gate, w_up, d_gu, parts, options: Options, *, dx_from_p
     _, dgrad_plan, _ = fused.stacked_plans(x3, w, det, w_dtypes)
     (x_spec,) = partitioning.explicit_specs(x3) or (None,)
     if dx_from_parts:
-        dgrad_plan = plan_gate_up_dgrad(dgrad_plan)
+        dgrad_plan = plan_gate_up_dgrad(dgrad_plan, options.block)
         dx = primitives.dgrad_gate_up(*parts, w[None], dgrad_plan, options.block, out_sharding=x_spec)
     else:
         dx = primitives.dgrad(d_gu, w[None], dgrad_plan, out_sharding=x_spec)

@@ -1,5 +1,6 @@
-"""Plans for the GEMMs with a gated epilogue: the forward's (gu, h) = (x W^T, act(g) * u)
-and the down projection's dgrad with the activation's gradient.
+"""Plans for the GEMMs of the gated projection that other GEMMs do not have: the forward
+with the gated epilogue, (gu, h) = (x W^T, act(g) * u), the down projection's dgrad with the
+activation's gradient, and the gated projection's dx from its cotangent's halves.
 
 `plan_gated` returns a Plan with op "fwd_gated" where the library runs the gate/up
 projection and its activation in one kernel (jax_cake_fwd_gated, docs/ffi_contract.md);
@@ -16,16 +17,18 @@ output) and applies jax_cake.reference.gate_grad to it in FP32. So either fused 
 the values of the plain GEMM followed by the reference's elementwise pass, up to the FP32
 rounding of the activation's exp.
 
-`plan_gate_up_dgrad` turns the gated projection's dx (the plain dgrad's plan over K = 2F)
-into op "dgrad_gate_up" where a variant of its tile reads the cotangent's halves dg, du and
-the interleaved weight's gate and up rows in place (jax_cake_dgrad_gate_up).
-
-Otherwise the result is the plain GEMM's plan (op "fwd" or "dgrad"), and the primitive
-runs that GEMM and an XLA elementwise pass (one log line says why): where d_ff is not a
+For the two epilogues, otherwise the result is the plain GEMM's plan (op "fwd" or "dgrad"),
+and the primitive runs that GEMM and an XLA elementwise pass (one log line says why): where d_ff is not a
 multiple of contract.GATE_BLOCK (the kernels' interleave), where the planner picks a
 narrower tile (smaller shapes, not measured with the epilogue), where no variant fits
 (gelu's gradient epilogue is not built), off the GPU or on the plan table's XLA rows (the
 XLA plan).
+
+`plan_gate_up_dgrad` turns the gated projection's dx (the plain dgrad's plan over K = 2F)
+into op "dgrad_gate_up" where a variant of its tile reads the cotangent's halves dg, du and
+the interleaved weight's gate and up rows in place (jax_cake_dgrad_gate_up); elsewhere the
+plan stays the plain dgrad's and an XLA pass interleaves dg, du for it (one log line says
+why).
 """
 
 from __future__ import annotations
@@ -174,23 +177,41 @@ def _with_epilogue(base: Plan, op: str, store: str, d_ff: int, activation: str, 
     return dataclasses.replace(base, reason=f"{base.reason}; then an XLA pass ({reason})")
 
 
-def plan_gate_up_dgrad(base: Plan) -> Plan:
+@functools.cache
+def _log_interleaved_dx_once(device: str, shape: str, reason: str) -> None:
+    logging.info(
+        "jax_cake: the gated projection's dx %s on %s runs over its cotangent interleaved by an XLA pass: %s",
+        shape,
+        device,
+        reason,
+    )
+
+
+def plan_gate_up_dgrad(base: Plan, block: int) -> Plan:
     """The gated projection's dx = dg Wg + du Wu as one kernel over K = 2F that reads the
     cotangent's halves dg, du and the interleaved weight's gate and up rows in place (op
     "dgrad_gate_up", jax_cake_dgrad_gate_up), or base itself.
 
-    base: the plain dgrad's plan for that GEMM (dy [batch, T, 2F], W [batch, 2F, d_in]).
-    The kernel runs base's tile, cluster and schedule where a "gate_up_halves" variant of
-    them is compiled; it sums the gate half's K tiles, then the up half's (the plain dgrad
-    over the interleaved cotangent sums them in W's row order: the same FP32 sum in
-    another order). Elsewhere XLA interleaves dg and du and base's dgrad runs over that.
+    base: the plain dgrad's plan for that GEMM (dy [batch, T, 2F], W [batch, 2F, d_in]);
+    block: the weight's gate/up interleave (pipeline.gated: contract.GATE_BLOCK, or 1 where
+    d_ff is not a multiple of it or the operands need partitioning). The kernel reads
+    blocks of contract.GATE_BLOCK and runs base's tile, cluster and schedule where a
+    "gate_up_halves" variant of them is compiled; it sums the gate half's K tiles, then the
+    up half's (the plain dgrad over the interleaved cotangent sums them in W's row order:
+    the same FP32 sum in another order). Elsewhere (one log line says why) XLA interleaves
+    dg and du and base's dgrad runs over that.
     """
     if not GATE_UP_DGRAD_ENABLED or not base.uses_kernel or base.op != "dgrad" or base.splits != 1:
         return base
-    if variants.find_variant("dgrad", base.tile, base.cluster, "bfloat16", "gate_up_halves", base.schedule) is None:
-        return dataclasses.replace(
-            base, reason=f"{base.reason}; dg and du interleaved by an XLA pass first (no gate_up_halves variant)"
-        )
+    reason = None
+    if block != contract.GATE_BLOCK:
+        reason = f"the weight is interleaved row by row, not in blocks of {contract.GATE_BLOCK}"
+    elif variants.find_variant("dgrad", base.tile, base.cluster, "bfloat16", "gate_up_halves", base.schedule) is None:
+        (tm, tn, _), (cm, cn) = base.tile, base.cluster
+        reason = f"no gate_up_halves variant of the {tm}x{tn} {base.schedule} tile, cluster {cm}x{cn}"
+    if reason is not None:
+        _log_interleaved_dx_once(base.device, f"{base.batch}x{base.m}x{base.k}->{base.n}", reason)
+        return dataclasses.replace(base, reason=f"{base.reason}; dg and du interleaved by an XLA pass first ({reason})")
     return dataclasses.replace(
         base,
         op=GATE_UP_DGRAD_OP,

@@ -205,8 +205,10 @@ def fwd(x, w, plan: Plan, *, out_sharding=None, add_to=None):
 def _fused_or(fused_call, fallback, out_batched, *operands):
     """fused_call(*operands), one custom call of a fused kernel on unbatched operands that
     need no partitioning; otherwise, and under vmap (the rule maps the fallback, so the
-    batch folds into its GEMMs), fallback(*operands), its unfused form with the same
-    values. out_batched: the vmap rule's batched-ness of the result (a bool per output)."""
+    batch folds into its GEMMs), fallback(*operands), its unfused form: the same values up
+    to the FP32 rounding of an activation (the gated epilogues) or the FP32 order of a sum
+    (dgrad_gate_up). out_batched: the vmap rule's batched-ness of the result (a bool per
+    output)."""
 
     @custom_vmap
     def call(*operands):

@@ -62,9 +62,12 @@ def test_gated_projection_on_the_kernels(case, activation):
     t, d_in, f = case
     fused = plan_gated(tokens=t, d_in=d_in, d_out=2 * f, activation=activation).op == "fwd_gated"
     assert h.custom_calls(text, "jax_cake_fwd_gated" if fused else "jax_cake_fwd") == 1
-    # dx: from dg, du in place where F is a multiple of the interleave's block (a
-    # gate_up_halves variant of the planner's tile), else over them interleaved.
-    halves = f % contract.GATE_BLOCK == 0
+    # dx: from dg, du in place where the planner says so (F a multiple of the interleave's
+    # block, a gate_up_halves variant of the dgrad's tile), else over them interleaved.
+    block = contract.GATE_BLOCK if f % contract.GATE_BLOCK == 0 else 1
+    dx_plan = gated_planner.plan_gate_up_dgrad(jax_cake.plan("dgrad", tokens=t, d_in=d_in, d_out=2 * f), block)
+    halves = dx_plan.op == "dgrad_gate_up"
+    assert halves == (block == contract.GATE_BLOCK), dx_plan  # both CASES shapes
     assert h.custom_calls(text, "jax_cake_dgrad_gate_up") == int(halves)
     assert h.custom_calls(text, "jax_cake_dgrad") == int(not halves)
     assert h.custom_calls(text, "jax_cake_wgrad") >= 1 and "dot_general" not in text
@@ -277,7 +280,7 @@ def test_gate_up_dgrad_kernel(variant, shape):
     w = h.rand(h.seed_of("w", *key), (1, 2 * f, d_in), scale=0.05)
     with force("det", tile=variant.tile, cluster=variant.cluster, schedule=variant.schedule):
         base = jax_cake.plan("dgrad", tokens=t, d_in=d_in, d_out=2 * f)
-    plan = gated_planner.plan_gate_up_dgrad(base)
+    plan = gated_planner.plan_gate_up_dgrad(base, contract.GATE_BLOCK)
     assert plan.op == "dgrad_gate_up", plan
     assert (plan.tile, plan.cluster, plan.schedule) == (variant.tile, variant.cluster, variant.schedule), plan
     text = jax.jit(lambda *a: gemm.dgrad_gate_up(*a, plan)).lower(dg, du, w).as_text()
