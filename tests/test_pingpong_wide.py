@@ -2,6 +2,7 @@
 the planner's forcing of them, their lowering, a model of the kernel's turn barriers, and
 jax_cake.tools.core_bench's case list and arms."""
 
+import dataclasses
 import importlib.util
 import os
 import tempfile
@@ -27,6 +28,7 @@ def test_wide_pingpong_variants_are_in_the_table():
         ("fwd", 160, (2, 1)),
         ("dgrad", 192, (1, 1)),
         ("dgrad", 192, (2, 1)),
+        ("dgrad", 160, (2, 1)),
     }
     for v in WIDE:
         assert (v.tile_m, v.tile_k, v.out_dtype, v.store, v.cluster_n) == (128, 64, "bfloat16", "plain", 1)
@@ -110,7 +112,8 @@ def test_forced_tile_needs_a_forced_schedule_for_fwd_and_dgrad():
     with jc.planner.force("det", tile=(128, 160, 64), schedule="pingpong", cluster=(1, 1)):
         p = jc.plan("fwd", **args)  # compiled in pairs only
         assert (p.tile, p.cluster) == ((128, 160, 64), (2, 1)), jc.explain(p)
-        assert jc.plan("dgrad", **args).tile == (128, 128, 64)  # no dgrad 128 x 160 ping-pong
+        p = jc.plan("dgrad", **args)
+        assert (p.tile, p.cluster) == ((128, 160, 64), (2, 1)), jc.explain(p)
 
 
 def test_forced_wide_pingpong_lowers_with_its_tile():
@@ -243,3 +246,32 @@ def test_core_bench_csv_and_flags():
         path = core_bench.write_csv(os.path.join(tmp, "sub"), [row])
         assert open(path).read().splitlines()[0] == ",".join(core_bench.COLUMNS)
     assert "| op |" in core_bench.table([dict(row, op="fwd")])
+
+
+def test_core_bench_raster_arms():
+    """--rasters adds one arm per walk after each variant's planner-walk arm; --only keeps
+    the matching variants; the lowering check compares the raster attribute too."""
+    from jax_cake.tools import bench, core_bench
+
+    arms = core_bench.variant_arms("fwd", rasters=("m4", "n"), only="pp_c2")
+    assert arms[0].name == "xla"
+    assert {a.name for a in arms[1:]} >= {"128x192_pp_c2x1", "128x192_pp_c2x1_rm4", "128x192_pp_c2x1_rn"}
+    assert all("pp_c2" in a.name for a in arms[1:])
+    by_name = {a.name: a for a in arms}
+    assert by_name["128x192_pp_c2x1"].raster is None
+    spec = bench.parse_arm(by_name["128x192_pp_c2x1_rm4"].bench_arm)
+    assert (spec.tile, spec.schedule, spec.cluster, spec.raster) == ((128, 192, 64), "pingpong", (2, 1), "m4")
+    with pytest.raises(ValueError):
+        core_bench.variant_arms("fwd", rasters=("m1",))
+    specs = (
+        jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16),
+        jax.ShapeDtypeStruct((14336, 4096), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8192, 14336), jnp.bfloat16),
+    )
+    arm = by_name["128x192_pp_c2x1_rm4"]
+    fn = bench.op_fn("fwd", bench.jax_projection(bench.parse_arm(arm.bench_arm)))
+    with faked_device():
+        core_bench.check_lowering(arm, "fwd", fn, specs, platforms=("cuda",))
+        wrong = dataclasses.replace(arm, raster="m16")
+        with pytest.raises(RuntimeError, match="raster"):
+            core_bench.check_lowering(wrong, "fwd", fn, specs, platforms=("cuda",))

@@ -115,16 +115,18 @@ _PINGPONG_DGRAD_MIN_K = 64
 _PINGPONG_DGRAD_MAX_K = 1024
 _PINGPONG_DGRAD_MIN_N = 4096
 _PINGPONG_TILE = (128, 128, 64)
-# Compute-bound fwd/dgrad (K >= _PINGPONG_WIDE_MIN_K, N >= _CLUSTER_MIN_N) run the
-# ping-pong 128 x 192 tile where its utilization times _PINGPONG_WIDE_PRIOR beats the
-# cooperative pick's: each tile's epilogue runs under the other warpgroup's K loop. On the
-# H200 (jax 0.11.2, 2026-12-04, power_state, T 8192, both in bands of 8) it ran 0.7-2 %
-# faster than the cooperative 128 x 256 where 192 divides N (6144, 14336) or nearly does
-# (8192, 28672: a tie), and 2-4 % slower at N = 4096, whose last 192-wide tile is a third
-# full (docs/planner.md).
-_PINGPONG_WIDE_TILE = (128, 192, 64)
+# Compute-bound fwd/dgrad (K >= _PINGPONG_WIDE_MIN_K, N >= _CLUSTER_MIN_N) run a wide
+# ping-pong tile where its utilization times its prior (_PINGPONG_WIDE_PRIORS) beats the
+# cooperative pick's: each tile's epilogue runs under the other warpgroup's K loop. The
+# priors are fitted to the H200's measurements (jax 0.11.2, T 8192, bands of 8;
+# docs/planner.md): 128 x 192 ran 0.7-2 % faster than the cooperative 128 x 256 where 192
+# divides N (6144, 14336) or nearly does (8192, 28672: a tie), 2-4 % slower at N = 4096,
+# whose last 192-wide tile is a third full (2026-12-04, power_state); 128 x 160 ran 0.6-3 %
+# faster than 128 x 192 at N = 14336 and 1.4-4 % slower than the cooperative tile at
+# N = 4096 (2026-12-04, core_bench, 4 paired groups), and its time moved by under 1 % from
+# group to group where the others' moved by 5-10 %.
+_PINGPONG_WIDE_PRIORS = {(128, 192, 64): 1.015, (128, 160, 64): 1.01}
 _PINGPONG_WIDE_MIN_K = 4096
-_PINGPONG_WIDE_PRIOR = 1.015
 
 
 # --- the planner ------------------------------------------------------------------------
@@ -510,7 +512,7 @@ def plan(
     pp_tile = _pingpong_tile(op)
     pingpong_note = pingpong_rule(op, n, k, pp_tile)
     if not pingpong_note and forced("schedule") is None:
-        pp_tile, pingpong_note = _PINGPONG_WIDE_TILE, _wide_pingpong_rule(op, batch, m, n, k, dev.sm_count, tile)
+        pp_tile, pingpong_note = _wide_pingpong_rule(op, batch, m, n, k, dev.sm_count, tile)
     one_pass = contract.REDUCTION_NONE
     if pingpong_note and pingpong_clusters(op, pp_tile):
         tile, schedule, tile_note = pp_tile, "pingpong", pingpong_note
@@ -533,18 +535,28 @@ def plan(
     )
 
 
-def _wide_pingpong_rule(op: str, batch: int, m: int, n: int, k: int, sm_count: int, tile) -> str:
-    """Why a compute-bound fwd/dgrad runs the ping-pong _PINGPONG_WIDE_TILE instead of the
-    cooperative `tile` ("": it does not; the rule at _PINGPONG_WIDE_PRIOR)."""
+def _wide_pingpong_rule(op: str, batch: int, m: int, n: int, k: int, sm_count: int, tile) -> tuple[tuple, str]:
+    """(tile, why) of the wide ping-pong tile a compute-bound fwd/dgrad runs instead of the
+    cooperative `tile`: the best of _PINGPONG_WIDE_PRIORS compiled for op, by utilization
+    times prior, where it beats the cooperative pick's; ((), "") where none does."""
     if k < _PINGPONG_WIDE_MIN_K or n < _CLUSTER_MIN_N:
-        return ""
-    if not pingpong_clusters(op, _PINGPONG_WIDE_TILE):
-        return ""
-    wide, wide_note = _tile_score(_PINGPONG_WIDE_TILE, batch, m, n, sm_count, _PINGPONG_WIDE_PRIOR)
-    coop, _ = _tile_score(tile, batch, m, n, sm_count, _TILE_PRIOR.get(tile[:2], 0.8))
-    if wide <= coop:
-        return ""
-    return f"{wide_note}, ping-pong (K={k}: each tile's epilogue runs under the other warpgroup's MMAs)"
+        return (), ""
+    best, best_score, best_note = (), _tile_score(tile, batch, m, n, sm_count, _TILE_PRIOR.get(tile[:2], 0.8))[0], ""
+    for wide, prior in _PINGPONG_WIDE_PRIORS.items():
+        if not pingpong_clusters(op, wide):
+            continue
+        score, note = _tile_score(wide, batch, m, n, sm_count, prior)
+        if score > best_score:
+            best, best_score, best_note = wide, score, note
+    if not best:
+        return (), ""
+    return best, f"{best_note}, ping-pong (K={k}: each tile's epilogue runs under the other warpgroup's MMAs)"
+
+
+def is_wide_tile(tile) -> bool:
+    """Whether tile is one the planner gives compute-bound fwd/dgrad shapes: a wide
+    ping-pong tile (_PINGPONG_WIDE_PRIORS) or the cooperative 128 x 256."""
+    return tuple(tile) in _PINGPONG_WIDE_PRIORS or tuple(tile[:2]) == (128, 256)
 
 
 def pingpong_clusters(op: str, tile) -> list[tuple[int, int]]:

@@ -6,8 +6,8 @@ activation's gradient, and the gated projection's dx from its cotangent's halves
 projection and its activation in one kernel (jax_cake_fwd_gated, docs/ffi_contract.md);
 `plan_gate_grad` one with op "dgrad_gated" where it runs the down projection's dgrad
 dh = dy W_down and, from dh and the saved pre-activation, d[gate|up] in one kernel
-(jax_cake_dgrad_gated). Both where the plain GEMM's planner picks a tile at least as wide
-as GATED_TILE (128 x 256 or 128 x 192: the large, compute-bound shapes), and for the gradient only where enabled
+(jax_cake_dgrad_gated). Both where the plain GEMM's planner picks a wide tile (choose.is_wide_tile: 128 x 256
+or a wide ping-pong tile, the large, compute-bound shapes), and for the gradient only where enabled
 (GATE_GRAD_EPILOGUE_ENABLED: held back, slower than the pass it replaces as built): then
 the epilogue runs on the ping-pong 128 x 192 tile (GATED_TILE) with the planner's cluster,
 or 1x1; under a force() pin of the tile or schedule, on the pinned tile. The forward kernel writes the pre-activation gu (the
@@ -149,7 +149,7 @@ def _with_epilogue(base: Plan, op: str, store: str, d_ff: int, activation: str, 
         reason = "the gated kernel epilogue is switched off"
     elif d_ff % contract.GATE_BLOCK != 0:
         reason = f"d_ff = {d_ff} is not a multiple of {contract.GATE_BLOCK} (the kernels' gate/up interleave)"
-    elif base.tile[1] < GATED_TILE[1] and not pinned:
+    elif not choose.is_wide_tile(base.tile) and not pinned:
         reason = f"the planner's {base.tile[0]}x{base.tile[1]} tiles (the epilogue runs on the {_GATED_TILE_NAME} tile)"
     else:
         # A force() pin keeps the pinned tile; else the wide ping-pong tile.
@@ -206,9 +206,20 @@ def plan_gate_up_dgrad(base: Plan, block: int) -> Plan:
     reason = None
     if block != contract.GATE_BLOCK:
         reason = f"the weight is interleaved row by row, not in blocks of {contract.GATE_BLOCK}"
-    elif variants.find_variant("dgrad", base.tile, base.cluster, "bfloat16", "gate_up_halves", base.schedule) is None:
-        (tm, tn, _), (cm, cn) = base.tile, base.cluster
-        reason = f"no gate_up_halves variant of the {tm}x{tn} {base.schedule} tile, cluster {cm}x{cn}"
+    else:
+        # base's tile, or for a wide ping-pong tile without the variant the gated one's.
+        tiles = [base.tile] + ([GATED_TILE] if base.schedule == "pingpong" and choose.is_wide_tile(base.tile) else [])
+        tile = next(
+            (t for t in tiles if variants.find_variant("dgrad", t, base.cluster, "bfloat16", "gate_up_halves", base.schedule)),
+            None,
+        )
+        if tile is None:
+            (tm, tn, _), (cm, cn) = base.tile, base.cluster
+            reason = f"no gate_up_halves variant of the {tm}x{tn} {base.schedule} tile, cluster {cm}x{cn}"
+        elif tile != base.tile:
+            base = dataclasses.replace(
+                base, tile=tile, reason=f"{base.reason}; on the {tile[0]}x{tile[1]} tile, which reads the halves"
+            )
     if reason is not None:
         _log_interleaved_dx_once(base.device, f"{base.batch}x{base.m}x{base.k}->{base.n}", reason)
         return dataclasses.replace(base, reason=f"{base.reason}; dg and du interleaved by an XLA pass first ({reason})")

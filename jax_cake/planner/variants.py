@@ -163,8 +163,9 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # where cuBLAS's best are ping-pong 176 x 128 / 128 x 160 tiles: one warpgroup holds a
     # whole 128 x 192 (or 160) fp32 tile, 192 registers per thread of the 232 a consumer
     # gets, and the two warpgroups share one ring of epilogue buffers (gemm_sm90's
-    # docstring). Not planned by default (no measurement yet): force(..., tile=(128, 192,
-    # 64), schedule="pingpong", cluster=...) or bench's det/t128x192x64/pp/c2 arm.
+    # docstring). The planner's wide ping-pong rule (planner/choose.py) picks the c2x1 ones
+    # for compute-bound shapes; force(..., tile=(128, 192, 64), schedule="pingpong",
+    # cluster=...) or bench's det/t128x192x64/pp/c2 arm pins one.
     # Compiled for sm_90a here (2026-12-02, nvidia-cutlass-dsl 4.8.1; PTX kept with
     # CUTE_DSL_KEEP=ptx, then `ptxas -v -arch=sm_90a -O3` of CUDA 13.0 with the PTX
     # .version lowered to 9.0): 0 bytes stack frame, 0 spill stores / loads each,
@@ -172,13 +173,16 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # same method with the consumers' setmaxnreg lowered: fwd and dgrad 128 x 192 c2x1 still
     # compile without spills at 224, and spill ~2 KB at 216. Shared memory: 128 x 192 has 5 A/B stages (40 KiB each) and 3
     # epilogue buffers (8 KiB), 224 KiB + barriers; 128 x 160 has 5 stages (36 KiB) and 5
-    # buffers, 220 KiB + barriers. dgrad has no 128 x 160 ping-pong: its N-major B tile
-    # gets a 64-byte swizzle there (192 = 3 x 64 columns keeps 128 bytes).
+    # buffers, 220 KiB + barriers. The dgrad 128 x 160 c2x1 (its N-major B tile gets a
+    # 64-byte swizzle: 160 is not a multiple of 64 columns) compiles the same way with no
+    # spills, and on the H200 ran as fast as 128 x 192 or faster at N = 14336 (2026-12-04,
+    # core_bench; docs/planner.md has the numbers the planner's wide ping-pong rule uses).
     GemmVariant("fwd", 128, 192, schedule="pingpong"),
     GemmVariant("fwd", 128, 192, cluster_m=2, schedule="pingpong"),
     GemmVariant("fwd", 128, 160, cluster_m=2, schedule="pingpong"),
     GemmVariant("dgrad", 128, 192, schedule="pingpong"),
     GemmVariant("dgrad", 128, 192, cluster_m=2, schedule="pingpong"),
+    GemmVariant("dgrad", 128, 160, cluster_m=2, schedule="pingpong"),
     # Cluster (2, 1) with B multicast: halves the L2 -> SM traffic of the B tile for
     # compute-bound shapes (T ~ 16k with d_out or d_in >= 512).
     GemmVariant("fwd", 128, 256, cluster_m=2),

@@ -7,7 +7,9 @@ Needs a CUDA GPU and the built library (each forced arm's lowering must hold its
 For each op (fwd: y = x w^T, K = d_in; dgrad: dx = dy w, K = d_out) and (d_in, d_out) of
 `--pairs` at T = `--tokens`, the arms are XLA (`jnp.dot`, jax.vjp for dgrad) and every
 compiled bf16 variant of the op with tile_n >= 128 (cooperative and ping-pong, each
-cluster), each run under `jax_cake.planner.force("det", tile=, schedule=, cluster=)`.
+cluster; `--only` keeps those whose arm name matches a regex), each run under
+`jax_cake.planner.force("det", tile=, schedule=, cluster=)`, and with `--rasters` once
+more per named tile walk (force(raster=): bands of B cluster rows "m<B>", "m", "n").
 Timing is jax_cake.tools.bench's `measure_point`: one process, command buffers on (XLA's
 default, profiled as graphs), `--steps` unrolled steps per call each followed by an L2
 flush (`--flush_mb`), arms interleaved in `--groups` paired groups (order rotated per
@@ -46,6 +48,7 @@ COLUMNS = (
     "tile",
     "cluster",
     "schedule",
+    "raster",
     "us",
     "tflops",
     "xla_over_arm",
@@ -71,6 +74,7 @@ class CoreArm:
     tile: tuple[int, int, int] | None = None
     cluster: tuple[int, int] | None = None
     schedule: str | None = None
+    raster: str | None = None  # a Plan.raster name; None: the planner's walk for the shape
 
     @property
     def bench_arm(self) -> str:
@@ -78,20 +82,29 @@ class CoreArm:
         if self.tile is None:
             return "xla"
         sched = {"pingpong": "pp", "tiles": "tiles"}[self.schedule]
-        return f"det/t{'x'.join(map(str, self.tile))}/{sched}/c{self.cluster[0]}"
+        walk = f"/r{self.raster}" if self.raster else ""
+        return f"det/t{'x'.join(map(str, self.tile))}/{sched}/c{self.cluster[0]}{walk}"
 
 
-def variant_arms(op: str) -> list[CoreArm]:
-    """XLA first, then every compiled bf16 plain-store variant of op with tile_n >= 128."""
+def variant_arms(op: str, rasters: Sequence[str] = (), only: str = "") -> list[CoreArm]:
+    """XLA first, then every compiled bf16 plain-store variant of op with tile_n >= 128
+    whose name matches the regex `only` (all when empty), each with the planner's tile
+    walk and then once per Plan.raster name of `rasters` (name suffix _r<raster>)."""
+    from jax_cake import contract
     from jax_cake.planner import variants
 
+    for r in rasters:
+        contract.raster_code(r)  # a bad name fails before anything runs
     arms = [CoreArm("xla")]
     for v in variants.VARIANTS:
         if v.program != op or v.store != "plain" or v.out_dtype != "bfloat16" or v.tile_n < 128:
             continue
         sched = "pp" if v.schedule == "pingpong" else "coop"
         name = f"{v.tile_m}x{v.tile_n}_{sched}_c{v.cluster_m}x{v.cluster_n}"
+        if only and not re.search(only, name):
+            continue
         arms.append(CoreArm(name, v.tile, v.cluster, v.schedule))
+        arms += [CoreArm(f"{name}_r{r}", v.tile, v.cluster, v.schedule, r) for r in rasters]
     return arms
 
 
@@ -136,6 +149,8 @@ def check_lowering(arm: CoreArm, op: str, fn, args, platforms: tuple[str, ...] |
     want = (arm.tile[0], arm.tile[1], arm.cluster[0], contract.SCHEDULES[arm.schedule])
     if got != want:
         raise RuntimeError(f"{op} {arm.name}: the plan ran (tile_m, tile_n, cluster_m, schedule) {got}, not {want}")
+    if arm.raster is not None and attr("raster") != contract.raster_code(arm.raster):
+        raise RuntimeError(f"{op} {arm.name}: the plan walked raster code {attr('raster')}, not {arm.raster!r}")
 
 
 def check_results(op: str, arms: Sequence[CoreArm], x, w, dy) -> dict[str, float]:
@@ -163,7 +178,17 @@ def check_results(op: str, arms: Sequence[CoreArm], x, w, dy) -> dict[str, float
     return out
 
 
-def run(out_dir: str, tokens: int, pairs, groups: int, steps: int, flush_mb: int, timer_kind: str | None) -> list[dict]:
+def run(
+    out_dir: str,
+    tokens: int,
+    pairs,
+    groups: int,
+    steps: int,
+    flush_mb: int,
+    timer_kind: str | None,
+    rasters: Sequence[str] = (),
+    only: str = "",
+) -> list[dict]:
     import jax
 
     from jax_cake.tools import bench
@@ -172,7 +197,7 @@ def run(out_dir: str, tokens: int, pairs, groups: int, steps: int, flush_mb: int
     rows = []
     for op, t, d_in, d_out in cases(tokens, pairs):
         t0 = time.time()
-        arms = variant_arms(op)
+        arms = variant_arms(op, rasters, only)
         point = bench.Point(t, d_in, d_out, "bfloat16")
         _, x, w, dy = bench.make_inputs(point, 1)
         errs = check_results(op, arms, x, w, dy)
@@ -194,6 +219,7 @@ def run(out_dir: str, tokens: int, pairs, groups: int, steps: int, flush_mb: int
                     "tile": "x".join(map(str, a.tile)) if a.tile else "",
                     "cluster": "x".join(map(str, a.cluster)) if a.cluster else "",
                     "schedule": a.schedule or "xla",
+                    "raster": a.raster or "",
                     "us": round(us[a.name], 2),
                     "tflops": round(flops(t, d_in, d_out) / us[a.name] / 1e6, 1),
                     "xla_over_arm": round(us["xla"] / us[a.name], 4),
@@ -240,7 +266,9 @@ def main(argv):
         raise app.UsageError("--groups x --steps must be >= 15 (or pass --allow_few_reps)")
     timer_kind = FLAGS.timer or bench.default_timer()
     t0 = time.time()
-    rows = run(FLAGS.out, FLAGS.tokens, pairs, FLAGS.groups, FLAGS.steps, FLAGS.flush_mb, timer_kind)
+    rows = run(
+        FLAGS.out, FLAGS.tokens, pairs, FLAGS.groups, FLAGS.steps, FLAGS.flush_mb, timer_kind, FLAGS.rasters, FLAGS.only
+    )
     h = bench.device_header(timer_kind)
     header = (
         f"core_bench: {h['gpu']}, {h['sms']} SMs, driver {h['driver']}, jax {h['jax']}, {h['date']}, {h['timer']}, "
@@ -265,6 +293,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("flush_mb", 128, "L2 flush buffer (MiB), >= 2x the H200's L2.")
     flags.DEFINE_enum("timer", None, ["device", "wall"], "device (CUPTI) on a GPU, wall elsewhere (default).")
     flags.DEFINE_bool("allow_few_reps", False, "Allow groups x steps < 15.")
+    flags.DEFINE_list(
+        "rasters", [], "Also time each variant with these tile walks (Plan.raster names: m, n, m<B>), beside the planner's."
+    )
+    flags.DEFINE_string("only", "", "Time only the variants whose arm name matches this regex (e.g. 'pp_c2').")
 
 
 if __name__ == "__main__":
