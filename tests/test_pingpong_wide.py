@@ -272,6 +272,23 @@ def test_core_bench_raster_arms():
     fn = bench.op_fn("fwd", bench.jax_projection(bench.parse_arm(arm.bench_arm)))
     with faked_device():
         core_bench.check_lowering(arm, "fwd", fn, specs, platforms=("cuda",))
-        wrong = dataclasses.replace(arm, raster="m16")
-        with pytest.raises(RuntimeError, match="raster"):
-            core_bench.check_lowering(wrong, "fwd", fn, specs, platforms=("cuda",))
+
+
+def test_core_bench_lowering_check_catches_another_walk(monkeypatch):
+    """A plan that walks otherwise than the arm names (here: the force replaced by one of
+    bands of 16) fails the check."""
+    from jax_cake.tools import bench, core_bench
+
+    arm = next(a for a in core_bench.variant_arms("fwd", rasters=("m4",)) if a.name == "128x192_pp_c2x1_rm4")
+    other = dataclasses.replace(bench.parse_arm(arm.bench_arm), raster="m16")
+    real = bench.planning_for
+    monkeypatch.setattr(bench, "planning_for", lambda spec: real(other))
+    fn = bench.op_fn("fwd", bench.jax_projection(other))
+    specs = (
+        jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16),
+        jax.ShapeDtypeStruct((14336, 4096), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8192, 14336), jnp.bfloat16),
+    )
+    jax.clear_caches()
+    with faked_device(), pytest.raises(RuntimeError, match="raster code 16"):
+        core_bench.check_lowering(arm, "fwd", fn, specs, platforms=("cuda",))

@@ -547,10 +547,11 @@ def test_force_schedule_overrides_the_pingpong_rule():
     "op, d_in, d_out, want",
     [
         ("fwd", 4096, 14336, (128, 160, 64)),  # Llama-3-8B gate / up: measured fastest on 128 x 160
-        ("dgrad", 14336, 4096, (128, 160, 64)),  # its input gradient (N = d_in = 14336)
-        ("fwd", 4096, 6144, (128, 160, 64)),  # fused QKV with GQA kv 1024: 160 and 192 near-divide 6144
-        ("fwd", 8192, 8192, (128, 192, 64)),  # Llama-3-70B attention out: 160 leaves 52 tiles 1/5 full
+        ("dgrad", 14336, 4096, (128, 192, 64)),  # its input gradient: dgrad's 128 x 160 is left to force()
+        ("fwd", 4096, 6144, (128, 160, 64)),  # fused QKV, GQA kv 1024: 160 fills its last wave better (a tie)
+        ("fwd", 8192, 8192, (128, 192, 64)),  # Llama-3-70B attention out: 160's 52nd N tile is 1/5 full
         ("fwd", 4096, 28672, (128, 192, 64)),  # gate and up as one GEMM: 192 nearly divides 28672
+        ("dgrad", 28672, 8192, (128, 192, 64)),
         ("fwd", 14336, 4096, None),  # the down projection: N = 4096 leaves the last wide tile part empty
         ("dgrad", 4096, 14336, None),  # the same N = 4096
         ("fwd", 4096, 4096, None),
@@ -741,3 +742,22 @@ def test_force_gemm_pins_one_gemm_and_leaves_the_others_to_the_planner():
         with pytest.raises(ValueError, match="gemm"):
             with jc.planner.force("det", gemm=bad):
                 pass
+
+
+def test_wide_pingpong_rule_keeps_a_forced_cluster():
+    """Under force(cluster=(1, 1)) the rule scores only wide tiles compiled in that cluster
+    (128 x 160 is compiled in pairs only), so the force holds."""
+    args = dict(tokens=8192, d_in=4096, d_out=14336, device=H200)
+    with jc.planner.force("det", cluster=(1, 1)):
+        p = jc.plan("fwd", **args)
+    assert (p.tile, p.schedule, p.cluster) == ((128, 192, 64), "pingpong", (1, 1)), jc.explain(p)
+    assert "cluster 1x1 (forced)" in p.reason
+    assert jc.plan("fwd", **args).tile == (128, 160, 64)
+
+
+def test_dgrad_rule_never_picks_the_128x160_pingpong():
+    """The dgrad 128 x 160 ping-pong variant is reached by force() only."""
+    for t in (4096, 8192, 16384):
+        for n in range(1024, 57345, 512):
+            p = jc.plan("dgrad", tokens=t, d_in=n, d_out=4096, device=H200)
+            assert p.tile != (128, 160, 64), jc.explain(p)

@@ -45,7 +45,7 @@ def compiled_tiles(program: str, out_dtype: str | None = None) -> tuple[tuple[in
     if program.startswith("router_"):
         family, program = router_variants.VARIANTS, program[len("router_") :]
     else:
-        # Ping-pong-only tiles (128 x 192, 128 x 160 for fwd) have no cooperative variant:
+        # Ping-pong-only tiles (128 x 192, 128 x 160) have no cooperative variant:
         # they are reached through the ping-pong rule or force(tile=, schedule="pingpong").
         family = [
             v for v in variants.VARIANTS if v.cluster == (1, 1) and v.store == "plain" and v.schedule != "pingpong"
@@ -116,16 +116,22 @@ _PINGPONG_DGRAD_MAX_K = 1024
 _PINGPONG_DGRAD_MIN_N = 4096
 _PINGPONG_TILE = (128, 128, 64)
 # Compute-bound fwd/dgrad (K >= _PINGPONG_WIDE_MIN_K, N >= _CLUSTER_MIN_N) run a wide
-# ping-pong tile where its utilization times its prior (_PINGPONG_WIDE_PRIORS) beats the
-# cooperative pick's: each tile's epilogue runs under the other warpgroup's K loop. The
-# priors are fitted to the H200's measurements (jax 0.11.2, T 8192, bands of 8;
-# docs/planner.md): 128 x 192 ran 0.7-2 % faster than the cooperative 128 x 256 where 192
-# divides N (6144, 14336) or nearly does (8192, 28672: a tie), 2-4 % slower at N = 4096,
-# whose last 192-wide tile is a third full (2026-12-04, power_state); 128 x 160 ran 0.6-3 %
-# faster than 128 x 192 at N = 14336 and 1.4-4 % slower than the cooperative tile at
-# N = 4096 (2026-12-04, core_bench, 4 paired groups), and its time moved by under 1 % from
-# group to group where the others' moved by 5-10 %.
-_PINGPONG_WIDE_PRIORS = {(128, 192, 64): 1.015, (128, 160, 64): 1.01}
+# ping-pong tile where its utilization times its prior (_PINGPONG_WIDE_PRIORS, per op)
+# beats the cooperative pick's: each tile's epilogue runs under the other warpgroup's K
+# loop. The priors are fitted to the H200's measurements (jax 0.11.2, T 8192, bands of 8;
+# docs/planner.md): 128 x 192 ran 0.7-2 % faster than the cooperative 128 x 256 at N = 6144,
+# 8192 and 14336, a tie at 28672, and 2-4 % slower at N = 4096, whose last 192-wide tile is
+# a third full (2026-12-04, power_state). The fwd 128 x 160 ran 3 % faster than 128 x 192 at
+# N = 14336 (median of 4 paired groups; 192 led two by under 0.3 %), 4.5 % slower at
+# N = 8192, 0.9 % slower at 4096 -> 28672 and within 0.1 % at 4096 -> 6144 and
+# 8192 -> 28672 (2026-12-04, core_bench), about as its score predicts. The dgrad
+# 128 x 160 (a 64-byte swizzle of its N-major B tile) ran 3-4 % slower than its score
+# predicts at N = 8192 and 28672, and 0.6 % faster than 128 x 192 at N = 14336 with 192
+# winning two of the four groups: the rule leaves it to force().
+_PINGPONG_WIDE_PRIORS = {
+    "fwd": {(128, 192, 64): 1.015, (128, 160, 64): 1.01},
+    "dgrad": {(128, 192, 64): 1.015},
+}
 _PINGPONG_WIDE_MIN_K = 4096
 
 
@@ -537,13 +543,16 @@ def plan(
 
 def _wide_pingpong_rule(op: str, batch: int, m: int, n: int, k: int, sm_count: int, tile) -> tuple[tuple, str]:
     """(tile, why) of the wide ping-pong tile a compute-bound fwd/dgrad runs instead of the
-    cooperative `tile`: the best of _PINGPONG_WIDE_PRIORS compiled for op, by utilization
-    times prior, where it beats the cooperative pick's; ((), "") where none does."""
+    cooperative `tile`: the best of op's _PINGPONG_WIDE_PRIORS compiled for op (in the
+    forced cluster, if one is), by utilization times prior, where it beats the cooperative
+    pick's; ((), "") where none does."""
     if k < _PINGPONG_WIDE_MIN_K or n < _CLUSTER_MIN_N:
         return (), ""
+    cluster = forced("cluster")
     best, best_score, best_note = (), _tile_score(tile, batch, m, n, sm_count, _TILE_PRIOR.get(tile[:2], 0.8))[0], ""
-    for wide, prior in _PINGPONG_WIDE_PRIORS.items():
-        if not pingpong_clusters(op, wide):
+    for wide, prior in _PINGPONG_WIDE_PRIORS.get(op, {}).items():
+        clusters = pingpong_clusters(op, wide)
+        if not clusters or (cluster is not None and tuple(cluster) not in clusters):
             continue
         score, note = _tile_score(wide, batch, m, n, sm_count, prior)
         if score > best_score:
@@ -556,7 +565,7 @@ def _wide_pingpong_rule(op: str, batch: int, m: int, n: int, k: int, sm_count: i
 def is_wide_tile(tile) -> bool:
     """Whether tile is one the planner gives compute-bound fwd/dgrad shapes: a wide
     ping-pong tile (_PINGPONG_WIDE_PRIORS) or the cooperative 128 x 256."""
-    return tuple(tile) in _PINGPONG_WIDE_PRIORS or tuple(tile[:2]) == (128, 256)
+    return any(tuple(tile) in priors for priors in _PINGPONG_WIDE_PRIORS.values()) or tuple(tile[:2]) == (128, 256)
 
 
 def pingpong_clusters(op: str, tile) -> list[tuple[int, int]]:
@@ -570,8 +579,8 @@ def pingpong_clusters(op: str, tile) -> list[tuple[int, int]]:
 
 def _pingpong_tile(op: str) -> tuple[int, int, int]:
     """The ping-pong tile: _PINGPONG_TILE, or under force(tile=..., schedule="pingpong") the
-    forced tile where the library holds a ping-pong variant of it for this op (the wider
-    ping-pong tiles are reached only so until a measurement puts them in a rule)."""
+    forced tile where the library holds a ping-pong variant of it for this op (the wide
+    tiles' own rule is _wide_pingpong_rule)."""
     ft = forced("tile")
     if forced("schedule") == "pingpong" and ft is not None and op in ("fwd", "dgrad") and pingpong_clusters(op, ft):
         return tuple(ft)

@@ -6,8 +6,9 @@ activation's gradient, and the gated projection's dx from its cotangent's halves
 projection and its activation in one kernel (jax_cake_fwd_gated, docs/ffi_contract.md);
 `plan_gate_grad` one with op "dgrad_gated" where it runs the down projection's dgrad
 dh = dy W_down and, from dh and the saved pre-activation, d[gate|up] in one kernel
-(jax_cake_dgrad_gated). Both where the plain GEMM's planner picks a wide tile (choose.is_wide_tile: 128 x 256
-or a wide ping-pong tile, the large, compute-bound shapes), and for the gradient only where enabled
+(jax_cake_dgrad_gated). Both where the plain GEMM's planner picks a wide tile
+(choose.is_wide_tile: 128 x 256 or a wide ping-pong tile, the large, compute-bound shapes),
+and for the gradient only where enabled
 (GATE_GRAD_EPILOGUE_ENABLED: held back, slower than the pass it replaces as built): then
 the epilogue runs on the ping-pong 128 x 192 tile (GATED_TILE) with the planner's cluster,
 or 1x1; under a force() pin of the tile or schedule, on the pinned tile. The forward kernel writes the pre-activation gu (the
@@ -57,8 +58,8 @@ GATED_EPILOGUE_ENABLED = True
 # H200 (jax 0.11.2, 2026-12-03, `python -m jax_cake.tools.gated_bench --runs=2 --modes=g
 # --groups=8`, T 8192, 4096 -> 2 x 14336, device time): fused on it 2814 us, on the
 # cooperative 128 x 256 c2x1 tile 3168 us, the plain forward + XLA pass 3079 us, XLA's dot
-# + pass 3036 us. Where the forward planner picks a narrower tile than 128 x 192 (smaller
-# shapes) the pass runs after the GEMM.
+# + pass 3036 us. Where the forward planner picks a narrower tile than its wide ones
+# (choose.is_wide_tile; smaller shapes) the pass runs after the GEMM.
 # Whether plan_gate_grad may plan the gradient kernel by default (epilogue=None). Held back:
 # in the SwiGLU MLP step (H200, jax 0.11.2, 2026-12-03, T 8192, 4096 -> 14336 -> 4096,
 # `python -m jax_cake.tools.step_profile --case=mlp --timeline --gate_grad_epilogue`) the
@@ -206,20 +207,9 @@ def plan_gate_up_dgrad(base: Plan, block: int) -> Plan:
     reason = None
     if block != contract.GATE_BLOCK:
         reason = f"the weight is interleaved row by row, not in blocks of {contract.GATE_BLOCK}"
-    else:
-        # base's tile, or for a wide ping-pong tile without the variant the gated one's.
-        tiles = [base.tile] + ([GATED_TILE] if base.schedule == "pingpong" and choose.is_wide_tile(base.tile) else [])
-        tile = next(
-            (t for t in tiles if variants.find_variant("dgrad", t, base.cluster, "bfloat16", "gate_up_halves", base.schedule)),
-            None,
-        )
-        if tile is None:
-            (tm, tn, _), (cm, cn) = base.tile, base.cluster
-            reason = f"no gate_up_halves variant of the {tm}x{tn} {base.schedule} tile, cluster {cm}x{cn}"
-        elif tile != base.tile:
-            base = dataclasses.replace(
-                base, tile=tile, reason=f"{base.reason}; on the {tile[0]}x{tile[1]} tile, which reads the halves"
-            )
+    elif variants.find_variant("dgrad", base.tile, base.cluster, "bfloat16", "gate_up_halves", base.schedule) is None:
+        (tm, tn, _), (cm, cn) = base.tile, base.cluster
+        reason = f"no gate_up_halves variant of the {tm}x{tn} {base.schedule} tile, cluster {cm}x{cn}"
     if reason is not None:
         _log_interleaved_dx_once(base.device, f"{base.batch}x{base.m}x{base.k}->{base.n}", reason)
         return dataclasses.replace(base, reason=f"{base.reason}; dg and du interleaved by an XLA pass first ({reason})")

@@ -173,10 +173,11 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # same method with the consumers' setmaxnreg lowered: fwd and dgrad 128 x 192 c2x1 still
     # compile without spills at 224, and spill ~2 KB at 216. Shared memory: 128 x 192 has 5 A/B stages (40 KiB each) and 3
     # epilogue buffers (8 KiB), 224 KiB + barriers; 128 x 160 has 5 stages (36 KiB) and 5
-    # buffers, 220 KiB + barriers. The dgrad 128 x 160 c2x1 (its N-major B tile gets a
-    # 64-byte swizzle: 160 is not a multiple of 64 columns) compiles the same way with no
-    # spills, and on the H200 ran as fast as 128 x 192 or faster at N = 14336 (2026-12-04,
-    # core_bench; docs/planner.md has the numbers the planner's wide ping-pong rule uses).
+    # buffers, 220 KiB + barriers. The dgrad 128 x 160 c2x1 (the tile of cuBLAS's kernel for
+    # the Llama-3-8B down projection's dgrad; its N-major B tile gets a 64-byte swizzle, 160
+    # not being a multiple of 64 columns) compiles the same way with no spills; it is for
+    # force() and the benchmarks: on the H200 it ran 3-4 % slower than its tile score
+    # predicts at N = 8192 and 28672, so the planner does not pick it (planner/choose.py).
     GemmVariant("fwd", 128, 192, schedule="pingpong"),
     GemmVariant("fwd", 128, 192, cluster_m=2, schedule="pingpong"),
     GemmVariant("fwd", 128, 160, cluster_m=2, schedule="pingpong"),
