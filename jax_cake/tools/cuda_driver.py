@@ -54,6 +54,17 @@ def check(result, what: str):
     return values[0] if len(values) == 1 else tuple(values) if values else None
 
 
+def profiler_range():
+    """(start, stop): cuProfilerStart / cuProfilerStop of the current context (the one JAX
+    made current on this thread), each return code checked. A profiler started with
+    `--profile-from-start off` (ncu, nsys) records only what runs between the two."""
+    driver = _driver()
+    return (
+        lambda: check(driver.cuProfilerStart(), "cuProfilerStart"),
+        lambda: check(driver.cuProfilerStop(), "cuProfilerStop"),
+    )
+
+
 class Driver:
     """Device 0's primary context, one module of kernels compiled for it (`source`, CUDA C)
     and one non-blocking stream."""
