@@ -16,6 +16,7 @@ ncu profiles them. Needs a GPU.
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable
 
 from absl import app, flags
@@ -51,14 +52,8 @@ def compiled_call(gemm: str, arm_name: str, tokens: int) -> tuple[Callable, str]
     fn = bench.op_fn(op, bench.jax_projection(arm))
     with bench.planning_for(arm):
         compiled = jax.jit(fn).lower(x, w, dy).compile()
-    targets = sorted({t for t in _targets(compiled.as_text())})
+    targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())))
     return (lambda: compiled(x, w, dy)), ", ".join(targets) or "no custom call (an XLA fusion)"
-
-
-def _targets(hlo: str):
-    import re
-
-    return re.findall(r'custom_call_target="([^"]+)"', hlo)
 
 
 def main(argv):
