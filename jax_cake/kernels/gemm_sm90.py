@@ -495,74 +495,36 @@ class GemmSm90(GemmSm90Base):
                     for kt in cutlass.range(k_cnt, unroll=1):
                         ab_pipe.producer_acquire(prod_state)
                         k_coord = k_begin + kt
+                        bar = ab_pipe.producer_get_barrier(prod_state)
                         if cutlass.const_expr(self.gate_up_halves):
                             # The gate half's K tiles, then the up half's.
-                            bar = ab_pipe.producer_get_barrier(prod_state)
-                            idx = prod_state.index
                             if k_coord < k_half:
-                                cute.copy(tma_atom_a, tAgA[(None, k_coord)], tAsA[(None, idx)], tma_bar_ptr=bar)
-                                if cutlass.const_expr(cm > 1):
-                                    cute.copy(
-                                        tma_atom_b,
-                                        tBgB[(None, k_coord)],
-                                        tBsB[(None, idx)],
-                                        tma_bar_ptr=bar,
-                                        mcast_mask=b_mask,
-                                    )
-                                else:
-                                    cute.copy(tma_atom_b, tBgB[(None, k_coord)], tBsB[(None, idx)], tma_bar_ptr=bar)
+                                self._load_k_tile(
+                                    (tma_atom_a, tAgA, tAsA, False),
+                                    (tma_atom_b, tBgB, tBsB, False),
+                                    k_coord,
+                                    prod_state.index,
+                                    bar,
+                                    b_mask,
+                                )
                             else:
-                                k_up = k_coord - k_half
-                                cute.copy(tma_atom_a2, tAgA2[(None, k_up)], tAsA2[(None, idx)], tma_bar_ptr=bar)
-                                if cutlass.const_expr(cm > 1):
-                                    cute.copy(
-                                        tma_atom_b2,
-                                        tBgB2[(None, k_up)],
-                                        tBsB2[(None, idx)],
-                                        tma_bar_ptr=bar,
-                                        mcast_mask=b_mask,
-                                    )
-                                else:
-                                    cute.copy(tma_atom_b2, tBgB2[(None, k_up)], tBsB2[(None, idx)], tma_bar_ptr=bar)
+                                self._load_k_tile(
+                                    (tma_atom_a2, tAgA2, tAsA2, False),
+                                    (tma_atom_b2, tBgB2, tBsB2, False),
+                                    k_coord - k_half,
+                                    prod_state.index,
+                                    bar,
+                                    b_mask,
+                                )
                         else:
-                            if a_streams:
-                                cute.copy(
-                                    tma_atom_a,
-                                    tAgA[(None, k_coord)],
-                                    tAsA[(None, prod_state.index)],
-                                    tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
-                                    cache_policy=cutlass.Int64(_L2_EVICT_FIRST),
-                                )
-                            else:
-                                cute.copy(
-                                    tma_atom_a,
-                                    tAgA[(None, k_coord)],
-                                    tAsA[(None, prod_state.index)],
-                                    tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
-                                )
-                            if cutlass.const_expr(cm > 1):
-                                cute.copy(
-                                    tma_atom_b,
-                                    tBgB[(None, k_coord)],
-                                    tBsB[(None, prod_state.index)],
-                                    tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
-                                    mcast_mask=b_mask,
-                                )
-                            elif b_streams:
-                                cute.copy(
-                                    tma_atom_b,
-                                    tBgB[(None, k_coord)],
-                                    tBsB[(None, prod_state.index)],
-                                    tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
-                                    cache_policy=cutlass.Int64(_L2_EVICT_FIRST),
-                                )
-                            else:
-                                cute.copy(
-                                    tma_atom_b,
-                                    tBgB[(None, k_coord)],
-                                    tBsB[(None, prod_state.index)],
-                                    tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
-                                )
+                            self._load_k_tile(
+                                (tma_atom_a, tAgA, tAsA, a_streams),
+                                (tma_atom_b, tBgB, tBsB, b_streams),
+                                k_coord,
+                                prod_state.index,
+                                bar,
+                                b_mask,
+                            )
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
                 if cutlass.const_expr(cm > 1):
@@ -829,6 +791,38 @@ class GemmSm90(GemmSm90Base):
                     release_state.advance(k_tiles)
             if warp_idx == store_warp:
                 c_pipe.producer_tail()
+
+    @cute.jit
+    def _load_k_tile(self, a, b, k_coord, stage, bar, b_mask):
+        """TMA loads of one K tile of A and of B into ring stage `stage`, completing `bar`.
+
+        a, b: (atom, gmem K tiles, smem stages, streams) of each operand; a streamed
+        operand's loads carry the L2 evict-first hint (module docstring). In a (cm, 1)
+        cluster B is multicast to the CTAs of b_mask (never streamed there)."""
+        atom_a, g_a, s_a, a_streams = a
+        atom_b, g_b, s_b, b_streams = b
+        if a_streams:
+            cute.copy(
+                atom_a,
+                g_a[(None, k_coord)],
+                s_a[(None, stage)],
+                tma_bar_ptr=bar,
+                cache_policy=cutlass.Int64(_L2_EVICT_FIRST),
+            )
+        else:
+            cute.copy(atom_a, g_a[(None, k_coord)], s_a[(None, stage)], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.cluster_m > 1):
+            cute.copy(atom_b, g_b[(None, k_coord)], s_b[(None, stage)], tma_bar_ptr=bar, mcast_mask=b_mask)
+        elif b_streams:
+            cute.copy(
+                atom_b,
+                g_b[(None, k_coord)],
+                s_b[(None, stage)],
+                tma_bar_ptr=bar,
+                cache_policy=cutlass.Int64(_L2_EVICT_FIRST),
+            )
+        else:
+            cute.copy(atom_b, g_b[(None, k_coord)], s_b[(None, stage)], tma_bar_ptr=bar)
 
     @staticmethod
     def _gate_up_rows(mB, d_ff):
