@@ -798,31 +798,26 @@ class GemmSm90(GemmSm90Base):
 
         a, b: (atom, gmem K tiles, smem stages, streams) of each operand; a streamed
         operand's loads carry the L2 evict-first hint (module docstring). In a (cm, 1)
-        cluster B is multicast to the CTAs of b_mask (never streamed there)."""
-        atom_a, g_a, s_a, a_streams = a
-        atom_b, g_b, s_b, b_streams = b
-        if a_streams:
+        cluster B is multicast to the CTAs of b_mask (None without a cluster; B is never
+        streamed in one)."""
+        self._load_operand(*a, k_coord, stage, bar, None)
+        self._load_operand(*b, k_coord, stage, bar, b_mask)
+
+    @cute.jit
+    def _load_operand(self, atom, g_tiles, s_stages, streams, k_coord, stage, bar, mcast_mask):
+        """One operand's TMA load of K tile k_coord into stage `stage` (_load_k_tile)."""
+        if cutlass.const_expr(mcast_mask is not None):
+            cute.copy(atom, g_tiles[(None, k_coord)], s_stages[(None, stage)], tma_bar_ptr=bar, mcast_mask=mcast_mask)
+        elif streams:
             cute.copy(
-                atom_a,
-                g_a[(None, k_coord)],
-                s_a[(None, stage)],
+                atom,
+                g_tiles[(None, k_coord)],
+                s_stages[(None, stage)],
                 tma_bar_ptr=bar,
                 cache_policy=cutlass.Int64(_L2_EVICT_FIRST),
             )
         else:
-            cute.copy(atom_a, g_a[(None, k_coord)], s_a[(None, stage)], tma_bar_ptr=bar)
-        if cutlass.const_expr(self.cluster_m > 1):
-            cute.copy(atom_b, g_b[(None, k_coord)], s_b[(None, stage)], tma_bar_ptr=bar, mcast_mask=b_mask)
-        elif b_streams:
-            cute.copy(
-                atom_b,
-                g_b[(None, k_coord)],
-                s_b[(None, stage)],
-                tma_bar_ptr=bar,
-                cache_policy=cutlass.Int64(_L2_EVICT_FIRST),
-            )
-        else:
-            cute.copy(atom_b, g_b[(None, k_coord)], s_b[(None, stage)], tma_bar_ptr=bar)
+            cute.copy(atom, g_tiles[(None, k_coord)], s_stages[(None, stage)], tma_bar_ptr=bar)
 
     @staticmethod
     def _gate_up_rows(mB, d_ff):
