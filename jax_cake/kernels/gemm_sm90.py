@@ -492,39 +492,21 @@ class GemmSm90(GemmSm90Base):
                         gB2 = cute.local_tile(mB2, self.tile_mnk, (pid_m, pid_n, None, l_idx), proj=(None, 1, 1))
                         tAsA2, tAgA2 = self._tma_part(tma_atom_a2, sA, gA2)
                         tBsB2, tBgB2 = self._tma_part(tma_atom_b2, sB, gB2, rank, cm)
+                        up_pair = ((tma_atom_a2, tAgA2, tAsA2, False), (tma_atom_b2, tBgB2, tBsB2, False))
+                    # Each K tile's operand pair (_load_k_tile); with gate_up_halves the gate
+                    # half's K tiles come from it, the up half's from up_pair.
+                    pair = ((tma_atom_a, tAgA, tAsA, a_streams), (tma_atom_b, tBgB, tBsB, b_streams))
                     for kt in cutlass.range(k_cnt, unroll=1):
                         ab_pipe.producer_acquire(prod_state)
                         k_coord = k_begin + kt
                         bar = ab_pipe.producer_get_barrier(prod_state)
                         if cutlass.const_expr(self.gate_up_halves):
-                            # The gate half's K tiles, then the up half's.
                             if k_coord < k_half:
-                                self._load_k_tile(
-                                    (tma_atom_a, tAgA, tAsA, False),
-                                    (tma_atom_b, tBgB, tBsB, False),
-                                    k_coord,
-                                    prod_state.index,
-                                    bar,
-                                    b_mask,
-                                )
+                                self._load_k_tile(*pair, k_coord, prod_state.index, bar, b_mask)
                             else:
-                                self._load_k_tile(
-                                    (tma_atom_a2, tAgA2, tAsA2, False),
-                                    (tma_atom_b2, tBgB2, tBsB2, False),
-                                    k_coord - k_half,
-                                    prod_state.index,
-                                    bar,
-                                    b_mask,
-                                )
+                                self._load_k_tile(*up_pair, k_coord - k_half, prod_state.index, bar, b_mask)
                         else:
-                            self._load_k_tile(
-                                (tma_atom_a, tAgA, tAsA, a_streams),
-                                (tma_atom_b, tBgB, tBsB, b_streams),
-                                k_coord,
-                                prod_state.index,
-                                bar,
-                                b_mask,
-                            )
+                            self._load_k_tile(*pair, k_coord, prod_state.index, bar, b_mask)
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
                 if cutlass.const_expr(cm > 1):
