@@ -12,9 +12,9 @@ threads may each hold: 168), before the kernel's setmaxnreg moves registers from
 producer warpgroup to the consumers; a consumer that needs more than it gets spills, and
 its stack shows it.
 
-Pure Python: no CUDA toolkit. Checked against `cuobjdump --dump-resource-usage` of CUDA 13
-on the extracted cubins: the same REG and STACK for all 46 variants of 2026-12-05
-(nvidia-cutlass-dsl 4.8.1). `--cubin_dir=DIR` writes the cubins out for cuobjdump or
+Pure Python: no CUDA toolkit. Checked against `cuobjdump --dump-resource-usage` of CUDA 13.5
+on the extracted cubins: the same REG and STACK for every kernel of two builds of
+2026-12-05 (46 and 49 objects, nvidia-cutlass-dsl 4.8.1). `--cubin_dir=DIR` writes the cubins out for cuobjdump or
 nvdisasm (SASS: `nvdisasm -c FILE.cubin`).
 """
 
