@@ -66,8 +66,7 @@ def test_the_device_elf_is_found_inside_a_host_object_and_read():
 def test_read_objects_writes_the_cubins(tmp_path):
     cubin = _cubin(_nv_info(_records(registers=232, stack=0)))
     (tmp_path / "k.o").write_bytes(_elf_header(62, 0, 0) + cubin)
-    out = tmp_path / "cubins"
-    out.mkdir()
+    out = tmp_path / "cubins" / "sm_90a"  # made as needed
     assert kr.read_objects(tmp_path, ["k"], out) == {"k": kr.KernelResources(232, 0)}
     assert (out / "k.cubin").read_bytes() == cubin
 

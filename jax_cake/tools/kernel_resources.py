@@ -118,6 +118,8 @@ def read_objects(
         from jax_cake.planner import router_variants, variants
 
         names = [v.name for v in (*variants.VARIANTS, *router_variants.VARIANTS)]
+    if cubin_dir is not None:
+        cubin_dir.mkdir(parents=True, exist_ok=True)
     found = {}
     for name in names:
         cubin = device_code((obj_dir / f"{name}.o").read_bytes())
@@ -129,10 +131,7 @@ def read_objects(
 
 def main(argv):
     del argv
-    cubin_dir = None
-    if FLAGS.cubin_dir:
-        cubin_dir = pathlib.Path(FLAGS.cubin_dir)
-        cubin_dir.mkdir(parents=True, exist_ok=True)
+    cubin_dir = pathlib.Path(FLAGS.cubin_dir) if FLAGS.cubin_dir else None
     found = read_objects(pathlib.Path(FLAGS.obj_dir), cubin_dir=cubin_dir)
     table = md.table(["variant", "registers", "stack bytes"], ([n, r.registers, r.stack_bytes] for n, r in found.items()))
     spilling = sum(r.stack_bytes > 0 for r in found.values())
