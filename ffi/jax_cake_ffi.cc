@@ -99,13 +99,20 @@ ffi::Error NoVariant(const VariantKey& k) {
   return ffi::Error::InvalidArgument(buf);
 }
 
-// The handler's view of its attributes (docs/ffi_contract.md).
+// The GEMM attributes of every dense target (docs/ffi_contract.md), decoded by XLA from
+// the call's attribute dictionary (XLA_FFI_REGISTER_STRUCT_ATTR_DECODING below).
 struct Attrs {
   int64_t tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule;
 
   VariantKey Key(const char* program, int out_dtype, int64_t store, int64_t sched) const {
     return {program, tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, store, sched};
   }
+};
+
+// The gated targets' attributes: the GEMM's and the activation code.
+struct GatedAttrs {
+  Attrs gemm;
+  int64_t activation;
 };
 
 ffi::Error Launch(const Variant* v, GemmArgs args, cudaStream_t stream) {
@@ -149,6 +156,30 @@ ffi::Error CheckOnePass(const char* target, const Attrs& at) {
   return ffi::Error::Success();
 }
 
+// What every dense handler does first: load the kernel modules (once) and check the
+// attributes every target shares.
+ffi::Error Begin(const char* target, const Attrs& at) {
+  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
+  return CheckCommonAttrs(target, at);
+}
+
+// Begin, for the targets of one pass over K (fwd and dgrad kinds).
+ffi::Error BeginOnePass(const char* target, const Attrs& at) {
+  JC_RETURN_IF_ERROR(Begin(target, at));
+  return CheckOnePass(target, at);
+}
+
+// Launches the bf16 variant of `program` and `store` the attributes name (one pass over
+// K, their schedule) on the operands of g.
+ffi::Error LaunchOnePass(const Attrs& at, const char* program, int64_t store, GemmArgs g, cudaStream_t stream) {
+  const VariantKey key = at.Key(program, kBf16, store, at.schedule);
+  const Variant* v = FindVariant(key);
+  if (!v) return NoVariant(key);
+  g.splits = 1;
+  g.raster = static_cast<int32_t>(at.raster);
+  return Launch(v, g, stream);
+}
+
 // TMA strides must be multiples of 16 bytes: the row widths d_in and d_out (bf16) must be
 // multiples of 8 elements, else the copies read and write the wrong rows.
 ffi::Error CheckWidths(const char* target, int64_t d_in, int64_t d_out) {
@@ -162,13 +193,8 @@ ffi::Error CheckWidths(const char* target, int64_t d_in, int64_t d_out) {
 
 // y[B, T, d_out] = x[B, T, d_in] . w[B, d_out, d_in]^T       (M = T, N = d_out, K = d_in)
 ffi::Error FwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                   ffi::Result<ffi::Buffer<ffi::BF16>> y, int64_t tile_m, int64_t tile_n, int64_t tile_k,
-                   int64_t cluster_m, int64_t cluster_n, int64_t splits, int64_t reduction, int64_t raster,
-                   int64_t schedule) {
-  const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
-  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
-  JC_RETURN_IF_ERROR(CheckCommonAttrs(kFwdTarget, at));
-  JC_RETURN_IF_ERROR(CheckOnePass(kFwdTarget, at));
+                   ffi::Result<ffi::Buffer<ffi::BF16>> y, Attrs at) {
+  JC_RETURN_IF_ERROR(BeginOnePass(kFwdTarget, at));
   JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
   JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
   Shapes s;
@@ -177,27 +203,17 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ff
                                        ": shapes must be x[B,T,d_in], w[B,d_out,d_in], y[B,T,d_out]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
   JC_RETURN_IF_ERROR(CheckWidths(kFwdTarget, d_in, d_out));
-  const VariantKey key = at.Key("fwd", kBf16, kStorePlain, schedule);
-  const Variant* v = FindVariant(key);
-  if (!v) return NoVariant(key);
   GemmArgs g;
   g.a = KMajor(x.untyped_data(), T, d_in, B);
   g.b = KMajor(w.untyped_data(), d_out, d_in, B);
   g.c = KMajor(y->untyped_data(), T, d_out, B);
-  g.splits = 1;
-  g.raster = static_cast<int32_t>(raster);
-  return Launch(v, g, stream);
+  return LaunchOnePass(at, "fwd", kStorePlain, g, stream);
 }
 
 // dx[B, T, d_in] = dy[B, T, d_out] . w[B, d_out, d_in]       (M = T, N = d_in, K = d_out)
 ffi::Error DgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w,
-                     ffi::Result<ffi::Buffer<ffi::BF16>> dx, int64_t tile_m, int64_t tile_n, int64_t tile_k,
-                     int64_t cluster_m, int64_t cluster_n, int64_t splits, int64_t reduction, int64_t raster,
-                     int64_t schedule) {
-  const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
-  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
-  JC_RETURN_IF_ERROR(CheckCommonAttrs(kDgradTarget, at));
-  JC_RETURN_IF_ERROR(CheckOnePass(kDgradTarget, at));
+                     ffi::Result<ffi::Buffer<ffi::BF16>> dx, Attrs at) {
+  JC_RETURN_IF_ERROR(BeginOnePass(kDgradTarget, at));
   JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
   JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
   Shapes s;
@@ -206,31 +222,22 @@ ffi::Error DgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
                                        ": shapes must be dy[B,T,d_out], w[B,d_out,d_in], dx[B,T,d_in]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
   JC_RETURN_IF_ERROR(CheckWidths(kDgradTarget, d_in, d_out));
-  const VariantKey key = at.Key("dgrad", kBf16, kStorePlain, schedule);
-  const Variant* v = FindVariant(key);
-  if (!v) return NoVariant(key);
   GemmArgs g;
   g.a = KMajor(dy.untyped_data(), T, d_out, B);
   g.b = MnMajor(w.untyped_data(), d_in, d_out, B);  // N-major: stride(N) = 1
   g.c = KMajor(dx->untyped_data(), T, d_in, B);
-  g.splits = 1;
-  g.raster = static_cast<int32_t>(raster);
-  return Launch(v, g, stream);
+  return LaunchOnePass(at, "dgrad", kStorePlain, g, stream);
 }
 
 // dw[B, d_out, d_in] = dy[B, T, d_out]^T . x[B, T, d_in]     (M = d_out, N = d_in, K = T split `splits` ways)
 ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> x,
-                     ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t tile_m,
-                     int64_t tile_n, int64_t tile_k, int64_t cluster_m, int64_t cluster_n, int64_t splits,
-                     int64_t reduction, int64_t raster, int64_t schedule) {
-  const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
+                     ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::Buffer<ffi::U8>> workspace, Attrs at) {
   const std::string who = kWgradTarget;
-  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
-  JC_RETURN_IF_ERROR(CheckCommonAttrs(kWgradTarget, at));
-  if ((reduction == kReductionSplitTail) != (schedule == kScheduleSplitTail))
+  JC_RETURN_IF_ERROR(Begin(kWgradTarget, at));
+  if ((at.reduction == kReductionSplitTail) != (at.schedule == kScheduleSplitTail))
     return ffi::Error::InvalidArgument(who + ": schedule must be " + std::to_string(kScheduleSplitTail) +
                                        " exactly when reduction == " + std::to_string(kReductionSplitTail));
-  if (reduction != kReductionSplitTail && (splits == 1) != (reduction == kReductionNone))
+  if (at.reduction != kReductionSplitTail && (at.splits == 1) != (at.reduction == kReductionNone))
     return ffi::Error::InvalidArgument(who + ": reduction must be " + std::to_string(kReductionNone) +
                                        " exactly when splits == 1 (or " + std::to_string(kReductionSplitTail) + ")");
   JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
@@ -255,10 +262,10 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
   GemmArgs g;
   g.a = MnMajor(dy.untyped_data(), d_out, T, B);  // M-major: stride(M) = 1
   g.b = MnMajor(x.untyped_data(), d_in, T, B);    // N-major: stride(N) = 1
-  g.splits = static_cast<int32_t>(splits);
-  g.raster = static_cast<int32_t>(raster);
+  g.splits = static_cast<int32_t>(at.splits);
+  g.raster = static_cast<int32_t>(at.raster);
 
-  if (reduction == kReductionNone) {
+  if (at.reduction == kReductionNone) {
     const VariantKey key = at.Key("wgrad", out_dtype, kStorePlain, kScheduleTiles);
     const Variant* v = FindVariant(key);
     if (!v) return NoVariant(key);
@@ -266,16 +273,16 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     return Launch(v, g, stream);
   }
 
-  if (reduction == kReductionSplitTail) {
+  if (at.reduction == kReductionSplitTail) {
     // Split tail: int32 flags (zeroed here, raised by the pieces that hand a partial tile
     // over), then one fp32 partial tile per flag: (splits - 1) per tile of the tail
     // rem = tiles % grid, grid = min(SMs, tiles * splits), as the kernel computes it.
     // jax_cake/planner/variants.py split_tail_workspace_bytes is the same formula.
-    const int64_t tiles = B * ((d_out + tile_m - 1) / tile_m) * ((d_in + tile_n - 1) / tile_n);
-    const int64_t grid = std::min<int64_t>(g_modules.num_sms, tiles * splits);
-    const int64_t slots = (tiles % grid) * (splits - 1);
+    const int64_t tiles = B * ((d_out + at.tile_m - 1) / at.tile_m) * ((d_in + at.tile_n - 1) / at.tile_n);
+    const int64_t grid = std::min<int64_t>(g_modules.num_sms, tiles * at.splits);
+    const int64_t slots = (tiles % grid) * (at.splits - 1);
     const int64_t flag_words = (slots + 31) / 32 * 32;
-    const int64_t need = (flag_words + slots * tile_m * tile_n) * 4;
+    const int64_t need = (flag_words + slots * at.tile_m * at.tile_n) * 4;
     if (ws_bytes < need)
       return ffi::Error::InvalidArgument(who + ": workspace has " + std::to_string(ws_bytes) +
                                          " bytes, the split tail needs " + std::to_string(need));
@@ -284,7 +291,7 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     if (!v) return NoVariant(key);
     // A cut tile's pieces keep their whole share of K in one chain (they cannot write dw
     // before the sum): no longer than the variant's promotion interval.
-    const int64_t per_piece = ((T + tile_k - 1) / tile_k + splits - 1) / splits;
+    const int64_t per_piece = ((T + at.tile_k - 1) / at.tile_k + at.splits - 1) / at.splits;
     if (v->promote_every > 0 && per_piece > v->promote_every)
       return ffi::Error::InvalidArgument(who + ": split-tail pieces of " + std::to_string(per_piece) +
                                          " K tiles exceed this variant's chain of " +
@@ -296,9 +303,9 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     return Launch(v, g, stream);
   }
 
-  if (reduction == kReductionOrdered) {
+  if (at.reduction == kReductionOrdered) {
     // Ordered: partials [splits, B, d_out, d_in] fp32, then the reduce pass in split order.
-    const int64_t need = splits * count * 4;
+    const int64_t need = at.splits * count * 4;
     if (ws_bytes < need)
       return ffi::Error::InvalidArgument(who + ": workspace has " + std::to_string(ws_bytes) +
                                          " bytes, ordered split-K needs " + std::to_string(need));
@@ -307,10 +314,10 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     // Ordered partials need the variant that keeps its total in registers.
     if (!v || v->promote_every > 0) return NoVariant(key);
     // C viewed as [M, N, splits * B]: batch z = split * B + l.
-    g.c = KMajor(ws, d_out, d_in, splits * B);
+    g.c = KMajor(ws, d_out, d_in, at.splits * B);
     JC_RETURN_IF_ERROR(Launch(v, g, stream));
     cudaError_t err = jax_cake_splitk_reduce(static_cast<const float*>(ws), dw->untyped_data(), out_dtype == kBf16,
-                                             splits, count, g_modules.num_sms, stream);
+                                             at.splits, count, g_modules.num_sms, stream);
     if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("jax_cake_splitk_reduce launch", err));
     return ffi::Error::Success();
   }
@@ -353,15 +360,11 @@ extern "C" cudaError_t jax_cake_splitk_reduce_accumulate(const float* ws, float*
 //     sum into dw (skinny d_out, where whole tiles leave most SMs idle).
 ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> x,
                                ffi::Buffer<ffi::F32> acc, ffi::Result<ffi::Buffer<ffi::F32>> dw,
-                               ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t tile_m, int64_t tile_n,
-                               int64_t tile_k, int64_t cluster_m, int64_t cluster_n, int64_t splits, int64_t reduction,
-                               int64_t raster, int64_t schedule) {
-  const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
+                               ffi::Result<ffi::Buffer<ffi::U8>> workspace, Attrs at) {
   const std::string who = kWgradAccumulateTarget;
-  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
-  JC_RETURN_IF_ERROR(CheckCommonAttrs(kWgradAccumulateTarget, at));
-  const bool ordered = reduction == kReductionOrdered;
-  if (schedule != kScheduleTiles || !((reduction == kReductionNone && splits == 1) || (ordered && splits > 1)))
+  JC_RETURN_IF_ERROR(Begin(kWgradAccumulateTarget, at));
+  const bool ordered = at.reduction == kReductionOrdered;
+  if (at.schedule != kScheduleTiles || !((at.reduction == kReductionNone && at.splits == 1) || (ordered && at.splits > 1)))
     return ffi::Error::InvalidArgument(who + ": schedule must be " + std::to_string(kScheduleTiles) +
                                        ", and reduction " + std::to_string(kReductionNone) + " with splits 1 or " +
                                        std::to_string(kReductionOrdered) + " with splits > 1");
@@ -380,9 +383,9 @@ ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, f
   const Variant* v = FindVariant(key);
   if (!v || v->promote_every > 0) return NoVariant(key);
   const int64_t ws_bytes = static_cast<int64_t>(workspace->size_bytes());
-  if (ordered && ws_bytes < splits * count * 4)
+  if (ordered && ws_bytes < at.splits * count * 4)
     return ffi::Error::InvalidArgument(who + ": workspace has " + std::to_string(ws_bytes) +
-                                       " bytes, ordered split-K needs " + std::to_string(splits * count * 4));
+                                       " bytes, ordered split-K needs " + std::to_string(at.splits * count * 4));
   if (dw->untyped_data() != acc.untyped_data()) {
     cudaError_t err = cudaMemcpyAsync(dw->untyped_data(), acc.untyped_data(), acc.size_bytes(),
                                       cudaMemcpyDeviceToDevice, stream);
@@ -391,16 +394,16 @@ ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, f
   GemmArgs g;
   g.a = MnMajor(dy.untyped_data(), d_out, T, B);  // M-major: stride(M) = 1
   g.b = MnMajor(x.untyped_data(), d_in, T, B);    // N-major: stride(N) = 1
-  g.splits = static_cast<int32_t>(splits);
-  g.raster = static_cast<int32_t>(raster);
+  g.splits = static_cast<int32_t>(at.splits);
+  g.raster = static_cast<int32_t>(at.raster);
   if (!ordered) {
     g.c = KMajor(dw->untyped_data(), d_out, d_in, B);
     return Launch(v, g, stream);
   }
   void* ws = workspace->untyped_data();
-  g.c = KMajor(ws, d_out, d_in, splits * B);  // C viewed as [M, N, splits * B]: batch z = split * B + l
+  g.c = KMajor(ws, d_out, d_in, at.splits * B);  // C viewed as [M, N, splits * B]: batch z = split * B + l
   JC_RETURN_IF_ERROR(Launch(v, g, stream));
-  cudaError_t err = jax_cake_splitk_reduce_accumulate(static_cast<const float*>(ws), dw->typed_data(), splits, count,
+  cudaError_t err = jax_cake_splitk_reduce_accumulate(static_cast<const float*>(ws), dw->typed_data(), at.splits, count,
                                                       g_modules.num_sms, stream);
   if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("jax_cake_splitk_reduce_accumulate launch", err));
   return ffi::Error::Success();
@@ -413,14 +416,10 @@ ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, f
 // the tile: each finished tile is rounded to bf16 and TMA reduce-added into r, so
 // y = bf16(r + bf16(acc)), one add per element (bitwise reproducible). No memset.
 ffi::Error FwdResidualImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                           ffi::Buffer<ffi::BF16> r, ffi::Result<ffi::Buffer<ffi::BF16>> y, int64_t tile_m,
-                           int64_t tile_n, int64_t tile_k, int64_t cluster_m, int64_t cluster_n, int64_t splits,
-                           int64_t reduction, int64_t raster, int64_t schedule) {
-  const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
+                           ffi::Buffer<ffi::BF16> r, ffi::Result<ffi::Buffer<ffi::BF16>> y, Attrs at) {
   const std::string who = kFwdResidualTarget;
-  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
-  JC_RETURN_IF_ERROR(CheckCommonAttrs(kFwdResidualTarget, at));
-  if (schedule != kScheduleTiles || splits != 1 || reduction != kReductionNone)
+  JC_RETURN_IF_ERROR(Begin(kFwdResidualTarget, at));
+  if (at.schedule != kScheduleTiles || at.splits != 1 || at.reduction != kReductionNone)
     return ffi::Error::InvalidArgument(who + ": schedule must be " + std::to_string(kScheduleTiles) +
                                        ", splits 1 and reduction " + std::to_string(kReductionNone));
   JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
@@ -445,7 +444,7 @@ ffi::Error FwdResidualImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::B
   g.b = KMajor(w.untyped_data(), d_out, d_in, B);
   g.c = KMajor(y->untyped_data(), T, d_out, B);
   g.splits = 1;
-  g.raster = static_cast<int32_t>(raster);
+  g.raster = static_cast<int32_t>(at.raster);
   return Launch(v, g, stream);
 }
 
@@ -457,14 +456,11 @@ ffi::Error FwdResidualImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::B
 // has that column order and each 32-column sub-tile of the accumulator makes 16 columns
 // of h in the epilogue. One pass over K: bitwise reproducible.
 ffi::Error FwdGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                        ffi::Result<ffi::Buffer<ffi::BF16>> gu, ffi::Result<ffi::Buffer<ffi::BF16>> h, int64_t tile_m,
-                        int64_t tile_n, int64_t tile_k, int64_t cluster_m, int64_t cluster_n, int64_t splits,
-                        int64_t reduction, int64_t raster, int64_t schedule, int64_t activation) {
-  const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
+                        ffi::Result<ffi::Buffer<ffi::BF16>> gu, ffi::Result<ffi::Buffer<ffi::BF16>> h, GatedAttrs attrs) {
+  const Attrs at = attrs.gemm;
+  const int64_t activation = attrs.activation;
   const std::string who = kFwdGatedTarget;
-  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
-  JC_RETURN_IF_ERROR(CheckCommonAttrs(kFwdGatedTarget, at));
-  JC_RETURN_IF_ERROR(CheckOnePass(kFwdGatedTarget, at));
+  JC_RETURN_IF_ERROR(BeginOnePass(kFwdGatedTarget, at));
   if (activation < 0 || activation >= kNumActivations)
     return ffi::Error::InvalidArgument(who + ": activation must be " + kActivationChoices);
   JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
@@ -479,17 +475,12 @@ ffi::Error FwdGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buff
                                        std::to_string(kGateBlock) + ", got " +
                                        std::to_string(d_out) + " rows and h width " + std::to_string(F));
   JC_RETURN_IF_ERROR(CheckWidths(kFwdGatedTarget, d_in, d_out));
-  const VariantKey key = at.Key("fwd", kBf16, activation == kActivationSilu ? kStoreGatedSilu : kStoreGatedGelu, schedule);
-  const Variant* v = FindVariant(key);
-  if (!v) return NoVariant(key);
   GemmArgs g;
   g.a = KMajor(x.untyped_data(), T, d_in, B);
   g.b = KMajor(w.untyped_data(), d_out, d_in, B);
   g.c = KMajor(gu->untyped_data(), T, d_out, B);
   g.aux = KMajor(h->untyped_data(), T, F, B);
-  g.splits = 1;
-  g.raster = static_cast<int32_t>(raster);
-  return Launch(v, g, stream);
+  return LaunchOnePass(at, "fwd", activation == kActivationSilu ? kStoreGatedSilu : kStoreGatedGelu, g, stream);
 }
 
 // d_gu[B, T, 2F] from dh = dy[B, T, d_out] . w[B, d_out, F] (M = T, N = F, K = d_out) and
@@ -498,14 +489,11 @@ ffi::Error FwdGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buff
 // bf16(bf16(dh) * u * act'(g)), in its up columns bf16(bf16(dh) * act(g)). One pass over
 // K: bitwise reproducible.
 ffi::Error DgradGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w,
-                          ffi::Buffer<ffi::BF16> gu, ffi::Result<ffi::Buffer<ffi::BF16>> d_gu, int64_t tile_m,
-                          int64_t tile_n, int64_t tile_k, int64_t cluster_m, int64_t cluster_n, int64_t splits,
-                          int64_t reduction, int64_t raster, int64_t schedule, int64_t activation) {
-  const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
+                          ffi::Buffer<ffi::BF16> gu, ffi::Result<ffi::Buffer<ffi::BF16>> d_gu, GatedAttrs attrs) {
+  const Attrs at = attrs.gemm;
+  const int64_t activation = attrs.activation;
   const std::string who = kDgradGatedTarget;
-  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
-  JC_RETURN_IF_ERROR(CheckCommonAttrs(kDgradGatedTarget, at));
-  JC_RETURN_IF_ERROR(CheckOnePass(kDgradGatedTarget, at));
+  JC_RETURN_IF_ERROR(BeginOnePass(kDgradGatedTarget, at));
   if (activation != kActivationSilu) return ffi::Error::InvalidArgument(who + ": activation must be silu (" +
                                                                         std::to_string(kActivationSilu) + ")");
   JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
@@ -520,17 +508,12 @@ ffi::Error DgradGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::B
     return ffi::Error::InvalidArgument(who + ": gu must be 2F wide with F a multiple of " + std::to_string(kGateBlock) +
                                        ", got width " + std::to_string(s['G']) + " and F " + std::to_string(F));
   JC_RETURN_IF_ERROR(CheckWidths(kDgradGatedTarget, F, d_out));
-  const VariantKey key = at.Key("dgrad", kBf16, kStoreGateGradSilu, schedule);
-  const Variant* v = FindVariant(key);
-  if (!v) return NoVariant(key);
   GemmArgs g;
   g.a = KMajor(dy.untyped_data(), T, d_out, B);
   g.b = MnMajor(w.untyped_data(), F, d_out, B);  // N-major: stride(N) = 1
   g.c = KMajor(d_gu->untyped_data(), T, 2 * F, B);
   g.aux = KMajor(gu.untyped_data(), T, 2 * F, B);
-  g.splits = 1;
-  g.raster = static_cast<int32_t>(raster);
-  return Launch(v, g, stream);
+  return LaunchOnePass(at, "dgrad", kStoreGateGradSilu, g, stream);
 }
 
 // dx[B, T, d_in] = dg[B, T, F] . Wg + du[B, T, F] . Wu   (M = T, N = d_in, K = 2F)
@@ -539,14 +522,9 @@ ffi::Error DgradGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::B
 // then its up rows with du's, through two views of w (no copy). One pass over K: bitwise
 // reproducible.
 ffi::Error DgradGateUpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dg, ffi::Buffer<ffi::BF16> du,
-                           ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::Buffer<ffi::BF16>> dx, int64_t tile_m,
-                           int64_t tile_n, int64_t tile_k, int64_t cluster_m, int64_t cluster_n, int64_t splits,
-                           int64_t reduction, int64_t raster, int64_t schedule) {
-  const Attrs at{tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule};
+                           ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::Buffer<ffi::BF16>> dx, Attrs at) {
   const std::string who = kDgradGateUpTarget;
-  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
-  JC_RETURN_IF_ERROR(CheckCommonAttrs(kDgradGateUpTarget, at));
-  JC_RETURN_IF_ERROR(CheckOnePass(kDgradGateUpTarget, at));
+  JC_RETURN_IF_ERROR(BeginOnePass(kDgradGateUpTarget, at));
   JC_RETURN_IF_ERROR(CheckRank3("dg", dg.dimensions()));
   JC_RETURN_IF_ERROR(CheckRank3("du", du.dimensions()));
   JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
@@ -560,39 +538,34 @@ ffi::Error DgradGateUpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dg, ffi::
                                        std::to_string(kGateBlock) + ", got " + std::to_string(s['G']) +
                                        " rows and F " + std::to_string(F));
   JC_RETURN_IF_ERROR(CheckWidths(kDgradGateUpTarget, d_in, F));
-  const VariantKey key = at.Key("dgrad", kBf16, kStoreGateUpHalves, schedule);
-  const Variant* v = FindVariant(key);
-  if (!v) return NoVariant(key);
   GemmArgs g;
   g.a = KMajor(dg.untyped_data(), T, F, B);
   g.b = MnMajor(w.untyped_data(), d_in, 2 * F, B);  // N-major; the kernel splits its K into the gate and up rows
   g.c = KMajor(dx->untyped_data(), T, d_in, B);
   g.aux = KMajor(du.untyped_data(), T, F, B);
-  g.splits = 1;
-  g.raster = static_cast<int32_t>(raster);
-  return Launch(v, g, stream);
+  return LaunchOnePass(at, "dgrad", kStoreGateUpHalves, g, stream);
 }
 
 }  // namespace
 }  // namespace jax_cake
 
-#define JC_GEMM_ATTRS                 \
-  .Attr<int64_t>("tile_m")            \
-      .Attr<int64_t>("tile_n")        \
-      .Attr<int64_t>("tile_k")        \
-      .Attr<int64_t>("cluster_m")     \
-      .Attr<int64_t>("cluster_n")     \
-      .Attr<int64_t>("splits")        \
-      .Attr<int64_t>("reduction")     \
-      .Attr<int64_t>("raster")        \
-      .Attr<int64_t>("schedule")
+
+// Both attribute structs are decoded by name from the call's attribute dictionary (which
+// must hold exactly these names: an extra or missing one fails the call).
+#define JC_GEMM_ATTR_MEMBERS                                                                                     \
+  StructMember<int64_t>("tile_m"), StructMember<int64_t>("tile_n"), StructMember<int64_t>("tile_k"),             \
+      StructMember<int64_t>("cluster_m"), StructMember<int64_t>("cluster_n"), StructMember<int64_t>("splits"), \
+      StructMember<int64_t>("reduction"), StructMember<int64_t>("raster"), StructMember<int64_t>("schedule")
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_cake::Attrs, JC_GEMM_ATTR_MEMBERS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_cake::GatedAttrs, JC_GEMM_ATTR_MEMBERS, StructMember<int64_t>("activation"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_FWD_HANDLER, jax_cake::FwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS,
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attrs<jax_cake::Attrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_HANDLER, jax_cake::DgradImpl,
@@ -600,7 +573,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_HANDLER, jax_cake::DgradImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS,
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attrs<jax_cake::Attrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_WGRAD_HANDLER, jax_cake::WgradImpl,
@@ -609,7 +583,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_WGRAD_HANDLER, jax_cake::WgradImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U8>>() JC_GEMM_ATTRS,
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attrs<jax_cake::Attrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_WGRAD_ACCUMULATE_HANDLER, jax_cake::WgradAccumulateImpl,
@@ -619,7 +594,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_WGRAD_ACCUMULATE_HANDLER, jax_cake::Wgrad
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>() JC_GEMM_ATTRS,
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attrs<jax_cake::Attrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_FWD_RESIDUAL_HANDLER, jax_cake::FwdResidualImpl,
@@ -628,7 +604,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_FWD_RESIDUAL_HANDLER, jax_cake::FwdResidu
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS,
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attrs<jax_cake::Attrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_FWD_GATED_HANDLER, jax_cake::FwdGatedImpl,
@@ -637,7 +614,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_FWD_GATED_HANDLER, jax_cake::FwdGatedImpl
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS.Attr<int64_t>("activation"),
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attrs<jax_cake::GatedAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_GATED_HANDLER, jax_cake::DgradGatedImpl,
@@ -646,7 +624,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_GATED_HANDLER, jax_cake::DgradGated
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS.Attr<int64_t>("activation"),
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attrs<jax_cake::GatedAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_GATE_UP_HANDLER, jax_cake::DgradGateUpImpl,
@@ -655,7 +634,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_GATE_UP_HANDLER, jax_cake::DgradGat
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>() JC_GEMM_ATTRS,
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attrs<jax_cake::Attrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // ---------------------------------------------------------------- plain C entry points

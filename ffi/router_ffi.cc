@@ -70,6 +70,12 @@ ModuleTableState g_modules;
 // Loads every router variant's module on every visible device. Idempotent.
 bool LoadModules(std::string* error) { return LoadModuleTable(kRouterVariants, kNumRouterVariants, &g_modules, error); }
 
+// The router targets' attributes (this file's header), decoded by XLA from the call's
+// attribute dictionary (XLA_FFI_REGISTER_STRUCT_ATTR_DECODING below).
+struct RouterAttrs {
+  int64_t tile_m, tile_n, tile_k, splits, reduction;
+};
+
 ffi::Error EnsureRouterLoaded() {
   return EnsureLoaded("jax_cake router", kRouterVariants, kNumRouterVariants, &g_modules);
 }
@@ -136,10 +142,9 @@ ffi::Error CheckNoSplit(const char* target, int64_t splits, int64_t reduction) {
 
 // logits[T, E] = x[T, d] . w[E, d]^T        (M = T, N = E, K = d)
 ffi::Error RouterFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
-                         ffi::Buffer<ffi::BF16> w_lo, ffi::Result<ffi::Buffer<ffi::F32>> logits, int64_t tile_m,
-                         int64_t tile_n, int64_t tile_k, int64_t splits, int64_t reduction) {
+                         ffi::Buffer<ffi::BF16> w_lo, ffi::Result<ffi::Buffer<ffi::F32>> logits, RouterAttrs at) {
   const char* kTarget = kRouterFwdTarget;
-  JC_RETURN_IF_ERROR(CheckNoSplit(kTarget, splits, reduction));
+  JC_RETURN_IF_ERROR(CheckNoSplit(kTarget, at.splits, at.reduction));
   JC_RETURN_IF_ERROR(CheckRank2(kTarget, "x", x.dimensions()));
   JC_RETURN_IF_ERROR(CheckRank2(kTarget, "w_hi", w.dimensions()));
   JC_RETURN_IF_ERROR(CheckPair(kTarget, "w", w.dimensions(), w_lo.dimensions()));
@@ -148,8 +153,8 @@ ffi::Error RouterFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (!s.Bind(x.dimensions(), "Td") || !s.Bind(w.dimensions(), "Ed") || !s.Bind(logits->dimensions(), "TE"))
     return ffi::Error::InvalidArgument(std::string(kTarget) + ": shapes must be x[T,d], w_hi/w_lo[E,d], logits[T,E]");
   const int64_t T = s['T'], d = s['d'], E = s['E'];
-  const RouterVariantEntry* v = FindVariant("fwd", tile_m, tile_n, tile_k);
-  if (!v) return NoVariant("fwd", tile_m, tile_n, tile_k);
+  const RouterVariantEntry* v = FindVariant("fwd", at.tile_m, at.tile_n, at.tile_k);
+  if (!v) return NoVariant("fwd", at.tile_m, at.tile_n, at.tile_k);
   if (T == 0 || E == 0) return ffi::Error::Success();
   if (d == 0) return ZeroFill(logits->untyped_data(), T * E * 4, stream);
   JC_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "d", d));
@@ -168,9 +173,9 @@ ffi::Error RouterFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buff
 // dx[T, d] = g[T, E] . w[E, d]              (M = T, N = d, K = E)
 ffi::Error RouterDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi::Buffer<ffi::BF16> g_lo,
                            ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::BF16> w_lo, ffi::Result<ffi::Buffer<ffi::F32>> dx,
-                           int64_t tile_m, int64_t tile_n, int64_t tile_k, int64_t splits, int64_t reduction) {
+                           RouterAttrs at) {
   const char* kTarget = kRouterDgradTarget;
-  JC_RETURN_IF_ERROR(CheckNoSplit(kTarget, splits, reduction));
+  JC_RETURN_IF_ERROR(CheckNoSplit(kTarget, at.splits, at.reduction));
   JC_RETURN_IF_ERROR(CheckRank2(kTarget, "g_hi", g_in.dimensions()));
   JC_RETURN_IF_ERROR(CheckPair(kTarget, "g", g_in.dimensions(), g_lo.dimensions()));
   JC_RETURN_IF_ERROR(CheckRank2(kTarget, "w_hi", w.dimensions()));
@@ -181,8 +186,8 @@ ffi::Error RouterDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi
     return ffi::Error::InvalidArgument(std::string(kTarget) +
                                        ": shapes must be g_hi/g_lo[T,E], w_hi/w_lo[E,d], dx[T,d]");
   const int64_t T = s['T'], d = s['d'], E = s['E'];
-  const RouterVariantEntry* v = FindVariant("dgrad", tile_m, tile_n, tile_k);
-  if (!v) return NoVariant("dgrad", tile_m, tile_n, tile_k);
+  const RouterVariantEntry* v = FindVariant("dgrad", at.tile_m, at.tile_n, at.tile_k);
+  if (!v) return NoVariant("dgrad", at.tile_m, at.tile_n, at.tile_k);
   if (T == 0 || d == 0) return ffi::Error::Success();
   if (E == 0) return ZeroFill(dx->untyped_data(), T * d * 4, stream);
   JC_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "d", d));
@@ -201,17 +206,16 @@ ffi::Error RouterDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi
 // dw[E, d] = g[T, E]^T . x[T, d]            (M = E, N = d, K = T), K split `splits` ways.
 ffi::Error RouterWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi::Buffer<ffi::BF16> g_lo,
                            ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> dw,
-                           ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t tile_m, int64_t tile_n, int64_t tile_k,
-                           int64_t splits, int64_t reduction) {
+                           ffi::Result<ffi::Buffer<ffi::U8>> workspace, RouterAttrs at) {
   const char* kTarget = kRouterWgradTarget;
   const std::string who = kTarget;
-  if (splits < 1 || splits > 65535)
-    return ffi::Error::InvalidArgument(who + ": splits must be in [1, 65535], got " + std::to_string(splits));
-  if (reduction != kReductionNone && reduction != kReductionOrdered)
+  if (at.splits < 1 || at.splits > 65535)
+    return ffi::Error::InvalidArgument(who + ": splits must be in [1, 65535], got " + std::to_string(at.splits));
+  if (at.reduction != kReductionNone && at.reduction != kReductionOrdered)
     return ffi::Error::InvalidArgument(who + ": reduction must be " + std::to_string(kReductionNone) + " (none) or " +
                                        std::to_string(kReductionOrdered) + " (ordered), got " +
-                                       std::to_string(reduction));
-  if ((splits == 1) != (reduction == kReductionNone))
+                                       std::to_string(at.reduction));
+  if ((at.splits == 1) != (at.reduction == kReductionNone))
     return ffi::Error::InvalidArgument(who + ": reduction must be " + std::to_string(kReductionNone) +
                                        " exactly when splits == 1");
   JC_RETURN_IF_ERROR(CheckRank2(kTarget, "g_hi", g_in.dimensions()));
@@ -222,14 +226,14 @@ ffi::Error RouterWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi
   if (!s.Bind(g_in.dimensions(), "TE") || !s.Bind(x.dimensions(), "Td") || !s.Bind(dw->dimensions(), "Ed"))
     return ffi::Error::InvalidArgument(who + ": shapes must be g_hi/g_lo[T,E], x[T,d], dw[E,d]");
   const int64_t T = s['T'], d = s['d'], E = s['E'];
-  const RouterVariantEntry* v = FindVariant("wgrad", tile_m, tile_n, tile_k);
-  if (!v) return NoVariant("wgrad", tile_m, tile_n, tile_k);
+  const RouterVariantEntry* v = FindVariant("wgrad", at.tile_m, at.tile_n, at.tile_k);
+  if (!v) return NoVariant("wgrad", at.tile_m, at.tile_n, at.tile_k);
   const int64_t count = E * d;
   const int64_t ws_bytes = static_cast<int64_t>(workspace->size_bytes());
-  if (reduction == kReductionOrdered && ws_bytes < splits * count * 4)
+  if (at.reduction == kReductionOrdered && ws_bytes < at.splits * count * 4)
     return ffi::Error::InvalidArgument(who + ": workspace has " + std::to_string(ws_bytes) +
                                        " bytes, ordered split-K needs splits * E * d * 4 = " +
-                                       std::to_string(splits * count * 4));
+                                       std::to_string(at.splits * count * 4));
   if (E == 0 || d == 0) return ffi::Error::Success();
   if (T == 0) return ZeroFill(dw->untyped_data(), count * 4, stream);
   JC_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "d", d));
@@ -243,18 +247,18 @@ ffi::Error RouterWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi
   a.a_lo = a.a;
   a.b = MnMajor(g_in.untyped_data(), E, T, 1);  // N-major: stride(N) = 1
   a.b_lo = MnMajor(g_lo.untyped_data(), E, T, 1);
-  a.splits = static_cast<int32_t>(splits);
-  if (reduction == kReductionNone) {
+  a.splits = static_cast<int32_t>(at.splits);
+  if (at.reduction == kReductionNone) {
     a.c = MnMajor(dw->untyped_data(), d, E, 1);  // M-major: stride(M) = 1
     return Launch(v, a, stream);
   }
   // Ordered: partials [splits, E, d] fp32 (C viewed as [M = d, N = E, splits]), then the
   // reduce pass sums them in split order into dw: bitwise reproducible.
   void* ws = workspace->untyped_data();
-  a.c = MnMajor(ws, d, E, splits);
+  a.c = MnMajor(ws, d, E, at.splits);
   JC_RETURN_IF_ERROR(Launch(v, a, stream));
   cudaError_t err = jax_cake_splitk_reduce(static_cast<const float*>(ws), dw->untyped_data(), /*out_is_bf16=*/0,
-                                           splits, count, g_modules.num_sms, stream);
+                                           at.splits, count, g_modules.num_sms, stream);
   if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("jax_cake_splitk_reduce launch", err));
   return ffi::Error::Success();
 }
@@ -263,12 +267,9 @@ ffi::Error RouterWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi
 }  // namespace router
 }  // namespace jax_cake
 
-#define JCR_ROUTER_ATTRS          \
-  .Attr<int64_t>("tile_m")        \
-      .Attr<int64_t>("tile_n")    \
-      .Attr<int64_t>("tile_k")    \
-      .Attr<int64_t>("splits")    \
-      .Attr<int64_t>("reduction")
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_cake::router::RouterAttrs, StructMember<int64_t>("tile_m"),
+                                      StructMember<int64_t>("tile_n"), StructMember<int64_t>("tile_k"),
+                                      StructMember<int64_t>("splits"), StructMember<int64_t>("reduction"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_ROUTER_FWD_HANDLER, jax_cake::router::RouterFwdImpl,
                               ffi::Ffi::Bind()
@@ -276,7 +277,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_ROUTER_FWD_HANDLER, jax_cake::router::Rou
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>() JCR_ROUTER_ATTRS,
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attrs<jax_cake::router::RouterAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_ROUTER_DGRAD_HANDLER, jax_cake::router::RouterDgradImpl,
@@ -286,7 +288,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_ROUTER_DGRAD_HANDLER, jax_cake::router::R
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>() JCR_ROUTER_ATTRS,
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attrs<jax_cake::router::RouterAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_ROUTER_WGRAD_HANDLER, jax_cake::router::RouterWgradImpl,
@@ -296,7 +299,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_ROUTER_WGRAD_HANDLER, jax_cake::router::R
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>() JCR_ROUTER_ATTRS,
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attrs<jax_cake::router::RouterAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // ---------------------------------------------------------------- plain C entry points

@@ -105,14 +105,18 @@ def test_handlers_are_the_contract_targets():
 
 
 def test_dense_attributes_are_the_plans():
-    """The attribute names the dense handlers bind are the ones Plan.ffi_attributes sends,
-    plus the gated handler's own `activation` (primitives.gemm.fwd_gated sends it)."""
+    """The attribute names the dense handlers decode are the ones Plan.ffi_attributes sends,
+    plus the gated handlers' own `activation` (primitives.gemm sends it); the router's are
+    five of the plan's (the tile and the K split: docs/ffi_contract.md)."""
     from jax_cake.planner import plan as make_plan
 
-    source = (FFI / "jax_cake_ffi.cc").read_text()
-    bound = re.findall(r'\.Attr<int64_t>\("(\w+)"\)', source)
+    member = r'StructMember<int64_t>\("(\w+)"\)'
+    dense = re.findall(member, (FFI / "jax_cake_ffi.cc").read_text())
     plan = make_plan("fwd", tokens=8, d_in=8, d_out=8)
-    assert sorted(set(bound)) == sorted([*plan.ffi_attributes(), "activation"])
+    assert sorted(set(dense)) == sorted([*plan.ffi_attributes(), "activation"])
+    router = re.findall(member, (FFI / "router_ffi.cc").read_text())
+    assert sorted(router) == ["reduction", "splits", "tile_k", "tile_m", "tile_n"]
+    assert set(router) <= set(plan.ffi_attributes())
 
 
 def test_raster_codes_name_the_walks():
