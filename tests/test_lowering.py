@@ -152,6 +152,25 @@ def test_router_step_lowers_to_the_three_router_custom_calls(monkeypatch):
     assert "dot_general" not in text
 
 
+@pytest.mark.parametrize("experts", [8, 16])
+def test_few_experts_lower_the_router_to_xlas_bf16x3_dot_on_cuda(experts, monkeypatch):
+    """At E <= ROUTER_XLA_MAX_EXPERTS the router's three GEMMs are XLA dots with the BF16x3
+    algorithm (three bf16 products, FP32 accumulation) on CUDA, one each, on the FP32
+    operands: no custom call, no split copies."""
+    monkeypatch.setattr(jc.planner.choose, "ROUTER_KERNELS_ENABLED", True)
+
+    def step(x, w):
+        return jax.grad(lambda x, w: jnp.sum(jc.router_logits(x, w) ** 2), argnums=(0, 1))(x, w)
+
+    text = cuda_text(step, _spec((16384, 4096), jnp.float32), _spec((experts, 4096), jnp.float32))
+    assert "custom_call @jax_cake" not in text
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 3, dots
+    for line in dots:
+        assert "num_primitive_operations = 3" in line and "lhs_precision_type = bf16" in line, line
+        assert "accumulation_type = f32" in line and "xf32>, tensor<" in line, line
+
+
 def test_every_lowered_target_is_registered_and_built():
     """The custom calls the primitives emit are the ones native.py registers and the build exports."""
     from jax_cake import build, contract, native

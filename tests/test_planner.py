@@ -99,6 +99,18 @@ def test_router_plans_use_the_fused_bf16x3_kernels(d, router_kernels_enabled):
     assert wgrad.workspace_bytes == (wgrad.splits * 256 * d * 4 if wgrad.splits > 1 else 16)
 
 
+@pytest.mark.parametrize("experts", [8, 16, 64])
+def test_router_with_few_experts_runs_xlas_bf16x3_dot(experts, router_kernels_enabled):
+    """Up to ROUTER_XLA_MAX_EXPERTS experts every router GEMM is XLA's (its BF16x3 dot was
+    faster there), from 64 up the fused kernels; the reason says which and why."""
+    sizes = dict(tokens=16384, d_in=4096, d_out=experts, out_dtype=jnp.float32, device=H200)
+    plans = [jc.plan(op, **sizes) for op in ("router_fwd", "router_dgrad", "router_wgrad")]
+    few = experts <= jc.planner.choose.ROUTER_XLA_MAX_EXPERTS
+    assert [p.uses_kernel for p in plans] == [not few] * 3, [jc.explain(p) for p in plans]
+    if few:
+        assert all(f"E={experts} experts" in p.reason and "BF16_BF16_F32_X3" in p.reason for p in plans)
+
+
 def test_router_variants_put_the_on_chip_split_operand_in_registers():
     """x is the only operand split on chip; it must be the kernel's A (wgmma takes only A from
     registers), so wgrad runs transposed, and B always arrives pre-split."""

@@ -85,6 +85,10 @@ _WAVE_FILL = 0.9
 # router checks exercise them directly either way); they meet the 5e-6 target on the
 # H200 (docs/planner.md).
 ROUTER_KERNELS_ENABLED = True
+# Up to this many experts the router runs XLA's own BF16x3 dot (BF16_BF16_F32_X3, the same
+# products): at E = 8 and 16 (d 4096 and 7168, T 16384) the fused kernels ran 0.82-0.89x
+# of it, from E = 64 up 1.2-2.3x (wall-time probes on the H200, jax 0.11.2, 2026-12-02).
+ROUTER_XLA_MAX_EXPERTS = 16
 # The tile walk (contract's raster codes). A wave of 132 CTAs walking N first reads the
 # whole weight once the weight's rows exceed a wave (B operand 4096 x 14336 bf16: 117 MB
 # against the H200's 60 MB L2), so fwd and dgrad from this N up walk in bands of
@@ -390,6 +394,12 @@ def _router_plan(op, batch, m, n, k, dev, d_in, d_out) -> Plan:
             *args,
             f"d={d_in} and E={d_out} must be multiples of {align} for the router kernels' "
             "16-byte TMA strides: XLA runs the BF16x3 split with FP32 accumulation",
+        )
+    if d_out <= ROUTER_XLA_MAX_EXPERTS:
+        return _xla_plan(
+            *args,
+            f"E={d_out} experts (at most {ROUTER_XLA_MAX_EXPERTS}): XLA's BF16x3 dot (BF16_BF16_F32_X3) is "
+            "faster than the fused kernels on so few columns",
         )
     if not ROUTER_KERNELS_ENABLED:
         return _xla_plan(

@@ -106,10 +106,13 @@ def ffi_call(target: str, plan: Plan, results, *operands, input_output_aliases=N
     return call(*operands, **attributes)
 
 
-def dispatch(plan: Plan, ref_fn, cuda_fn, *operands):
-    """cuda_fn on CUDA and ref_fn elsewhere for a kernel plan; ref_fn for an XLA plan."""
+def dispatch(plan: Plan, ref_fn, cuda_fn, *operands, xla_cuda_fn=None):
+    """cuda_fn on CUDA and ref_fn elsewhere for a kernel plan; for an XLA plan ref_fn, or
+    xla_cuda_fn on CUDA where given (XLA's own form of the same values)."""
     if not plan.uses_kernel:
-        return ref_fn(*operands)
+        if xla_cuda_fn is None:
+            return ref_fn(*operands)
+        return jax.lax.platform_dependent(*operands, default=ref_fn, cuda=xla_cuda_fn)
     return jax.lax.platform_dependent(*operands, default=ref_fn, cuda=cuda_fn)
 
 
@@ -168,12 +171,22 @@ def router_ffi_operands(program: str, a, b) -> list:
     return operands
 
 
+def _xla_bf16x3(contract_a: int, contract_b: int):
+    """a . b for FP32 a, b as ONE XLA dot with the BF16x3 algorithm
+    (DotAlgorithmPreset.BF16_BF16_F32_X3: hi*hi + hi*lo + lo*hi in FP32, the reference's
+    products in one fused GEMM that reads each FP32 operand once, where the reference runs
+    three dots over split copies): the router's XLA plan on CUDA."""
+    dims = (((contract_a,), (contract_b,)), ((), ()))
+    preset = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+    return lambda a, b: jax.lax.dot_general(a, b, dims, precision=preset, preferred_element_type=jnp.float32)
+
+
 def router_fwd(x, w, plan: Plan):
     def cuda(x, w):
         result = result_type(x, (x.shape[0], w.shape[0]), jnp.float32)
         return ffi_call(ROUTER_FWD_TARGET, plan, result, *router_ffi_operands("fwd", x, w))
 
-    return dispatch(plan, reference.router_fwd, cuda, x, w)
+    return dispatch(plan, reference.router_fwd, cuda, x, w, xla_cuda_fn=_xla_bf16x3(1, 1))
 
 
 def router_dgrad(g, w, plan: Plan):
@@ -181,7 +194,7 @@ def router_dgrad(g, w, plan: Plan):
         result = result_type(g, (g.shape[0], w.shape[1]), jnp.float32)
         return ffi_call(ROUTER_DGRAD_TARGET, plan, result, *router_ffi_operands("dgrad", g, w))
 
-    return dispatch(plan, reference.router_dgrad, cuda, g, w)
+    return dispatch(plan, reference.router_dgrad, cuda, g, w, xla_cuda_fn=_xla_bf16x3(1, 0))
 
 
 def router_wgrad(g, x, plan: Plan):
@@ -193,7 +206,7 @@ def router_wgrad(g, x, plan: Plan):
         dw, _workspace = ffi_call(ROUTER_WGRAD_TARGET, plan, results, *router_ffi_operands("wgrad", g, x))
         return dw
 
-    return dispatch(plan, reference.router_wgrad, cuda, g, x)
+    return dispatch(plan, reference.router_wgrad, cuda, g, x, xla_cuda_fn=_xla_bf16x3(0, 0))
 
 
 # --- the "gated" epilogue: the pre-activation and the gated activation --------------------

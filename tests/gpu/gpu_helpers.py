@@ -395,12 +395,13 @@ ROUTER_API_SHAPES = [(16384, 4096), (16231, 7168), (37, 512)]  # T, d; E = 256
 
 
 @functools.lru_cache(maxsize=1)
-def router_api_inputs(T: int, d: int):
-    """(x [T, d], w [256, d] scaled 0.05, g [T, 256]) in fp32 for router_logits."""
+def router_api_inputs(T: int, d: int, E: int = 256):
+    """(x [T, d], w [E, d] scaled 0.05, g [T, E]) in fp32 for router_logits."""
+    suffix = () if E == 256 else (E,)  # the E = 256 cases keep their seeds
     return (
-        rand(seed_of("api_router_x", T, d), (T, d), F32),
-        rand(seed_of("api_router_w", T, d), (256, d), F32, 0.05),
-        rand(seed_of("api_router_g", T, d), (T, 256), F32),
+        rand(seed_of("api_router_x", T, d, *suffix), (T, d), F32),
+        rand(seed_of("api_router_w", T, d, *suffix), (E, d), F32, 0.05),
+        rand(seed_of("api_router_g", T, d, *suffix), (T, E), F32),
     )
 
 
