@@ -201,9 +201,9 @@ def stage_gate_grad_sub_tile(ep: SubTileStaging, load: GateUpLoad, sub: int, n: 
     16-column group sits g, at the same position of the second u, and dh's register at that
     position of group n: dg = bf16(dh * u * act'(g)), du = bf16(dh * act(g)) in FP32 from
     dh rounded to bf16 first (the plain dgrad's output) and the bf16 g, u, as
-    jax_cake.reference.gate_grad. Each thread writes back exactly the elements it read
-    (ldmatrix and stmatrix of one thread layout, each warp's rows its own), so no barrier
-    separates the load from the store."""
+    jax_cake.reference.gate_grad. No barrier separates the load from the store: ldmatrix
+    and stmatrix share one thread layout, so each warp writes back exactly the elements it
+    read (its own rows), each computed from the value read at its position."""
     cpy_v, cpy_m, cpy_n = (cute.size(ep.tRS_rD_layout, mode=[i]) for i in range(3))
     assert cpy_n == 2, "a 32-column sub-tile is two 16-column copy groups"
     cute.copy(load.tiled_copy_s2r, load.tSR_sC[(None, None, None, buf)], load.tSR_rC_s2r)

@@ -302,8 +302,11 @@ class GemmSm90Base:
 
         d_store, gu_load: (TMA atom, (M, 16, 2, F / 16, L) TMA tensor) of d_gu and of gu;
         s_blocks: the ring as (tile_m, 16, 2, buffer). tile_seq: this tile's index among the
-        CTA's epilogues on the ring, which sets the mbarriers' phases (every tile uses
-        buffer b the same, static, number of times)."""
+        CTA's epilogues on the ring, which sets the mbarriers' phases: every epilogue on the
+        ring must be one of these, each issuing the same, static, number of loads per buffer
+        (no partial, skipped or other epilogue: GemmSm90 allows the gradient store only on
+        the ping-pong schedule, where every tile stores), else a wait misses its phase and
+        hangs."""
         store_atom, m_d = d_store
         load_atom, m_gu = gu_load
         num = self.tile_mnk[1] // 16

@@ -342,10 +342,11 @@ class GemmSm90(GemmSm90Base):
             store_op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp()
         else:
             store_op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
-        tma_atom_c, tma_c = self._tma_store(store_op, mC, epi_smem_staged)
         if cutlass.const_expr(self.gate_grad is not None):
             # d_gu in planes [2, L, M, F] (dg, du): each 16-column group's block of both.
             tma_atom_c, tma_c = self._tma_blocks(store_op, self._planes_view(mC), epi_blocks_staged)
+        else:
+            tma_atom_c, tma_c = self._tma_store(store_op, mC, epi_smem_staged)
         # promote_in="output": later chains reduce-add into the tile the first one stored.
         tma_atom_c_add, tma_c_add = tma_atom_c, tma_c
         if cutlass.const_expr(self.promote_out):
