@@ -196,7 +196,7 @@ def _mlp_bwd(options, saved, dy):
     dy = dy.astype(_BF16)
     _, _, down_wgrad_plan = projection.plans(h, wd3, options.down)
     # The down projection's dgrad with the activation's gradient in its epilogue: dg and du
-    # straight from the kernel (dh is never written), read in place by dx and the wgrads.
+    # straight from the kernel (dh is never written), the two contiguous planes of one array.
     dg, du = primitives.dgrad_gated(dy, wd3, gu, options.gate_grad, options.gated.activation, options.gated.block)
     dw_down = primitives.wgrad(dy, h, down_wgrad_plan, deterministic=options.down.deterministic)
     dx, dw_gate, dw_up = _gate_up_grads(x3, w_gate, w_up, dg, du, options.gated)

@@ -262,8 +262,8 @@ def dgrad_gated(dy, w, gu, plan: Plan, activation: str, block: int, *, out_shard
 
     For a plan of op "dgrad_gated" (jax_cake.planner.gated.plan_gate_grad) on operands
     that need no partitioning, one custom call: the kernel's epilogue reads gu and writes
-    dg and du as the two planes of one [2, B, T, F] array (each plane contiguous: the
-    GEMMs that read dg and du take them in place), and dh never reaches memory. Otherwise,
+    dg and du as the two planes of one [2, B, T, F] array (each plane contiguous, so the
+    GEMMs that read dg and du can take them where they lie), and dh never reaches memory. Otherwise,
     and under vmap or a partitioning rule, the "store" dgrad writes dh and an XLA
     elementwise pass makes dg and du from it; both give the same values up to the FP32
     rounding of the activation."""
