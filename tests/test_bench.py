@@ -284,7 +284,7 @@ class ArmsAndReportTest(absltest.TestCase):
         self.assertEqual(columns[: len(bench.COLUMNS)], list(bench.COLUMNS))
         self.assertEqual(columns[len(bench.COLUMNS) :], ["split/s1/t64x128x64 us", "split/s1/t64x128x64/new"])
         text = bench.markdown(header, [row])
-        self.assertIn("| 217.00 | 1.550 |", text)
+        self.assertIn("| 217.0 | 1.550 |", text)
         self.assertIn("split/s1/t64x128x64/new 1.550", text)
 
     def test_merge_recomputes_geomeans_over_the_files_rows(self):

@@ -54,7 +54,7 @@ def test_timeline_table_lists_long_launches_and_sums_the_short_ones():
     text = step_profile.timeline_table({"jax_cake": [("a", 100.0), ("b", 3.0), ("c", 50.0), ("d", 2.0)]}, 20.0)
     lines = text.splitlines()
     assert lines[0] == "**jax_cake**, launch order:"
-    assert lines[4:7] == ["| 0 | `a` | 100.0 |", "| 2 | `c` | 50.0 |", "| | (2 launches under 20 us) | 5.0 |"]
+    assert lines[4:7] == ["| 0 | `a` | 100.0 |", "| 2 | `c` | 50.0 |", "|  | (2 launches under 20 us) | 5.0 |"]
 
 
 @pytest.mark.parametrize("switch,value", [("GATE_GRAD_EPILOGUE_ENABLED", True), ("GATE_UP_DGRAD_ENABLED", False)])

@@ -542,39 +542,21 @@ class GemmSm90(GemmSm90Base):
                         gB2 = cute.local_tile(mB2, self.tile_mnk, (pid_m, pid_n, None, l_idx), proj=(None, 1, 1))
                         tAsA2, tAgA2 = self._tma_part(tma_atom_a2, sA, gA2)
                         tBsB2, tBgB2 = self._tma_part(tma_atom_b2, sB, gB2, rank, cm)
+                        up_pair = ((tma_atom_a2, tAgA2, tAsA2, False), (tma_atom_b2, tBgB2, tBsB2, False))
+                    # Each K tile's operand pair (_load_k_tile); with gate_up_halves the gate
+                    # half's K tiles come from it, the up half's from up_pair.
+                    pair = ((tma_atom_a, tAgA, tAsA, a_streams), (tma_atom_b, tBgB, tBsB, b_streams))
                     for kt in cutlass.range(k_cnt, unroll=1):
                         ab_pipe.producer_acquire(prod_state)
                         k_coord = k_begin + kt
                         bar = ab_pipe.producer_get_barrier(prod_state)
                         if cutlass.const_expr(self.gate_up_halves):
-                            # The gate half's K tiles, then the up half's.
                             if k_coord < k_half:
-                                self._load_k_tile(
-                                    (tma_atom_a, tAgA, tAsA, False),
-                                    (tma_atom_b, tBgB, tBsB, False),
-                                    k_coord,
-                                    prod_state.index,
-                                    bar,
-                                    b_mask,
-                                )
+                                self._load_k_tile(*pair, k_coord, prod_state.index, bar, b_mask)
                             else:
-                                self._load_k_tile(
-                                    (tma_atom_a2, tAgA2, tAsA2, False),
-                                    (tma_atom_b2, tBgB2, tBsB2, False),
-                                    k_coord - k_half,
-                                    prod_state.index,
-                                    bar,
-                                    b_mask,
-                                )
+                                self._load_k_tile(*up_pair, k_coord - k_half, prod_state.index, bar, b_mask)
                         else:
-                            self._load_k_tile(
-                                (tma_atom_a, tAgA, tAsA, a_streams),
-                                (tma_atom_b, tBgB, tBsB, b_streams),
-                                k_coord,
-                                prod_state.index,
-                                bar,
-                                b_mask,
-                            )
+                            self._load_k_tile(*pair, k_coord, prod_state.index, bar, b_mask)
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
                 if cutlass.const_expr(cm > 1):
@@ -857,31 +839,26 @@ class GemmSm90(GemmSm90Base):
 
         a, b: (atom, gmem K tiles, smem stages, streams) of each operand; a streamed
         operand's loads carry the L2 evict-first hint (module docstring). In a (cm, 1)
-        cluster B is multicast to the CTAs of b_mask (never streamed there)."""
-        atom_a, g_a, s_a, a_streams = a
-        atom_b, g_b, s_b, b_streams = b
-        if a_streams:
+        cluster B is multicast to the CTAs of b_mask (None without a cluster; B is never
+        streamed in one)."""
+        self._load_operand(*a, k_coord, stage, bar, None)
+        self._load_operand(*b, k_coord, stage, bar, b_mask)
+
+    @cute.jit
+    def _load_operand(self, atom, g_tiles, s_stages, streams, k_coord, stage, bar, mcast_mask):
+        """One operand's TMA load of K tile k_coord into stage `stage` (_load_k_tile)."""
+        if cutlass.const_expr(mcast_mask is not None):
+            cute.copy(atom, g_tiles[(None, k_coord)], s_stages[(None, stage)], tma_bar_ptr=bar, mcast_mask=mcast_mask)
+        elif streams:
             cute.copy(
-                atom_a,
-                g_a[(None, k_coord)],
-                s_a[(None, stage)],
+                atom,
+                g_tiles[(None, k_coord)],
+                s_stages[(None, stage)],
                 tma_bar_ptr=bar,
                 cache_policy=cutlass.Int64(_L2_EVICT_FIRST),
             )
         else:
-            cute.copy(atom_a, g_a[(None, k_coord)], s_a[(None, stage)], tma_bar_ptr=bar)
-        if cutlass.const_expr(self.cluster_m > 1):
-            cute.copy(atom_b, g_b[(None, k_coord)], s_b[(None, stage)], tma_bar_ptr=bar, mcast_mask=b_mask)
-        elif b_streams:
-            cute.copy(
-                atom_b,
-                g_b[(None, k_coord)],
-                s_b[(None, stage)],
-                tma_bar_ptr=bar,
-                cache_policy=cutlass.Int64(_L2_EVICT_FIRST),
-            )
-        else:
-            cute.copy(atom_b, g_b[(None, k_coord)], s_b[(None, stage)], tma_bar_ptr=bar)
+            cute.copy(atom, g_tiles[(None, k_coord)], s_stages[(None, stage)], tma_bar_ptr=bar)
 
     def _tma_blocks(self, op, m_blocks, blocks_staged):
         """(atom, TMA tensor) moving one (tile_m, 16, 2) block of m_blocks (M, 16, 2, F / 16,

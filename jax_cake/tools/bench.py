@@ -85,6 +85,7 @@ from typing import Callable, Iterable, Sequence
 from absl import app, flags
 
 from jax_cake import contract
+from jax_cake.tools import markdown as md
 
 GRID_TOKENS = (16172, 16231, 16384)
 GRID_D_IN = (4096, 5120)
@@ -905,12 +906,6 @@ def report_columns(rows: Sequence[dict], family: str = "dense") -> list[str]:
     return columns + [c for c in dict.fromkeys(c for r in rows for c in r) if c not in columns]
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v:.2f}" if isinstance(v, float) and v >= 10 else (f"{v:.3f}" if isinstance(v, float) else str(v))
-
-
 def header_line(header: dict) -> str:
     return (
         f"GPU {header['gpu']}, {header['sms'] or 'n/a'} SMs, driver {header['driver']}, jax {header['jax']}, "
@@ -944,10 +939,8 @@ def markdown(header: dict | None, rows: Sequence[dict], family: str = "dense", t
         "Geomeans over rows (range in parentheses):",
         *geomean_lines(rows, family),
         "",
-        "| " + " | ".join(columns) + " |",
-        "|" + "---|" * len(columns),
+        *md.dict_table(columns, rows),
     ]
-    out += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(out) + "\n"
 
 
@@ -1162,16 +1155,16 @@ def arm_bench_markdown(
     cols = ["d_in -> d_out", "T"] + [c for c, _ in extra] + ["mode"] + [f"{a} us" for a in arms]
     if "fused" in arms:
         cols += [f"{a}/fused" for a in baselines]
-    lines = [header_line(header) + note, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     keys = sorted({(k[0], k[2]) for k in medians}, key=lambda k: (MODES.index(k[1]), k[0].d_in, -k[0].d_out))
+    rows = []
     for point, mode in keys:
         us = {a: medians.get((point, op, mode, a)) for a in arms}
         row = [f"{point.d_in} -> {point.d_out}", str(point.tokens)] + [str(v) for _, v in extra] + [mode]
         row += [f"{us[a]:.1f}" if us[a] is not None else "n/a" for a in arms]
         if "fused" in arms:
             row += [f"{us[a] / us['fused']:.3f}" if us[a] and us["fused"] else "n/a" for a in baselines]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(row)
+    return "\n".join([header_line(header) + note, "", *md.table(cols, rows)]) + "\n"
 
 
 def arm_bench_main(

@@ -26,6 +26,8 @@ from typing import Sequence
 
 from absl import app, flags
 
+from jax_cake.tools import markdown as md
+
 FLAGS = flags.FLAGS
 
 
@@ -117,7 +119,7 @@ def compare_row(point, op: str, builds: Sequence[tuple[str, str]], groups: int, 
             medians[n].append(statistics.median(times))
     us = {n: statistics.median(medians[n]) for n in names}
     cells = [f"{us[n]:.2f} ({us[names[0]] / us[n]:.3f}, {notes[n]})" for n in names]
-    return f"| {point.label} | {op} | " + " | ".join(cells) + " |"
+    return md.row([point.label, op, *cells])
 
 
 def main(argv):
@@ -142,8 +144,7 @@ def main(argv):
         native.register_build(path, _prefix(name))
     h = bench.device_header("device")
     print(f"GPU {h['gpu']}, {h['sms']} SMs, driver {h['driver']}, jax {h['jax']}, {h['date']}; {h['timer']}")
-    print("| point | op | " + " | ".join(f"{n} us (first/this, outputs)" for n, _ in builds) + " |")
-    print("|---|---|" + "---|" * len(builds))
+    print("\n".join(md.table(["point", "op", *(f"{n} us (first/this, outputs)" for n, _ in builds)], [])))
     for point in points:
         for op in ops:
             print(compare_row(point, op, builds, FLAGS.groups, FLAGS.steps, FLAGS.flush_mb), flush=True)

@@ -35,6 +35,8 @@ from typing import Sequence
 
 from absl import app, flags
 
+from jax_cake.tools import markdown as md
+
 FLAGS = flags.FLAGS
 DEFAULT_PAIRS = ("4096:14336", "14336:4096", "4096:4096", "4096:1024")
 OPS = ("fwd", "dgrad")
@@ -245,10 +247,8 @@ def write_csv(out_dir: str, rows: Sequence[dict]) -> str:
 
 def table(rows: Sequence[dict], header: str = "") -> str:
     cols = ("op", "d_in", "d_out", "arm", "us", "tflops", "xla_over_arm", "max_err_rel", "ok")
-    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] if header else []
-    if not header:
-        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    lines = [header, ""] if header else []
+    lines += md.table(cols, ([str(r[c]) for c in cols] for r in rows))
     return "\n".join(lines) + "\n"
 
 

@@ -34,6 +34,7 @@ import numpy as np
 from absl import app, flags
 
 from jax_cake.tools import cuda_driver
+from jax_cake.tools import markdown as md
 
 FLAGS = flags.FLAGS
 
@@ -212,19 +213,20 @@ class Case:
 
 
 def markdown(header: str, results: Sequence[tuple[Case, float, str]]) -> str:
-    lines = [
-        header,
-        "",
-        "| rows | a -> b (bf16) | MB read | MB written | floor us | TB/s | fastest kernel, CTAs x threads |",
-        "|---|---|---|---|---|---|---|",
+    columns = ["rows", "a -> b (bf16)", "MB read", "MB written", "floor us", "TB/s", "fastest kernel, CTAs x threads"]
+    rows = [
+        [
+            case.rows,
+            f"{case.a} -> {case.b}",
+            f"{case.read_mb:.1f}",
+            f"{case.write_mb:.1f}",
+            f"{us:.2f}",
+            f"{(case.read_mb + case.write_mb) / us:.2f}",
+            shape,
+        ]
+        for case, us, shape in results
     ]
-    for case, us, shape in results:
-        mb = case.read_mb + case.write_mb
-        lines.append(
-            f"| {case.rows} | {case.a} -> {case.b} | {case.read_mb:.1f} | {case.write_mb:.1f} | {us:.2f} | "
-            f"{mb / us:.2f} | {shape} |"
-        )
-    return "\n".join(lines)
+    return "\n".join([header, "", *md.table(columns, rows)])
 
 
 class FloorTimer:

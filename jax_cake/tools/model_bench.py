@@ -58,6 +58,7 @@ from typing import Any, Callable, Sequence
 from absl import app, flags
 
 from jax_cake.tools import bench
+from jax_cake.tools import markdown as md
 
 CASES = ("skinny", "block", "block_remat", "mlp", "router", "cold")
 TIMED_CASES = CASES[:-1]
@@ -481,15 +482,14 @@ def header_line(header: dict, command: str, protocol: dict) -> str:
 
 
 def markdown(header_text: str, rows: Sequence[dict]) -> str:
-    out = [header_text, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    out += ["| " + " | ".join(_fmt(c, r.get(c)) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(out) + "\n"
+    cells = ([_cell(c, r.get(c)) for c in COLUMNS] for r in rows)
+    return "\n".join([header_text, "", *md.table(COLUMNS, cells)]) + "\n"
 
 
-def _fmt(column: str, v) -> str:
+def _cell(column: str, v) -> str:
     if column == "loss rel diff" and isinstance(v, float):
         return f"{v:.1e}"
-    return bench._fmt(v)
+    return md.number(v)
 
 
 def write_csv(path: str, rows: Sequence[dict]) -> None:

@@ -77,6 +77,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cake
+from jax_cake.tools import markdown as md
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("modes", ["shard_map", "auto", "explicit"], "Modes: shard_map, auto, explicit.")
@@ -608,28 +609,45 @@ def run_cases(n: int) -> list[dict]:
 # --- output ---------------------------------------------------------------------------------
 
 
-def _f(v, fmt="{:.3f}") -> str:
-    return "n/a" if v is None else fmt.format(v)
+def _ms(v) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        (
-            "| model | mode | sharding | overlap | jax_cake ms | XLA ms | XLA / jax_cake | 1-dev jax_cake ms | "
-            "vs 1-device (jax_cake) | vs 1-device (XLA) | collectives (jax_cake; XLA) |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+    columns = [
+        "model",
+        "mode",
+        "sharding",
+        "overlap",
+        "jax_cake ms",
+        "XLA ms",
+        "XLA / jax_cake",
+        "1-dev jax_cake ms",
+        "vs 1-device (jax_cake)",
+        "vs 1-device (XLA)",
+        "collectives (jax_cake; XLA)",
     ]
+    cells = []
     for r in rows:
         ratio = r["xla_ms"] / r["jax_cake_ms"] if r["xla_ms"] and r["jax_cake_ms"] else None
         vs = r["jax_cake_ms"] / r["one_jax_cake_ms"] if r["jax_cake_ms"] and r["one_jax_cake_ms"] else None
         vs_x = r["xla_ms"] / r["one_xla_ms"] if r["xla_ms"] and r["one_xla_ms"] else None
-        lines.append(
-            f"| {r['model']} | {r['mode']} | {r['sharding']} | {r['overlap']} | {_f(r['jax_cake_ms'])} | {_f(r['xla_ms'])} | "
-            f"{_f(ratio)} | {_f(r['one_jax_cake_ms'])} | {_f(vs)} | {_f(vs_x)} | "
-            f"{r['collectives_jax_cake']}; XLA: {r['collectives_xla']} |"
+        cells.append(
+            [
+                str(r["model"]),
+                str(r["mode"]),
+                str(r["sharding"]),
+                str(r["overlap"]),
+                _ms(r["jax_cake_ms"]),
+                _ms(r["xla_ms"]),
+                _ms(ratio),
+                _ms(r["one_jax_cake_ms"]),
+                _ms(vs),
+                _ms(vs_x),
+                f"{r['collectives_jax_cake']}; XLA: {r['collectives_xla']}",
+            ]
         )
-    return "\n".join(lines)
+    return "\n".join(md.table(columns, cells))
 
 
 def device_info() -> dict:

@@ -22,6 +22,7 @@ from typing import Sequence
 from absl import app, flags
 
 from jax_cake.tools import bench
+from jax_cake.tools import markdown as md
 
 FLAGS = flags.FLAGS
 DEFAULT_GEMMS = ("dgrad:14336:4096", "fwd:4096:14336")
@@ -103,18 +104,16 @@ def measure(
 
 def table(results: dict[tuple[str, int, int], dict], header: str = "") -> str:
     """Markdown: per GEMM and arm the time in each state and XLA's time over the arm's."""
-    lines = [header, ""] if header else []
-    lines += [
-        "| GEMM | arm | " + " | ".join(f"{s} (us)" for s in STATES) + " | " + " | ".join(f"XLA / arm, {s}" for s in STATES) + " |",
-        "|---|---|" + "---|" * (2 * len(STATES)),
-    ]
+    columns = ["GEMM", "arm", *(f"{s} (us)" for s in STATES), *(f"XLA / arm, {s}" for s in STATES)]
+    rows = []
     for (op, d_in, d_out, w_dtype), arms in results.items():
         xla = arms.get("xla")
         gemm = f"{op} {d_in} -> {d_out}" + (f" ({w_dtype} dw)" if op == "wgrad" else "")
         for arm, t in arms.items():
             ratios = [f"{xla[s] / t[s]:.3f}" if xla and arm != "xla" else "" for s in STATES]
-            lines.append(f"| {gemm} | {arm} | " + " | ".join(f"{t[s]:.0f}" for s in STATES) + " | " + " | ".join(ratios) + " |")
-    return "\n".join(lines) + "\n"
+            rows.append([gemm, arm, *(f"{t[s]:.0f}" for s in STATES), *ratios])
+    lines = [header, ""] if header else []
+    return "\n".join(lines + md.table(columns, rows)) + "\n"
 
 
 def main(argv):

@@ -32,6 +32,7 @@ from typing import Iterable, Mapping, Sequence
 from absl import app, flags
 
 from jax_cake.tools import bench
+from jax_cake.tools import markdown as md
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _DOCS = os.path.join(_REPO_ROOT, "docs")
@@ -111,14 +112,6 @@ def geomean(values: Sequence[float]) -> float:
 # --- tables --------------------------------------------------------------------------------
 
 
-def _fmt(v, digits: int = 3) -> str:
-    if v is None:
-        return "n/a"
-    if isinstance(v, float):
-        return f"{v:.1f}" if v >= 100 else (f"{v:.2f}" if v >= 10 else f"{v:.{digits}f}")
-    return str(v)
-
-
 def _summary(values: Sequence[float]) -> str:
     if not values:
         return "n/a"
@@ -131,11 +124,11 @@ def _names(paths: Sequence[str]) -> str:
 
 def dense_table(rows: Sequence[dict]) -> list[str]:
     """Geomeans of XLA/new and cuBLAS/new per op and mode: all points, d_out <= 64, d_out >= 512."""
-    out = [
-        "| op | mode | points | XLA/new all (range) | d_out <= 64 | d_out >= 512 | >= 1.00 | "
-        "cuBLAS/new all (range) | d_out <= 64 | d_out >= 512 | >= 1.00 | split/new |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    columns = ["op", "mode", "points"]
+    for baseline in ("XLA", "cuBLAS"):
+        columns += [f"{baseline}/new all (range)", "d_out <= 64", "d_out >= 512", ">= 1.00"]
+    columns.append("split/new")
+    out = []
     modes = [m for m in bench.MODES if any(r["mode"] == m for r in rows)]
     for mode in modes:
         for op in bench.OPS:
@@ -155,25 +148,19 @@ def dense_table(rows: Sequence[dict]) -> list[str]:
                 ]
             splits = [v for v in (ratio(r, "split") for r in picked) if v is not None]
             cells.append(f"{geomean(splits):.3f}" if splits else "n/a")
-            out.append("| " + " | ".join(cells) + " |")
-    return out
-
-
-def rows_table(rows: Sequence[dict], columns: Sequence[str]) -> list[str]:
-    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    out += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
-    return out
+            out.append(cells)
+    return md.table(columns, out)
 
 
 def router_table(rows: Sequence[dict]) -> list[str]:
     shown = [dict(r, **{"XLA x3/new": ratio(r, "XLA x3")}) for r in rows]
-    return rows_table(shown, ["d -> E", "T", "op", "mode", "new us", "XLA x3 us", "XLA x3/new", "XLA highest us"])
+    return md.dict_table(["d -> E", "T", "op", "mode", "new us", "XLA x3 us", "XLA x3/new", "XLA highest us"], shown)
 
 
 def batched_table(rows: Sequence[dict]) -> list[str]:
     shown = [dict(r, **{"XLA/new": ratio(r, "XLA"), "cuBLAS/new": ratio(r, "cuBLAS")}) for r in rows]
-    return rows_table(
-        shown, ["B", "d_in -> d_out", "T", "op", "mode", "new us", "XLA us", "cuBLAS us", "XLA/new", "cuBLAS/new"]
+    return md.dict_table(
+        ["B", "d_in -> d_out", "T", "op", "mode", "new us", "XLA us", "cuBLAS us", "XLA/new", "cuBLAS/new"], shown
     )
 
 
@@ -200,10 +187,7 @@ def floor_points(dense: Sequence[dict], floor_us: Mapping[tuple[int, int], float
 
 def floor_table(points: Sequence[dict]) -> list[str]:
     """Per op and out dtype: jax_cake / cuBLAS / XLA time over the floor, range over the points."""
-    out = [
-        "| op | out | points | new / floor | cuBLAS / floor | XLA / floor |",
-        "|---|---|---|---|---|---|",
-    ]
+    out = []
     for op in ("fwd", "wgrad"):
         for dtype in ("FP32", "BF16"):
             picked = [p for p in points if p["op"] == op and p["out"] == dtype]
@@ -213,8 +197,8 @@ def floor_table(points: Sequence[dict]) -> list[str]:
             for arm in ("new", "cuBLAS", "XLA"):
                 vals = [p[f"{arm} us"] / p["floor us"] for p in picked if p.get(f"{arm} us")]
                 cells.append(f"{min(vals):.2f}-{max(vals):.2f}" if vals else "n/a")
-            out.append("| " + " | ".join(cells) + " |")
-    return out
+            out.append(cells)
+    return md.table(["op", "out", "points", "new / floor", "cuBLAS / floor", "XLA / floor"], out)
 
 
 # --- pictures ------------------------------------------------------------------------------

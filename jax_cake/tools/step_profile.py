@@ -34,6 +34,7 @@ from absl import app, flags
 from jax_cake import planner
 from jax_cake.planner import gated as gated_planner
 from jax_cake.tools import bench, model_bench
+from jax_cake.tools import markdown as md
 
 FLAGS = flags.FLAGS
 _ENV = {"XLA_FLAGS": "--xla_enable_command_buffers_during_profiling=true"}
@@ -88,14 +89,11 @@ def timeline_table(timelines: dict[str, list[tuple[str, float]]], min_us: float)
     """Per arm, one step's launches of at least min_us in launch order (the rest summed)."""
     lines = []
     for arm, launches in timelines.items():
-        lines += [f"**{arm}**, launch order:", "", "| # | kernel | us |", "|---|---|---|"]
-        for i, (name, us) in enumerate(launches):
-            if us >= min_us:
-                lines.append(f"| {i} | `{name}` | {us:.1f} |")
+        rows = [[str(i), f"`{name}`", f"{us:.1f}"] for i, (name, us) in enumerate(launches) if us >= min_us]
         small = [us for _, us in launches if us < min_us]
         if small:
-            lines.append(f"| | ({len(small)} launches under {min_us:g} us) | {sum(small):.1f} |")
-        lines.append("")
+            rows.append(["", f"({len(small)} launches under {min_us:g} us)", f"{sum(small):.1f}"])
+        lines += [f"**{arm}**, launch order:", "", *md.table(["#", "kernel", "us"], rows), ""]
     return "\n".join(lines)
 
 
@@ -103,14 +101,13 @@ def table(profiles: dict[str, dict[str, float]], top: int) -> str:
     lines = []
     for arm, times in profiles.items():
         total = sum(times.values())
-        lines += [f"**{arm}**: {total / 1e3:.3f} ms of kernel time per step", "", "| kernel | us | share |", "|---|---|---|"]
         ranked = sorted(times.items(), key=lambda kv: -kv[1])
-        for name, us in ranked[:top]:
-            lines.append(f"| `{name}` | {us:.1f} | {us / total:.1%} |")
+        rows = [[f"`{name}`", f"{us:.1f}", f"{us / total:.1%}"] for name, us in ranked[:top]]
         if len(ranked) > top:
             rest = sum(us for _, us in ranked[top:])
-            lines.append(f"| ({len(ranked) - top} others) | {rest:.1f} | {rest / total:.1%} |")
-        lines.append("")
+            rows.append([f"({len(ranked) - top} others)", f"{rest:.1f}", f"{rest / total:.1%}"])
+        lines += [f"**{arm}**: {total / 1e3:.3f} ms of kernel time per step", ""]
+        lines += [*md.table(["kernel", "us", "share"], rows), ""]
     return "\n".join(lines)
 
 
