@@ -101,9 +101,11 @@ def router_wgrad(g, x):
 #   backward  dg = bf16(dh * u * act'(g)),  du = bf16(dh * act(g))   in FP32 from the
 #             bf16 dh, g, u
 #
-# act is "silu" (z sigmoid(z)) or "gelu" (the tanh approximation, jax.nn.gelu with
-# approximate=True). A kernel epilogue computing these on the accumulator tile must give
-# the same values.
+# act is "silu" (z sigmoid(z)) or "gelu" (the tanh approximation of jax.nn.gelu with
+# approximate=True, 0.5 z (1 + tanh(y)), y = sqrt(2 / pi) (z + 0.044715 z^3), evaluated as
+# z sigmoid(2 y): the same function, without the cancellation of 1 + tanh(y) in FP32 for
+# negative z, where the tanh form is exactly 0 below z ~ -5.4). A kernel epilogue
+# computing these on the accumulator tile must give the same values.
 
 ACTIVATIONS = ("silu", "gelu")
 _GELU_C = 0.7978845608028654  # sqrt(2 / pi), as jax.nn.gelu's
@@ -116,10 +118,10 @@ def _act_and_slope(z, activation: str):
         s = jax.nn.sigmoid(z)
         return z * s, s * (1.0 + z * (1.0 - s))
     if activation == "gelu":
-        t = jnp.tanh(_GELU_C * (z + _GELU_A * (z * z * z)))
-        value = jax.nn.gelu(z, approximate=True)
-        slope = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * (_GELU_C * (1.0 + 3.0 * _GELU_A * (z * z)))
-        return value, slope
+        # 0.5 (1 + tanh(y)) = sigmoid(2 y), and its derivative 2 s (1 - s) dy/dz.
+        s = jax.nn.sigmoid((2.0 * _GELU_C) * (z + _GELU_A * (z * z * z)))
+        slope = s + z * (2.0 * s * (1.0 - s)) * (_GELU_C * (1.0 + 3.0 * _GELU_A * (z * z)))
+        return z * s, slope
     raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
 
 

@@ -14,7 +14,6 @@ from helpers import REPO, faked_device
 from jax_cake.tools import bench
 
 
-
 def run_cli(*argv: str) -> tuple[str, list[dict]]:
     """`python -m jax_cake.tools.bench *argv` at 1 run, 2 steps, 1 MiB flush: (markdown, CSV rows)."""
     with tempfile.TemporaryDirectory() as tmp:

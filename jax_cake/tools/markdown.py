@@ -3,7 +3,8 @@ printed, written once for every tool."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 def number(v: Any, digits: int = 3) -> str:
