@@ -12,10 +12,10 @@ threads may each hold: 168), before the kernel's setmaxnreg moves registers from
 producer warpgroup to the consumers; a consumer that needs more than it gets spills, and
 its stack shows it.
 
-Pure Python: no CUDA toolkit. Checked against `cuobjdump --dump-resource-usage` of CUDA 13
-on the extracted cubins: the same REG and STACK for all 46 variants of 2026-12-05
-(nvidia-cutlass-dsl 4.8.1). `--cubin_dir=DIR` writes the cubins out for cuobjdump or
-nvdisasm (SASS: `nvdisasm -c FILE.cubin`).
+Pure Python: no CUDA toolkit. Checked against `cuobjdump --dump-resource-usage` of CUDA
+13.5 on the extracted cubins: the same REG and STACK for every kernel of two builds of
+2026-12-05 (46 and 49 objects, nvidia-cutlass-dsl 4.8.1). `--cubin_dir=DIR` writes the
+cubins out for cuobjdump or nvdisasm (SASS: `nvdisasm -c FILE.cubin`).
 """
 
 from __future__ import annotations
@@ -108,9 +108,16 @@ def kernel_resources(cubin: bytes) -> KernelResources:
     return KernelResources(count, per_symbol.get(_EIATTR_MIN_STACK_SIZE, {}).get(symbol, 0))
 
 
-def read_objects(obj_dir: pathlib.Path, names, cubin_dir: pathlib.Path | None = None) -> dict[str, KernelResources]:
-    """{variant name: its kernel's resources} from obj_dir/<name>.o, optionally writing
-    each cubin to cubin_dir/<name>.cubin."""
+def read_objects(
+    obj_dir: pathlib.Path, names=None, cubin_dir: pathlib.Path | None = None
+) -> dict[str, KernelResources]:
+    """{variant name: its kernel's resources} from obj_dir/<name>.o, for `names` (None:
+    every GEMM and router variant the build exports), optionally writing each cubin to
+    cubin_dir/<name>.cubin."""
+    if names is None:
+        from jax_cake.planner import router_variants, variants
+
+        names = [v.name for v in (*variants.VARIANTS, *router_variants.VARIANTS)]
     found = {}
     for name in names:
         cubin = device_code((obj_dir / f"{name}.o").read_bytes())
@@ -122,18 +129,12 @@ def read_objects(obj_dir: pathlib.Path, names, cubin_dir: pathlib.Path | None = 
 
 def main(argv):
     del argv
-    from jax_cake.planner import router_variants, variants
-
-    names = [v.name for v in (*variants.VARIANTS, *router_variants.VARIANTS)]
     cubin_dir = None
     if FLAGS.cubin_dir:
         cubin_dir = pathlib.Path(FLAGS.cubin_dir)
         cubin_dir.mkdir(parents=True, exist_ok=True)
-    found = read_objects(pathlib.Path(FLAGS.obj_dir), names, cubin_dir)
-    table = md.table(
-        ["variant", "registers", "stack bytes"],
-        [[name, str(r.registers), str(r.stack_bytes)] for name, r in found.items()],
-    )
+    found = read_objects(pathlib.Path(FLAGS.obj_dir), cubin_dir=cubin_dir)
+    table = md.table(["variant", "registers", "stack bytes"], ([n, r.registers, r.stack_bytes] for n, r in found.items()))
     spilling = sum(r.stack_bytes > 0 for r in found.values())
     text = "\n".join(table) + f"\n\n{len(found)} kernels, {spilling} with stack (spilled registers).\n"
     print(text, end="")

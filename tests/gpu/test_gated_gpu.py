@@ -22,7 +22,7 @@ from jax_cake.planner import gated as gated_planner
 from jax_cake.pipeline import gated as gated_pipeline
 from jax_cake.planner.gated import plan_gate_grad, plan_gated
 from jax_cake.primitives import gemm
-from test_gated import _reference64
+from test_gated import _act64 as _act_and_slope64, _reference64
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_library")]
 
@@ -119,12 +119,6 @@ def _exp_argument(g, activation):
     return 2.0 * 0.7978845608028654 * (g + 0.044715 * g**3)
 
 
-def _act64(g, activation):
-    """act(g) = g sigmoid(a) in float64 (gelu's 0.5 g (1 + tanh(y)) in this form: in the
-    tanh form float64 itself rounds 1 + tanh(y) to 0 for g below about -7.2)."""
-    return g * np.exp(-np.logaddexp(0.0, -_exp_argument(g, activation)))
-
-
 def _gated_call(variant, x, w):
     """(h, gu) of the gated kernel `variant` on x [T, d_in], w [2F, d_in] (interleaved in
     blocks of contract.GATE_BLOCK), and gu of the plain forward of the same tile."""
@@ -162,7 +156,7 @@ def test_gated_kernel_epilogue(variant, shape, monkeypatch):
     ref_gu = _f64(x) @ _f64(w).T
     assert _within(gu[0], ref_gu, h.BF16_TOL)
     g, u = (_f64(v[0]) for v in reference.deinterleave(gu, -1, contract.GATE_BLOCK))
-    ref = _act64(g, variant.activation) * u
+    ref = _act_and_slope64(g, variant.activation)[0] * u
     got = _f64(out[0])
     assert np.all(np.isfinite(got))
     fp32_error = (16.0 + 8.0 * np.abs(_exp_argument(g, variant.activation))) * 2.0**-24
@@ -197,11 +191,6 @@ def _ffi_body(target: str, attrs_key: tuple):
     return body
 
 
-def _silu_and_slope64(g):
-    s = 1.0 / (1.0 + np.exp(-g))
-    return g * s, s * (1.0 + g * (1.0 - s))
-
-
 @pytest.mark.parametrize("shape", GATE_GRAD_SHAPES, ids=lambda s: "B{}_T{}_{}x{}".format(*s))
 @pytest.mark.parametrize("variant", GATE_GRAD_VARIANTS, ids=lambda v: v.name)
 def test_gate_grad_kernel_epilogue(variant, shape):
@@ -230,7 +219,7 @@ def test_gate_grad_kernel_epilogue(variant, shape):
     for i in range(b):
         assert _within(dh[i], _f64(dy[i]) @ _f64(wd[i]), h.BF16_TOL)
         g, u = (_f64(v[i]) for v in reference.deinterleave(gu, -1, contract.GATE_BLOCK))
-        value, slope = _silu_and_slope64(g)
+        value, slope = _act_and_slope64(g, variant.gate_grad)
         dh64 = _f64(dh[i])
         got_dg, got_du = _f64(d_gu[0, i]), _f64(d_gu[1, i])
         assert np.all(np.isfinite(got_dg)) and np.all(np.isfinite(got_du)), f"unwritten (NaN) elements in batch {i}"
