@@ -483,11 +483,12 @@ ffi::Error FwdGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buff
   return LaunchOnePass(at, "fwd", activation == kActivationSilu ? kStoreGatedSilu : kStoreGatedGelu, g, stream);
 }
 
-// d_gu[B, T, 2F] from dh = dy[B, T, d_out] . w[B, d_out, F] (M = T, N = F, K = d_out) and
+// d_gu[2, B, T, F] from dh = dy[B, T, d_out] . w[B, d_out, F] (M = T, N = F, K = d_out) and
 // the saved pre-activation gu[B, T, 2F] (gate and up columns interleaved in blocks of
-// kGateBlock, as jax_cake_fwd_gated writes it): in d_gu's gate columns
-// bf16(bf16(dh) * u * act'(g)), in its up columns bf16(bf16(dh) * act(g)). One pass over
-// K: bitwise reproducible.
+// kGateBlock, as jax_cake_fwd_gated writes it): in plane 0, dg = bf16(bf16(dh) * u *
+// act'(g)), in plane 1, du = bf16(bf16(dh) * act(g)), each [B, T, F] and contiguous, so the
+// two weight gradients and dx read them where they lie. One pass over K: bitwise
+// reproducible.
 ffi::Error DgradGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w,
                           ffi::Buffer<ffi::BF16> gu, ffi::Result<ffi::Buffer<ffi::BF16>> d_gu, GatedAttrs attrs) {
   const Attrs at = attrs.gemm;
@@ -501,8 +502,9 @@ ffi::Error DgradGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::B
   JC_RETURN_IF_ERROR(CheckRank3("gu", gu.dimensions()));
   Shapes s;
   if (!s.Bind(dy.dimensions(), "BTO") || !s.Bind(w.dimensions(), "BOF") || !s.Bind(gu.dimensions(), "BTG") ||
-      !s.Bind(d_gu->dimensions(), "BTG"))
-    return ffi::Error::InvalidArgument(who + ": shapes must be dy[B,T,d_out], w[B,d_out,F], gu and d_gu[B,T,2F]");
+      !s.Bind(d_gu->dimensions(), "PBTF") || s['P'] != 2)
+    return ffi::Error::InvalidArgument(who +
+                                       ": shapes must be dy[B,T,d_out], w[B,d_out,F], gu[B,T,2F] and d_gu[2,B,T,F]");
   const int64_t B = s['B'], T = s['T'], d_out = s['O'], F = s['F'];
   if (s['G'] != 2 * F || F % kGateBlock != 0)
     return ffi::Error::InvalidArgument(who + ": gu must be 2F wide with F a multiple of " + std::to_string(kGateBlock) +
@@ -511,7 +513,7 @@ ffi::Error DgradGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::B
   GemmArgs g;
   g.a = KMajor(dy.untyped_data(), T, d_out, B);
   g.b = MnMajor(w.untyped_data(), F, d_out, B);  // N-major: stride(N) = 1
-  g.c = KMajor(d_gu->untyped_data(), T, 2 * F, B);
+  g.c = KMajor(d_gu->untyped_data(), T, F, 2 * B);  // the kernel views its 2B batches as (plane, B)
   g.aux = KMajor(gu.untyped_data(), T, 2 * F, B);
   return LaunchOnePass(at, "dgrad", kStoreGateGradSilu, g, stream);
 }

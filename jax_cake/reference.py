@@ -138,13 +138,6 @@ def gate_grad(dh, g, u, activation: str):
     return (dh * u.astype(_F32) * slope).astype(_BF16), (dh * value).astype(_BF16)
 
 
-def interleaved_gate_grad(dh, gu, activation: str, block: int):
-    """d_gu = interleave(*gate_grad(dh, g, u)) along the last axis, for the pre-activation
-    gu = interleave(g, u) (blocks of `block`): the activation's gradient in gu's layout."""
-    g, u = deinterleave(gu, -1, block)
-    return interleave(*gate_grad(dh, g, u, activation), -1, block)
-
-
 def interleave(a, b, axis: int, block: int = 1):
     """a and b (the same shape) interleaved along `axis` in blocks of `block` rows (it must
     divide F = a.shape[axis]): index 2 * block * j + i holds a's block * j + i, and

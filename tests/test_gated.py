@@ -645,11 +645,11 @@ def test_plan_gate_grad_puts_the_epilogue_on_the_wide_pingpong_tile(t, f, d, wan
 
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_cuda_lowering_of_the_mlp_runs_the_gradient_epilogue(with_residual, monkeypatch):
-    """At the Llama MLP shape, with the gradient epilogue enabled, the backward's d[gate|up]
-    comes from ONE jax_cake_dgrad_gated call (dy, w_down, the saved gu -> d_gu); dh never
-    exists, so the only plain dgrad is dx over K = 2F (over d_gu, which exists). Held back
-    (the default): the composition, a dgrad for dh, and dx from dg, du and the
-    interleaved weight read in place (jax_cake_dgrad_gate_up)."""
+    """At the Llama MLP shape, with the gradient epilogue enabled, the backward's dg and du
+    come from ONE jax_cake_dgrad_gated call (dy, w_down, the saved gu -> d_gu [2, 1, T,
+    F], its two planes); dh never exists, so there is no plain dgrad, and dx reads the
+    planes in place (jax_cake_dgrad_gate_up). Held back (the default): the composition, a
+    dgrad for dh, and dx from dg, du and the interleaved weight read in place."""
     from jax_cake.planner import gated as gated_planner
 
     t, d, f = 8192, 4096, 14336
@@ -664,11 +664,12 @@ def test_cuda_lowering_of_the_mlp_runs_the_gradient_epilogue(with_residual, monk
     monkeypatch.setattr(gated_planner, "GATE_GRAD_EPILOGUE_ENABLED", True)
     text = cuda_text(lambda *a: _remat_grads("none", True, residual=with_residual)(*a), *args)
     (fused,) = custom_call_lines(text, "jax_cake_dgrad_gated")
-    assert f"(tensor<1x{t}x{d}xbf16>, tensor<1x{d}x{f}xbf16>, tensor<1x{t}x{2 * f}xbf16>) -> tensor<1x{t}x{2 * f}xbf16>" in fused
+    assert f"(tensor<1x{t}x{d}xbf16>, tensor<1x{d}x{f}xbf16>, tensor<1x{t}x{2 * f}xbf16>) -> tensor<2x1x{t}x{f}xbf16>" in fused
     assert "tile_n = 192 : i64" in fused and f"schedule = {contract.SCHEDULE_PINGPONG} : i64" in fused
     assert f"activation = {contract.ACTIVATION_SILU} : i64" in fused
-    (dx,) = custom_call_lines(text, "jax_cake_dgrad")
-    assert f"(tensor<1x{t}x{2 * f}xbf16>, tensor<1x{2 * f}x{d}xbf16>) -> tensor<1x{t}x{d}xbf16>" in dx
+    assert not custom_call_lines(text, "jax_cake_dgrad")  # no dh
+    (dx,) = custom_call_lines(text, "jax_cake_dgrad_gate_up")
+    assert f"({halves}) -> tensor<1x{t}x{d}xbf16>" in dx
     assert len(custom_call_lines(text, "jax_cake_fwd_gated")) == 1
     assert len(custom_call_lines(text, "jax_cake_fwd_residual" if with_residual else "jax_cake_fwd")) == 1
 

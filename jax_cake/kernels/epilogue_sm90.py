@@ -4,8 +4,9 @@ buffers.
 
 Here: the construction, each tile's sub-tile partitions, which accumulator registers
 make each sub-tile, and the staging of a sub-tile into its buffer (the accumulator's,
-or the gated epilogue's h made from two of them), all plain trace-time
-Python with no control flow. The store loop around them (the store warp's acquire / TMA
+the gated epilogue's h made from two of them, or the gradient epilogue's dg and du made in
+place from the pre-activation loaded into the buffer), all plain trace-time Python with
+no control flow. The store loop around them (the store warp's acquire / TMA
 store / commit are branches on the warp index, dynamic control flow the DSL takes only in
 its jit functions) is gemm_base_sm90.GemmSm90Base._store_tile.
 
@@ -36,8 +37,6 @@ class SubTileStaging(NamedTuple):
     tRS_rAcc: Any  # the accumulator retiled for the copy
     tRS_rD_layout: Any  # one sub-tile's registers
     tRS_rD: Any  # one sub-tile's registers, accumulator dtype
-    tRS_cD: Any  # the (row, column) of each of those registers in its sub-tile
-    tRS_cD_offsets: Any  # the same, minus those of register 0: the same for every thread (static)
     epi_bar: Any  # named barrier of the consumer threads
 
 
@@ -46,19 +45,23 @@ class EpiloguePieces(NamedTuple):
     c_pipe: Any  # PipelineTmaStore over the epi_stage buffers
 
 
+def _tiled_copy_c_atom(tiled_mma, c_layout, c_dtype):
+    """The accumulator's thread layout as a tiled copy (stmatrix): what the copies between
+    registers and the staged buffers follow."""
+    copy_atom_c = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(c_layout.is_m_major_c(), 4), c_dtype)
+    return cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+
+
 def make_epilogue(
     tiled_mma, c_layout, c_dtype, acc_dtype, acc, sC, mma_tidx, epi_stage: int, mma_threads: int, barrier_id: int
 ) -> EpiloguePieces:
     """The copies, register views, store pipeline and barrier of the epilogue (trace time,
     in the consumer warps; acc is the accumulator the tiles are stored from)."""
     copy_atom_r2s = sm90_utils.get_smem_store_op(c_layout, elem_ty_d=c_dtype, elem_ty_acc=acc_dtype)
-    copy_atom_c = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(c_layout.is_m_major_c(), 4), c_dtype)
-    tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
-    tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+    tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, _tiled_copy_c_atom(tiled_mma, c_layout, c_dtype))
     thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
     rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
     tRS_rD_layout = cute.make_layout(rD_shape[:3])
-    epi_tile = (cute.size(sC, mode=[0]), cute.size(sC, mode=[1]))  # flat: (row, column) coordinates
     return EpiloguePieces(
         staging=SubTileStaging(
             tiled_copy_r2s=tiled_copy_r2s,
@@ -66,8 +69,6 @@ def make_epilogue(
             tRS_rAcc=tiled_copy_r2s.retile(acc),
             tRS_rD_layout=tRS_rD_layout,
             tRS_rD=cute.make_rmem_tensor_like(tRS_rD_layout, acc_dtype),
-            tRS_cD=thr_copy_r2s.partition_S(cute.make_identity_tensor(epi_tile)),
-            tRS_cD_offsets=tiled_copy_r2s.get_slice(0).partition_S(cute.make_identity_tensor(epi_tile)),
             epi_bar=pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=mma_threads),
         ),
         c_pipe=pipeline.PipelineTmaStore.create(
@@ -145,41 +146,79 @@ def stage_gated_sub_tile(ep: SubTileStaging, pair: int, buf, activation: str) ->
     ep.epi_bar.arrive_and_wait()
 
 
-def stage_gate_grad_sub_tile(ep: SubTileStaging, sub: int, n: int, buf, activation: str, gu_view) -> None:
-    """The activation's gradient of 16 columns of dh -> one d[gate|up] sub-tile in
-    staged buffer buf, between the same two barriers as stage_sub_tile.
+class GateUpLoad(NamedTuple):
+    """What `stage_gate_grad_sub_tile` needs besides SubTileStaging: the shared-memory ->
+    register copy (ldmatrix) of one staged (tile_m, 32) buffer into registers laid out as
+    SubTileStaging.tRS_rD, so that register v holds the buffer's element at the position
+    stage_sub_tile writes register v to."""
+
+    tiled_copy_s2r: Any  # shared memory -> registers, bf16
+    tSR_sC: Any  # this thread's view of the staged buffers (source)
+    tSR_rC: Any  # one sub-tile's registers, bf16, as tRS_rD
+    tSR_rC_s2r: Any  # the same registers retiled for the copy
+
+
+def gate_up_block_layouts(tile_m: int, buffers: int):
+    """(buffers of (tile_m, 32) bf16, the same buffers as (tile_m, 16, 2)): the shared-memory
+    layouts of the gradient epilogue, whose every 32-column sub-tile is two 16-column blocks
+    (gate, then up), each row-major with the 32-byte swizzle, one after the other. A TMA box
+    of (16 columns, tile_m rows, 2 blocks) reads or writes such a buffer whole, with the
+    blocks at any distance in global memory: the interleaved gu's two 16-column halves of
+    one 32-column group, or dg and du in the two planes of d_gu."""
+    atom = sm90_utils.make_smem_layout_atom(cute.nvgpu.warpgroup.SmemLayoutAtomKind.K_SW32, cutlass.BFloat16)
+    return (
+        cute.tile_to_shape(atom, (tile_m, 32, buffers), (0, 1, 2)),
+        cute.tile_to_shape(atom, (tile_m, 16, 2, buffers), (0, 1, 2, 3)),
+    )
+
+
+def make_gate_up_load(staging: SubTileStaging, tiled_mma, c_layout, sC, mma_tidx) -> GateUpLoad:
+    """The ldmatrix copy of a staged sub-tile back into the staging registers' layout
+    (trace time, in the consumer warps; c_layout and sC as make_epilogue's, bf16)."""
+    copy_atom_s2r = cute.make_copy_atom(
+        cute.nvgpu.warp.LdMatrix8x8x16bOp(c_layout.is_m_major_c(), 4), cutlass.BFloat16
+    )
+    tiled_copy_s2r = cute.make_tiled_copy_S(copy_atom_s2r, _tiled_copy_c_atom(tiled_mma, c_layout, cutlass.BFloat16))
+    thr_copy_s2r = tiled_copy_s2r.get_slice(mma_tidx)
+    regs = cute.make_rmem_tensor_like(staging.tRS_rD_layout, cutlass.BFloat16)
+    return GateUpLoad(
+        tiled_copy_s2r=tiled_copy_s2r,
+        tSR_sC=thr_copy_s2r.partition_S(sC),
+        tSR_rC=regs,
+        tSR_rC_s2r=tiled_copy_s2r.retile(regs),
+    )
+
+
+def stage_gate_grad_sub_tile(ep: SubTileStaging, load: GateUpLoad, sub: int, n: int, buf, activation: str) -> None:
+    """The activation's gradient of 16 columns of dh, in place in staged buffer buf: the
+    buffer holds the pre-activation's gate and up blocks of those 16 d_ff columns (loaded
+    by TMA; the caller waited for them) and leaves holding dg and du, fenced for the TMA
+    store after the closing barrier of the consumer threads.
 
     The accumulator holds dh (the down projection's dgrad, [M, F]); column group n of its
-    sub-tile `sub` is 16 d_ff indices, whose gate and up pre-activations are the two
-    16-column halves of sub-tile 2 * sub + n of gu [M, 2F] (contract.GATE_BLOCK
-    interleave). gu_view(row, column) loads gu at a (row, column) of this register's
-    sub-tile shifted to that gate column (+ 16: the up one; gemm_base_sm90 clamps it into
-    gu's bounds). The staged sub-tile is d_gu's, in the same layout: its first 16 columns
-    dg = bf16(dh * u * act'(g)), the next 16 du = bf16(dh * act(g)), in FP32 from dh
-    rounded to bf16 first (the plain dgrad's output) and the bf16 g, u, as
-    jax_cake.reference.gate_grad."""
+    sub-tile `sub` is those 16 d_ff columns. ldmatrix brings the buffer into registers laid
+    out as a staged sub-tile's (GateUpLoad): at each register position of the copy's first
+    16-column group sits g, at the same position of the second u, and dh's register at that
+    position of group n: dg = bf16(dh * u * act'(g)), du = bf16(dh * act(g)) in FP32 from
+    dh rounded to bf16 first (the plain dgrad's output) and the bf16 g, u, as
+    jax_cake.reference.gate_grad. No barrier separates the load from the store: ldmatrix
+    and stmatrix share one thread layout, so each warp writes back exactly the elements it
+    read (its own rows), each computed from the value read at its position."""
     cpy_v, cpy_m, cpy_n = (cute.size(ep.tRS_rD_layout, mode=[i]) for i in range(3))
     assert cpy_n == 2, "a 32-column sub-tile is two 16-column copy groups"
-    ep.epi_bar.arrive_and_wait()
+    cute.copy(load.tiled_copy_s2r, load.tSR_sC[(None, None, None, buf)], load.tSR_rC_s2r)
     d = cute.make_rmem_tensor_like(ep.tRS_rD_layout, cutlass.BFloat16)
     run = cute.make_layout(cpy_v)
     for m in range(cpy_m):
         dh = cute.make_rmem_tensor(run, ep.tRS_rD.element_type)
+        g = cute.make_rmem_tensor(run, cutlass.BFloat16)
+        u = cute.make_rmem_tensor(run, cutlass.BFloat16)
         for i in range(cpy_v):
             dh[i] = ep.tRS_rAcc[sub_tile_index(i + cpy_v * (m + cpy_m * n), sub, ep.tRS_rD_layout, ep.tRS_rAcc)]
-        # Registers 2j, 2j + 1 of a run hold adjacent columns (an even one first): one
-        # 32-bit load fetches both.
-        g2 = cute.make_rmem_tensor(cute.make_layout(cpy_v // 2), cutlass.Int32)
-        u2 = cute.make_rmem_tensor(cute.make_layout(cpy_v // 2), cutlass.Int32)
-        for j in range(cpy_v // 2):
-            r, c = ep.tRS_cD_offsets[2 * j + cpy_v * (m + cpy_m * n)]
-            # Column c of the sub-tile is in group c // 16 = n.
-            g2[j], u2[j] = gu_view(ep.tRS_cD[0], (r, c - 16 * n))
-        g = cute.recast_tensor(g2, cutlass.BFloat16)
-        u = cute.recast_tensor(u2, cutlass.BFloat16)
+            g[i] = load.tSR_rC[i + cpy_v * m]
+            u[i] = load.tSR_rC[i + cpy_v * (m + cpy_m)]
         dhf = dh.load().to(cutlass.BFloat16).to(cutlass.Float32)
-        gf = g.load().to(cutlass.Float32)
-        act, slope = _act_and_slope(gf, activation)
+        act, slope = _act_and_slope(g.load().to(cutlass.Float32), activation)
         dg = cute.make_rmem_tensor(run, cutlass.BFloat16)
         du = cute.make_rmem_tensor(run, cutlass.BFloat16)
         dg.store((dhf * u.load().to(cutlass.Float32) * slope).to(cutlass.BFloat16))
@@ -192,17 +231,12 @@ def stage_gate_grad_sub_tile(ep: SubTileStaging, sub: int, n: int, buf, activati
     ep.epi_bar.arrive_and_wait()
 
 
-def load_gate_up(m_gu32, row0, col0, l_idx, base, offset):
-    """(g, u) pairs: the pre-activation gu [M, 2F, L] (gate and up interleaved in blocks
-    of 16), read as int32 pairs of adjacent columns (m_gu32 [M, F, L]), at the d_ff
-    columns col0 + c, c + 1 (col0 a multiple of 16, c < 16 even) of tile row row0 + r,
-    where (r, c) = base + offset: base the thread's (dynamic) coordinate, offset a static
-    one, so that the loads of a row share one address up to constant offsets. Rows and
-    columns past gu's edges are clamped into it (per row and per 16 columns): those
-    elements of the tile are never stored (TMA clips them)."""
-    pair = cutlass.min(col0, cute.size(m_gu32, mode=[1]) - 16) + base[1] // 2 + offset[1] // 2
-    row = cutlass.min(row0 + base[0] + offset[0], cute.size(m_gu32, mode=[0]) - 1)
-    return m_gu32[row, pair, l_idx], m_gu32[row, pair + 8, l_idx]
+def gate_up_blocks(tma_atom, m_blocks, s_blocks, tile_m: int, group, l_idx):
+    """(the TMA partition of the staged blocks [copy, buffer], that of m_blocks' (tile_m,
+    16, 2) blocks of 16-column group `group`, batch l_idx [copy, (M tile, 0, 0)]): m_blocks
+    is a (M, 16, 2, F / 16, L) TMA tensor over gu or d_gu."""
+    g = cute.zipped_divide(m_blocks[(None, None, None, group, l_idx)], (tile_m, 16, 2))
+    return cute.nvgpu.cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(s_blocks, 0, 3), g)
 
 
 def _act_and_slope(z, activation: str, slope: bool = True):

@@ -16,8 +16,6 @@ Imported only by the kernel modules (AOT); never at run time.
 
 from __future__ import annotations
 
-import functools
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -26,7 +24,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_cake.kernels.epilogue_sm90 import load_gate_up, stage_gate_grad_sub_tile, stage_gated_sub_tile, stage_sub_tile
+from jax_cake.kernels.epilogue_sm90 import gate_up_blocks, stage_gate_grad_sub_tile, stage_gated_sub_tile, stage_sub_tile
 
 # Registers per thread after setmaxnreg (384-thread CTAs only): the producer needs few,
 # the two consumer warpgroups hold the accumulators. 128 * 40 + 256 * 232 <= 64K
@@ -141,12 +139,15 @@ class GemmSm90Base:
         return cute.nvgpu.cpasync.make_tiled_tma_atom(op, m_c, cute.slice_(epi_staged, (None, None, 0)), self.epi_tile)
 
     @staticmethod
-    def _shared_storage(stages: int, buffers: dict):
+    def _shared_storage(stages: int, buffers: dict, epi_barriers: int = 0):
         """The CTA's shared memory: the ring's mbarriers (full and empty per stage), then
-        one 1024-byte aligned buffer per entry of `buffers` (name -> (dtype, staged
-        layout)), in order. Built as a dict: the fields depend on the variant (and the
-        kernel modules' annotations are strings under `from __future__ import annotations`)."""
+        epi_barriers more (the gradient epilogue's loads, one per buffer), then one
+        1024-byte aligned buffer per entry of `buffers` (name -> (dtype, staged layout)),
+        in order. Built as a dict: the fields depend on the variant (and the kernel
+        modules' annotations are strings under `from __future__ import annotations`)."""
         fields = {"mbar": cute.struct.MemRange[cutlass.Int64, stages * 2]}
+        if epi_barriers:
+            fields["epi_mbar"] = cute.struct.MemRange[cutlass.Int64, epi_barriers]
         for name, (dtype, layout) in buffers.items():
             fields[name] = cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -272,25 +273,68 @@ class GemmSm90Base:
 
     @cute.jit
     def _store_gate_grad_tile(
-        self, staging, c_pipe, warp_idx, store_warp, buf_base, d_gu, m_gu, row0, col0, l_idx, activation: cutlass.Constexpr
+        self,
+        staging,
+        load,
+        c_pipe,
+        warp_idx,
+        store_warp,
+        d_store,
+        gu_load,
+        s_blocks,
+        bars,
+        row_tile,
+        group0,
+        l_idx,
+        tile_seq,
+        activation: cutlass.Constexpr,
     ):
-        """One tile's activation-gradient epilogue: the accumulator is a dh tile (rows
-        row0.., d_ff columns col0..); each 16-column group of each of its sub-tiles makes
-        one sub-tile of d_gu (stage_gate_grad_sub_tile, from the pre-activation m_gu),
-        stored through the ring's buffers in turn.
+        """One tile's activation-gradient epilogue on a drained ring of epi_stage (>= 2)
+        buffers: the accumulator is a dh tile (M tile row_tile, d_ff columns from 16-column
+        group group0 on, batch l_idx); each 16-column group of it makes one (tile_m, 16, 2)
+        block of d_gu (dg and du) from the same block of the pre-activation gu.
 
-        d_gu: (atom, smem partition, gmem partition, sub-tile count, index -> coordinate
-        layout) of tile_sub_tiles for d_gu's tile (twice the dh tile's width)."""
-        atom, sD, gD, num, layout = d_gu
-        m_gu32 = cute.recast_tensor(m_gu, cutlass.Int32)  # [M, F, L]: adjacent column pairs
+        The store warp TMA-loads the gu blocks of the first epi_stage groups, one per
+        buffer, each completing mbarrier bars + buffer; each group then waits for its block,
+        turns it into d_gu's in place (stage_gate_grad_sub_tile) and leaves by TMA store,
+        after which the buffer the previous group's store read is refilled with the block
+        epi_stage - 1 groups ahead: the loads run under the math and the stores.
+
+        d_store, gu_load: (TMA atom, (M, 16, 2, F / 16, L) TMA tensor) of d_gu and of gu;
+        s_blocks: the ring as (tile_m, 16, 2, buffer). tile_seq: this tile's index among the
+        CTA's epilogues on the ring, which sets the mbarriers' phases: every epilogue on the
+        ring must be one of these, each issuing the same, static, number of loads per buffer
+        (no partial, skipped or other epilogue: GemmSm90 allows the gradient store only on
+        the ping-pong schedule, where every tile stores), else a wait misses its phase and
+        hangs."""
+        store_atom, m_d = d_store
+        load_atom, m_gu = gu_load
+        num = self.tile_mnk[1] // 16
+        ring = self.epi_stage
+        if warp_idx == store_warp:
+            for j in cutlass.range_constexpr(min(ring, num)):
+                self._load_gate_up_block(load_atom, m_gu, s_blocks, bars, j, row_tile, group0 + j, l_idx)
         for idx in cutlass.range_constexpr(num):
-            sub, n = idx // 2, idx % 2
-            buf = buf_base + idx % self.epi_stage
+            buf = idx % ring
+            uses = (num - buf + ring - 1) // ring
+            cute.arch.mbarrier_wait(bars + buf, (tile_seq * uses + idx // ring) % 2)
+            stage_gate_grad_sub_tile(staging, load, idx // 2, idx % 2, buf, activation)
             if warp_idx == store_warp:
-                c_pipe.producer_acquire()
-            gu_view = functools.partial(load_gate_up, m_gu32, row0, col0 + 32 * sub + 16 * n, l_idx)
-            stage_gate_grad_sub_tile(staging, sub, n, buf, activation, gu_view)
-            coord = layout.get_hier_coord(idx)
-            if warp_idx == store_warp:
-                cute.copy(atom, sD[(None, buf)], gD[(None, coord)])
+                sD, gD = gate_up_blocks(store_atom, m_d, s_blocks, self.tile_mnk[0], group0 + idx, l_idx)
+                cute.copy(store_atom, sD[(None, buf)], gD[(None, (row_tile, 0, 0))])
                 c_pipe.producer_commit()
+                if cutlass.const_expr(idx >= 1 and idx - 1 + ring < num):
+                    # The previous group's store has read its buffer: refill it.
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)
+                    self._load_gate_up_block(
+                        load_atom, m_gu, s_blocks, bars, (idx - 1) % ring, row_tile, group0 + idx - 1 + ring, l_idx
+                    )
+
+    @cute.jit
+    def _load_gate_up_block(self, load_atom, m_gu, s_blocks, bars, buf: cutlass.Constexpr, row_tile, group, l_idx):
+        """TMA-load gu's (tile_m, 16, 2) block at (row_tile, group, l_idx) into buffer buf,
+        completing mbarrier bars + buf (from the store warp)."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + buf, self.tile_mnk[0] * 32 * 2)
+        sS, gS = gate_up_blocks(load_atom, m_gu, s_blocks, self.tile_mnk[0], group, l_idx)
+        cute.copy(load_atom, gS[(None, (row_tile, 0, 0))], sS[(None, buf)], tma_bar_ptr=bars + buf)

@@ -88,6 +88,18 @@ knows: it picks the pair by K tile, and the consumers see one K loop twice as lo
 ragged F ends the gate half with a zero-filled partial tile and starts the up half on a
 fresh one.
 
+Gradient epilogue (`store="gate_grad_silu"`, dgrad on the wide ping-pong tiles: the
+down projection's dh = dy W_down with the SwiGLU gradient): the 128 x tile_n dh tile leaves
+as tile_n / 16 blocks of (128 rows, 16 d_ff columns, 2 planes), dg and du, into d_gu [2, L,
+M, F]. Each is made in place in an epilogue buffer from the same block of the saved
+pre-activation gu [L, M, 2F] (gate and up interleaved in 16-column groups): the store warp
+TMA-loads the blocks of the first epi_stage groups when the warpgroup's epilogue turn comes
+(one mbarrier per buffer), each group waits for its block, ldmatrix brings it into the
+registers' layout, the math runs in FP32, stmatrix writes dg and du back over it and one
+TMA box stores both planes; the buffer the previous group's store has read is then
+refilled with the block epi_stage - 1 groups ahead. Both tensors are seen as (M, 16, 2,
+F / 16, L), so one 5-d TMA box moves a block either way.
+
 Streamed activations: in the skinny variants (fwd 128 x 64, wgrad 64-row tiles), when d_out
 fits one tile, every tile of x feeds exactly one CTA tile and x is nearly all the traffic;
 its TMA loads then carry an L2 evict-first hint, so the stream of x replaces itself in L2
@@ -115,7 +127,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.utils.distributed import spin_lock_ld_lt_relaxed_wait
 
 from jax_cake import contract
-from jax_cake.kernels.epilogue_sm90 import make_epilogue, tile_sub_tiles
+from jax_cake.kernels.epilogue_sm90 import gate_up_block_layouts, make_epilogue, make_gate_up_load, tile_sub_tiles
 from jax_cake.kernels.gemm_base_sm90 import ACC_REGS_WIDE, EPI_BARRIER_ID, GemmSm90Base, fence_tensor
 from jax_cake.planner.variants import OUTPUT_PROMOTE_EVERY, GemmVariant
 
@@ -164,9 +176,13 @@ class GemmSm90(GemmSm90Base):
         ):
             raise ValueError("store='gate_up_halves' needs dgrad, bfloat16 output and schedule 'tiles' or 'pingpong'")
         if variant.gate_grad is not None and (
-            variant.program != "dgrad" or variant.out_dtype != "bfloat16" or variant.schedule not in ("tiles", "pingpong")
+            variant.program != "dgrad"
+            or variant.out_dtype != "bfloat16"
+            or variant.schedule != "pingpong"
+            or variant.tile_n == 128
         ):
-            raise ValueError("a gate_grad store needs dgrad, bfloat16 output and schedule 'tiles' or 'pingpong'")
+            # The epilogue's gu loads run on the shared ring of the wide ping-pong tiles.
+            raise ValueError("a gate_grad store needs dgrad, bfloat16 output and a ping-pong tile wider than 128")
         if variant.activation is not None and (
             variant.program != "fwd"
             or variant.out_dtype != "bfloat16"
@@ -269,6 +285,9 @@ class GemmSm90(GemmSm90Base):
             self.ab_stage = self._ring_stages(stage_bytes, 2 * buffer_bytes)
             self.epi_stage = self._fill_buffers(self.ab_stage, stage_bytes, buffer_bytes, sub_tiles)
             self.epi_buffers = self.epi_stage
+            if self.gate_grad is not None and self.epi_stage < 2:
+                # One buffer cannot load the next gu block while its store drains.
+                raise ValueError(f"{variant.name}: the gradient epilogue needs two epilogue buffers")
         else:
             self.epi_buffers = self.epi_stage * (2 if self.pingpong else 1)
             self.ab_stage = self._ring_stages(stage_bytes, buffer_bytes * self.epi_buffers)
@@ -303,6 +322,11 @@ class GemmSm90(GemmSm90Base):
         a_smem_staged, b_smem_staged, epi_smem_staged = self._smem_layouts(
             a_layout, self.ab_dtype, b_layout, self.ab_dtype, c_layout, self.c_dtype, self.ab_stage, self.epi_buffers
         )
+        # The gradient epilogue's buffers hold (tile_m, 16, 2) blocks (gate_up_block_layouts);
+        # the other variants pass their own layout again (never used).
+        epi_blocks_staged = epi_smem_staged
+        if cutlass.const_expr(self.gate_grad is not None):
+            epi_smem_staged, epi_blocks_staged = gate_up_block_layouts(self.tile_mnk[0], self.epi_buffers)
         # The K loop's second half (gate_up_halves: the up half; the other variants pass
         # the first half's atoms again, never used).
         b_first, b_second = mB, mB
@@ -318,18 +342,28 @@ class GemmSm90(GemmSm90Base):
             store_op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp()
         else:
             store_op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
-        tma_atom_c, tma_c = self._tma_store(store_op, mC, epi_smem_staged)
+        if cutlass.const_expr(self.gate_grad is not None):
+            # d_gu in planes [2, L, M, F] (dg, du): each 16-column group's block of both.
+            tma_atom_c, tma_c = self._tma_blocks(store_op, self._planes_view(mC), epi_blocks_staged)
+        else:
+            tma_atom_c, tma_c = self._tma_store(store_op, mC, epi_smem_staged)
         # promote_in="output": later chains reduce-add into the tile the first one stored.
         tma_atom_c_add, tma_c_add = tma_atom_c, tma_c
         if cutlass.const_expr(self.promote_out):
             tma_atom_c_add, tma_c_add = self._tma_store(
                 cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(), mC, epi_smem_staged
             )
-        # The gated epilogue's second output h (mAux, laid out as C), stored through the
-        # same buffers; the other variants pass C's atom in its place (never used).
-        tma_atom_h, tma_h = tma_atom_c, tma_c
+        # The epilogue's second tensor through the same buffers: the gated epilogue's
+        # output h (mAux, laid out as C, stored), the gradient epilogue's pre-activation gu
+        # (mAux [L, M, 2F] interleaved, loaded by blocks); the other variants pass C's atom
+        # in its place (never used).
+        tma_atom_aux, tma_aux = tma_atom_c, tma_c
         if cutlass.const_expr(self.activation is not None):
-            tma_atom_h, tma_h = self._tma_store(cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mAux, epi_smem_staged)
+            tma_atom_aux, tma_aux = self._tma_store(cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mAux, epi_smem_staged)
+        if cutlass.const_expr(self.gate_grad is not None):
+            tma_atom_aux, tma_aux = self._tma_blocks(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), self._interleaved_view(mAux), epi_blocks_staged
+            )
         self.shared_storage = self._shared_storage(
             self.ab_stage,
             {
@@ -337,6 +371,7 @@ class GemmSm90(GemmSm90Base):
                 "sB": (self.ab_dtype, b_smem_staged),
                 "sC": (self.c_dtype, epi_smem_staged),
             },
+            epi_barriers=self.epi_buffers if self.gate_grad is not None else 0,
         )
 
         # Persistent grid: at most one CTA per SM (max_ctas, from the caller), each
@@ -367,13 +402,14 @@ class GemmSm90(GemmSm90Base):
             tma_c,
             tma_atom_c_add,
             tma_c_add,
-            tma_atom_h,
-            tma_h,
+            tma_atom_aux,
+            tma_aux,
             mAux,
             tiled_mma,
             a_smem_staged,
             b_smem_staged,
             epi_smem_staged,
+            epi_blocks_staged,
             splits,
             raster,
         ).launch(
@@ -399,13 +435,14 @@ class GemmSm90(GemmSm90Base):
         mC: cute.Tensor,
         tma_atom_c_add: cute.CopyAtom,
         mC_add: cute.Tensor,
-        tma_atom_h: cute.CopyAtom,
-        mH: cute.Tensor,
+        tma_atom_aux: cute.CopyAtom,
+        mAuxT: cute.Tensor,
         mWs: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
         epi_smem_staged: cute.ComposedLayout,
+        epi_blocks_staged: cute.ComposedLayout,
         splits: cutlass.Int32,
         raster: cutlass.Int32,
     ):
@@ -415,6 +452,8 @@ class GemmSm90(GemmSm90Base):
             self._prefetch_descriptors(tma_atom_a, tma_atom_b, tma_atom_c)
             if cutlass.const_expr(self.gate_up_halves):
                 self._prefetch_descriptors(tma_atom_a2, tma_atom_b2)
+            if cutlass.const_expr(self.gate_grad is not None):
+                self._prefetch_descriptors(tma_atom_aux)
 
         bidx, _, _ = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
@@ -450,6 +489,16 @@ class GemmSm90(GemmSm90Base):
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        epi_bars = None
+        if cutlass.const_expr(self.gate_grad is not None):
+            # One mbarrier per epilogue buffer: its gu block's TMA load (one arrival and
+            # the block's bytes). Made visible by the operand ring's init fence and sync.
+            epi_bars = storage.epi_mbar.data_ptr()
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    for b in cutlass.range_constexpr(self.epi_buffers):
+                        cute.arch.mbarrier_init(epi_bars + b, 1)
+            cute.arch.mbarrier_init_fence()
 
         tx_bytes = self._stage_bytes(self.ab_dtype, a_smem_staged) + self._stage_bytes(self.ab_dtype, b_smem_staged)
         # The tile's consumer warps release each stage (in every CTA of the cluster).
@@ -457,6 +506,7 @@ class GemmSm90(GemmSm90Base):
         sA = self._smem_tensor(storage.sA, a_smem_staged)
         sB = self._smem_tensor(storage.sB, b_smem_staged)
         sC = self._smem_tensor(storage.sC, epi_smem_staged)
+        sC_blocks = self._smem_tensor(storage.sC, epi_blocks_staged)
 
         if wg_idx == 0:
             # ------------------------------------------------------------ producer
@@ -532,7 +582,11 @@ class GemmSm90(GemmSm90Base):
             tCrA = tiled_mma.make_fragment_A(tCsA)
             tCrB = tiled_mma.make_fragment_B(tCsB)
             # Accumulator shape from a tile-shaped view (same for every tile).
-            gC0 = cute.local_tile(mC, self.tile_mnk, (0, 0, None, 0), proj=(1, 1, None))
+            if cutlass.const_expr(self.gate_grad is None):
+                gC0 = cute.local_tile(mC, self.tile_mnk, (0, 0, None, 0), proj=(1, 1, None))
+            else:
+                # C is the planes view (M, 16, 2, F / 16, L): the tile's shape alone.
+                gC0 = cute.make_identity_tensor((self.tile_mnk[0], self.tile_mnk[1]))
             tCgC = thr_mma.partition_C(gC0)
             acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
             if cutlass.const_expr(self.promote):
@@ -553,6 +607,9 @@ class GemmSm90(GemmSm90Base):
                 self.tile_threads,
                 epi_barrier_id,
             )
+            gate_up_load = None
+            if cutlass.const_expr(self.gate_grad is not None):
+                gate_up_load = make_gate_up_load(staging, tiled_mma, self.c_layout, sC, mma_tidx)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
@@ -703,7 +760,8 @@ class GemmSm90(GemmSm90Base):
                     if cutlass.const_expr(self.reduce_add):
                         c_batch = l_idx
                     c_coord = (pid_m, pid_n, None, c_batch)
-                    plain = tile_sub_tiles(tma_atom_c, mC, sC, self.tile_mnk, self.epi_tile, c_coord)
+                    if cutlass.const_expr(self.gate_grad is None):
+                        plain = tile_sub_tiles(tma_atom_c, mC, sC, self.tile_mnk, self.epi_tile, c_coord)
                     if cutlass.const_expr(self.promote_out):
                         # After earlier chains (K loop above) the last one reduce-adds, once
                         # their stores are complete.
@@ -726,27 +784,28 @@ class GemmSm90(GemmSm90Base):
                         if cutlass.const_expr(self.shared_epi):
                             my_epi.arrive_and_wait()
                         if cutlass.const_expr(self.gate_grad is not None):
-                            # dh tile -> d[gate|up] (twice as wide: 2 tile_n columns of C),
-                            # from the pre-activation in the second tensor.
-                            d_tile = (self.tile_mnk[0], 2 * self.tile_mnk[1], self.tile_mnk[2])
-                            d_parts = tile_sub_tiles(tma_atom_c, mC, sC, d_tile, self.epi_tile, c_coord)
+                            # dh tile -> dg and du (d_gu's two planes), from the
+                            # pre-activation in the second tensor, by 16-column groups.
                             self._store_gate_grad_tile(
                                 staging,
+                                gate_up_load,
                                 c_pipe,
                                 warp_idx,
                                 store_warp,
-                                buf_base,
-                                (tma_atom_c, *d_parts),
-                                mWs,
-                                pid_m * self.tile_mnk[0],
-                                pid_n * self.tile_mnk[1],
+                                (tma_atom_c, mC),
+                                (tma_atom_aux, mAuxT),
+                                sC_blocks,
+                                epi_bars,
+                                pid_m,
+                                pid_n * (self.tile_mnk[1] // 16),
                                 l_idx,
+                                (item - cluster_id) // num_clusters,
                                 self.gate_grad,
                             )
                         elif cutlass.const_expr(self.activation is not None):
                             # The pre-activation to C, h (half as wide: tile_n / 2 columns) to H.
                             h_tile = (self.tile_mnk[0], self.tile_mnk[1] // 2, self.tile_mnk[2])
-                            h_parts = tile_sub_tiles(tma_atom_h, mH, sC, h_tile, self.epi_tile, c_coord)
+                            h_parts = tile_sub_tiles(tma_atom_aux, mAuxT, sC, h_tile, self.epi_tile, c_coord)
                             self._store_gated_tile(
                                 staging,
                                 c_pipe,
@@ -754,7 +813,7 @@ class GemmSm90(GemmSm90Base):
                                 store_warp,
                                 buf_base,
                                 (tma_atom_c, *plain),
-                                (tma_atom_h, *h_parts),
+                                (tma_atom_aux, *h_parts),
                                 self.activation,
                             )
                         else:
@@ -800,6 +859,36 @@ class GemmSm90(GemmSm90Base):
             )
         else:
             cute.copy(atom, g_tiles[(None, k_coord)], s_stages[(None, stage)], tma_bar_ptr=bar)
+
+    def _tma_blocks(self, op, m_blocks, blocks_staged):
+        """(atom, TMA tensor) moving one (tile_m, 16, 2) block of m_blocks (M, 16, 2, F / 16,
+        L) between global memory and one buffer of blocks_staged, by `op`."""
+        one = cute.slice_(blocks_staged, (None, None, None, 0))
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(op, m_blocks, one, (self.tile_mnk[0], 16, 2))
+
+    @staticmethod
+    def _planes_view(mC):
+        """d_gu [2, L, M, F] bf16, passed as C (M, F, 2L): dg in plane 0, du in plane 1 ->
+        (M, 16, 2, F / 16, L), index (row, column in group, plane, group, batch)."""
+        num_l = cute.size(mC, mode=[2]) // 2
+        s_m, s_l = mC.stride[0], mC.stride[2]
+        layout = cute.make_layout(
+            (cute.size(mC, mode=[0]), 16, 2, cute.size(mC, mode=[1]) // 16, num_l),
+            stride=(s_m, 1, num_l * s_l, 16, s_l),
+        )
+        return cute.make_tensor(mC.iterator, layout)
+
+    @staticmethod
+    def _interleaved_view(m_gu):
+        """gu [L, M, 2F] bf16 (M, 2F, L), gate and up columns interleaved in blocks of
+        contract.GATE_BLOCK -> the same (M, 16, 2, F / 16, L) index as _planes_view."""
+        blk = contract.GATE_BLOCK
+        s_m, s_l = m_gu.stride[0], m_gu.stride[2]
+        layout = cute.make_layout(
+            (cute.size(m_gu, mode=[0]), blk, 2, cute.size(m_gu, mode=[1]) // (2 * blk), cute.size(m_gu, mode=[2])),
+            stride=(s_m, 1, blk, 2 * blk, s_l),
+        )
+        return cute.make_tensor(m_gu.iterator, layout)
 
     @staticmethod
     def _gate_up_rows(mB, d_ff):

@@ -26,10 +26,11 @@ fusion:
 The MLP (swiglu_mlp: y = [r +] h Wd^T) is one more custom_vjp here where the down
 projection's dgrad kernel with the activation gradient in its epilogue is planned
 (`fused_mlp_plan`, jax_cake.planner.gated.plan_gate_grad): the forward is the gated GEMM
-and the down projection's forward GEMM (the residual in its epilogue); the backward's d_gu
-comes straight from that dgrad kernel (it reads the saved gu; dh never reaches memory),
-dWd is the wgrad of dy and the saved h, dx ONE dgrad over K = 2F, and dWg, dWu one wgrad
-per weight from dg, du (split out of d_gu by one XLA pass), as in the composition.
+and the down projection's forward GEMM (the residual in its epilogue); the backward's dg
+and du come straight from that dgrad kernel (it reads the saved gu; dh never reaches
+memory) as the two planes of one array, dWd is the wgrad of dy and the saved h, and dx and
+dWg, dWu are the composition's: ONE dgrad over K = 2F reading dg and du in place, one wgrad
+per weight.
 Elsewhere the MLP is the gated projection followed by the projection pipeline's down
 projection, with the same values up to the FP32 rounding of the activation.
 
@@ -100,32 +101,27 @@ def _gated_bwd(options, saved, dh):
     x3, w_gate, w_up, gu = saved
     g, u = reference.deinterleave(gu, -1, options.block)
     dg, du = reference.gate_grad(dh.astype(_BF16), g, u, options.activation)
-    # [1, T, 2F] bf16 in W's row order, for whichever GEMM reads it whole (XLA drops it
-    # where none does: dx from the halves, one wgrad per weight).
-    d_gu = reference.interleave(dg, du, -1, options.block)
-    return _gate_up_grads(x3, w_gate, w_up, d_gu, (dg, du), options, dx_from_parts=True)
+    return _gate_up_grads(x3, w_gate, w_up, dg, du, options)
 
 
-def _gate_up_grads(x3, w_gate, w_up, d_gu, parts, options: Options, *, dx_from_parts: bool):
-    """(dx, dw_gate, dw_up) from d_gu [1, T, 2F], the pre-activation's cotangent in W's
-    row order, and its halves parts = (dg, du): dx is ONE dgrad GEMM over K = 2F, from the
-    halves where dx_from_parts (primitives.dgrad_gate_up: no interleaved copy where its
-    kernel runs), else from d_gu; the weights' gradients come from
-    fused.weight_gradients."""
+def _gate_up_grads(x3, w_gate, w_up, dg, du, options: Options):
+    """(dx, dw_gate, dw_up) from the pre-activation's cotangent, its halves dg, du [1, T,
+    F]: dx is ONE dgrad GEMM over K = 2F that reads them in place
+    (primitives.dgrad_gate_up), the weights' gradients come from fused.weight_gradients."""
     det, w_dtypes = options.deterministic, options.w_dtypes
     w = stack(w_gate, w_up, options.block)
     _, dgrad_plan, _ = fused.stacked_plans(x3, w, det, w_dtypes)
     (x_spec,) = partitioning.explicit_specs(x3) or (None,)
-    if dx_from_parts:
-        dgrad_plan = plan_gate_up_dgrad(dgrad_plan, options.block)
-        dx = primitives.dgrad_gate_up(*parts, w[None], dgrad_plan, options.block, out_sharding=x_spec)
-    else:
-        dx = primitives.dgrad(d_gu, w[None], dgrad_plan, out_sharding=x_spec)
+    dgrad_plan = plan_gate_up_dgrad(dgrad_plan, options.block)
+    dx = primitives.dgrad_gate_up(dg, du, w[None], dgrad_plan, options.block, out_sharding=x_spec)
+    # The cotangent whole in W's row order, for the one wgrad over 2F where F is narrow
+    # (XLA drops it where each weight gets its own wgrad).
+    d_gu = reference.interleave(dg, du, -1, options.block)
     dw_gate, dw_up = fused.weight_gradients(
         x3,
         w,
         d_gu,
-        parts,
+        (dg, du),
         lambda dw: reference.deinterleave(dw, 0, options.block),
         deterministic=det,
         w_dtypes=w_dtypes,
@@ -199,13 +195,11 @@ def _mlp_bwd(options, saved, dy):
     x3, w_gate, w_up, wd3, h, gu = saved
     dy = dy.astype(_BF16)
     _, _, down_wgrad_plan = projection.plans(h, wd3, options.down)
-    # The down projection's dgrad with the activation's gradient in its epilogue: d_gu
-    # straight from the kernel (dh is never written).
-    d_gu = primitives.dgrad_gated(dy, wd3, gu, options.gate_grad, options.gated.activation, options.gated.block)
+    # The down projection's dgrad with the activation's gradient in its epilogue: dg and du
+    # straight from the kernel (dh is never written), the two contiguous planes of one array.
+    dg, du = primitives.dgrad_gated(dy, wd3, gu, options.gate_grad, options.gated.activation, options.gated.block)
     dw_down = primitives.wgrad(dy, h, down_wgrad_plan, deterministic=options.down.deterministic)
-    # dg, du for one wgrad per weight (the composed MLP's weight gradients): one XLA pass.
-    parts = reference.deinterleave(d_gu, -1, options.gated.block)
-    dx, dw_gate, dw_up = _gate_up_grads(x3, w_gate, w_up, d_gu, parts, options.gated, dx_from_parts=False)
+    dx, dw_gate, dw_up = _gate_up_grads(x3, w_gate, w_up, dg, du, options.gated)
     (dw_down,) = partitioning.as_primal_types((dw_down,), (wd3,))
     return dx, dw_gate, dw_up, dw_down, (dy if options.down.residual else None)
 

@@ -122,7 +122,7 @@ def plan_gate_grad(
     kernel, d[gate|up] from dh and the saved pre-activation gu.
 
     tokens, d_ff, d_out: dy [batch, tokens, d_out], W_down [batch, d_out, d_ff], gu and
-    d_gu [batch, tokens, 2 d_ff] (gate and up columns interleaved). Returns a Plan with op
+    d_gu [2, batch, tokens, d_ff] (the planes dg, du). Returns a Plan with op
     "dgrad_gated" (the fused kernel), op "dgrad" (a kernel dgrad plus an XLA pass) or an
     XLA plan; the rule is plan_gated's. epilogue: whether the fused kernel may be planned
     (None: GATE_GRAD_EPILOGUE_ENABLED).

@@ -67,8 +67,9 @@ class GemmVariant:
     # gets h = bf16(act(g) * u) in FP32 from the bf16 g, u (gemm_sm90's docstring).
     # "gate_grad_silu" (dgrad, bf16): the activation's gradient in the epilogue of the down
     # projection's dgrad (jax_cake_dgrad_gated). The accumulator is dh [M, F]; the second
-    # tensor is the saved pre-activation gu [M, 2F] (read), and C [M, 2F] gets d[gate|up]
-    # in gu's column order: dg = bf16(dh * u * act'(g)), du = bf16(dh * act(g)).
+    # tensor is the saved pre-activation gu [M, 2F] (TMA-loaded into the epilogue buffers
+    # ahead of the math), and C [2, M, F] gets dg = bf16(dh * u * act'(g)) in plane 0 and
+    # du = bf16(dh * act(g)) in plane 1 (wide ping-pong tiles only).
     # "gate_up_halves" (dgrad, bf16): a plain store; K runs over two operand pairs, the
     # cotangent's gate half dg [M, F] (A) with the gate rows of the interleaved weight
     # [2F, N] (B), then the up half du (the second tensor) with its up rows
@@ -237,10 +238,10 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("fwd", 128, 256, cluster_m=2, store="gated_silu"),
     # The down projection's dgrad with the activation gradient in its epilogue
     # (jax_cake_dgrad_gated), on the gated forward's ping-pong 128 x 192 tiles, with the
-    # wide setmaxnreg split (24 / 240: the epilogue's gu loads beside the accumulator).
-    # ptxas -v (2026-12-03, as above): 64 (c2x1) and 44 (c1x1) bytes of spill stores, all
-    # loop-invariant scalars outside the K loop (SASS by cuobjdump). Held back from the
-    # planner (planner/gated.py GATE_GRAD_EPILOGUE_ENABLED).
+    # wide setmaxnreg split (24 / 240: the epilogue's gu registers beside the accumulator).
+    # No local memory (cuobjdump -res-usage of the compiled cubins, CuTe DSL 4.8.1,
+    # 2026-12-04). Held back from the planner (planner/gated.py
+    # GATE_GRAD_EPILOGUE_ENABLED).
     GemmVariant("dgrad", 128, 192, cluster_m=2, store="gate_grad_silu", schedule="pingpong"),
     GemmVariant("dgrad", 128, 192, store="gate_grad_silu", schedule="pingpong"),
     # The gated projection's dx over K = 2F from the cotangent's halves dg, du and the

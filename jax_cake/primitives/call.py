@@ -256,29 +256,31 @@ def fwd_gated(x, w, plan: Plan, activation: str, block: int, *, out_sharding=Non
 
 
 def dgrad_gated(dy, w, gu, plan: Plan, activation: str, block: int, *, out_sharding=None):
-    """d_gu [B, T, 2F] bf16: the down projection's input gradient dh = dy . w (w [B,
-    d_out, F]) carried through the gated activation, (dg, du) = reference.gate_grad(dh, g,
-    u) of the saved pre-activation gu [B, T, 2F], interleaved in gu's order (blocks of
-    `block`).
+    """(dg, du), each [B, T, F] bf16: the down projection's input gradient dh = dy . w (w
+    [B, d_out, F]) carried through the gated activation, reference.gate_grad(dh, g, u) of
+    the saved pre-activation gu [B, T, 2F] (gate and up interleaved in blocks of `block`).
 
     For a plan of op "dgrad_gated" (jax_cake.planner.gated.plan_gate_grad) on operands
     that need no partitioning, one custom call: the kernel's epilogue reads gu and writes
-    d_gu, and dh never reaches memory. Otherwise, and under vmap or a partitioning rule,
-    the "store" dgrad writes dh and an XLA elementwise pass makes d_gu from it; both give
-    the same values up to the FP32 rounding of the activation."""
+    dg and du as the two planes of one [2, B, T, F] array (each plane contiguous, so the
+    GEMMs that read dg and du can take them where they lie), and dh never reaches memory. Otherwise,
+    and under vmap or a partitioning rule, the "store" dgrad writes dh and an XLA
+    elementwise pass makes dg and du from it; both give the same values up to the FP32
+    rounding of the activation."""
     store_plan = plan.unfused()
 
     def dgrad_then_gate(dy, w, gu):
         dh = dgrad(dy, w, store_plan, out_sharding=out_sharding)
-        return reference.interleaved_gate_grad(dh, gu, activation, block)
+        return reference.gate_grad(dh, *reference.deinterleave(gu, -1, block), activation)
 
     if plan.op != "dgrad_gated" or out_sharding is not None or block != GATE_BLOCK:
         return dgrad_then_gate(dy, w, gu)
 
     def fused_call(dy, w, gu):
-        return gemm.dgrad_gated(dy, w, gu, plan, activation)
+        d_gu = gemm.dgrad_gated(dy, w, gu, plan, activation)
+        return d_gu[0], d_gu[1]
 
-    return _fused_or(fused_call, dgrad_then_gate, True, dy, w, gu)
+    return _fused_or(fused_call, dgrad_then_gate, (True, True), dy, w, gu)
 
 
 def dgrad_gate_up(dg, du, w, plan: Plan, block: int, *, out_sharding=None):

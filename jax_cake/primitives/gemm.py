@@ -234,15 +234,17 @@ def fwd_gated(x, w, plan: Plan, activation: str):
 
 
 def dgrad_gated(dy, w, gu, plan: Plan, activation: str):
-    """d_gu [B, T, 2F] bf16: dh = dy . w (w [B, d_out, F]) rounded to bf16, then
-    reference.gate_grad(dh, g, u) of the pre-activation gu [B, T, 2F], interleaved as gu
-    (contract.GATE_BLOCK; a plan for op "dgrad_gated")."""
+    """d_gu [2, B, T, F] bf16, the planes (dg, du) = reference.gate_grad(dh, g, u): dh =
+    dy . w (w [B, d_out, F]) rounded to bf16, g and u from the pre-activation gu [B, T, 2F]
+    (interleaved in blocks of contract.GATE_BLOCK; a plan for op "dgrad_gated")."""
 
     def ref(dy, w, gu):
-        return reference.interleaved_gate_grad(reference.dgrad(dy, w), gu, activation, GATE_BLOCK)
+        g, u = reference.deinterleave(gu, -1, GATE_BLOCK)
+        return jnp.stack(reference.gate_grad(reference.dgrad(dy, w), g, u, activation))
 
     def cuda(dy, w, gu):
-        result = result_type(dy, gu.shape, jnp.bfloat16)
+        b, t, two_f = gu.shape
+        result = result_type(dy, (2, b, t, two_f // 2), jnp.bfloat16, keep_batch_spec=False)
         return ffi_call(DGRAD_GATED_TARGET, plan, result, dy, w, gu, activation=np.int64(ACTIVATION_CODES[activation]))
 
     return dispatch(plan, ref, cuda, dy, w, gu)

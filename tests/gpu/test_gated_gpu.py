@@ -172,8 +172,11 @@ def test_gated_kernel_epilogue(variant, shape, monkeypatch):
 # --- the gradient epilogue (jax_cake_dgrad_gated), each compiled variant forced ------------------
 
 GATE_GRAD_VARIANTS = [v for v in jax_cake.planner.variants.VARIANTS if v.gate_grad is not None]
-# (T, d_out, F): whole tiles; ragged T, K = d_out and F (1040 is no multiple of 192).
-GATE_GRAD_SHAPES = [(2048, 1024, 2048), (1000, 520, 1040)]
+# (B, T, d_out, F): whole M tiles; ragged T, K = d_out and F (no multiple of 192); two
+# batches (d_gu's planes are [2, B, T, F]); 465 tiles (3-4 per CTA, so each warpgroup takes
+# the shared epilogue ring more than once and the gu loads' mbarriers go through several
+# phases) with an odd number of M tiles (the last cluster of a 2x1 one has a CTA past T).
+GATE_GRAD_SHAPES = [(1, 2048, 1024, 2048), (1, 1000, 520, 1040), (2, 512, 256, 400), (1, 3968, 512, 2704)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,21 +191,21 @@ def _ffi_body(target: str, attrs_key: tuple):
     return body
 
 
-@pytest.mark.parametrize("shape", GATE_GRAD_SHAPES, ids=lambda s: "T{}_{}x{}".format(*s))
+@pytest.mark.parametrize("shape", GATE_GRAD_SHAPES, ids=lambda s: "B{}_T{}_{}x{}".format(*s))
 @pytest.mark.parametrize("variant", GATE_GRAD_VARIANTS, ids=lambda v: v.name)
 def test_gate_grad_kernel_epilogue(variant, shape):
-    """d_gu = gate_grad(dh, g, u) within half a bf16 step (plus the FP32 rounding of the
-    activation) of float64, dh the plain dgrad of the same tile (the same K loop: the bf16
-    dh the kernel rounds its accumulator to, which never leaves the kernel; a dh one bf16
-    step off would break the bound); every element written (NaN-poisoned output); the
-    planner's plan lowers to the call; bitwise repeatable."""
-    t, d_out, f = shape
+    """d_gu's planes (dg, du) = gate_grad(dh, g, u) within half a bf16 step (plus the FP32
+    rounding of the activation) of float64, dh the plain dgrad of the same tile (the same K
+    loop: the bf16 dh the kernel rounds its accumulator to, which never leaves the kernel;
+    a dh one bf16 step off would break the bound); every element of both planes written
+    (NaN-poisoned output); the planner's plan lowers to the call; bitwise repeatable."""
+    b, t, d_out, f = shape
     key = ("gate_grad_kernel", variant.name, *shape)
-    dy = h.rand(h.seed_of("dy", *key), (1, t, d_out))
-    wd = h.rand(h.seed_of("wd", *key), (1, d_out, f), scale=0.05)
-    gu = h.rand(h.seed_of("gu", *key), (1, t, 2 * f), scale=2.0)
+    dy = h.rand(h.seed_of("dy", *key), (b, t, d_out))
+    wd = h.rand(h.seed_of("wd", *key), (b, d_out, f), scale=0.05)
+    gu = h.rand(h.seed_of("gu", *key), (b, t, 2 * f), scale=2.0)
     with force("det", tile=variant.tile, cluster=variant.cluster, schedule=variant.schedule):
-        plan = plan_gate_grad(tokens=t, d_ff=f, d_out=d_out, activation=variant.gate_grad, epilogue=True)
+        plan = plan_gate_grad(tokens=t, d_ff=f, d_out=d_out, activation=variant.gate_grad, batch=b, epilogue=True)
     assert plan.op == "dgrad_gated", plan
     assert (plan.tile, plan.cluster, plan.schedule) == (variant.tile, variant.cluster, variant.schedule), plan
     text = jax.jit(lambda *a: gemm.dgrad_gated(*a, plan, variant.gate_grad)).lower(dy, wd, gu).as_text()
@@ -210,24 +213,26 @@ def test_gate_grad_kernel_epilogue(variant, shape):
     attrs = h.ffi_attrs(variant.tile, cluster=variant.cluster, schedule=variant.schedule)
     attrs["activation"] = np.int64(contract.ACTIVATION_CODES[variant.gate_grad])
     body = _ffi_body(contract.DGRAD_GATED_TARGET, tuple(sorted((k, int(v)) for k, v in attrs.items())))
-    run = lambda: h.run_poisoned(body, gu.shape, jnp.bfloat16, dy, wd, gu)
+    run = lambda: h.run_poisoned(body, (2, b, t, f), jnp.bfloat16, dy, wd, gu)
     d_gu = h.assert_repeatable(run, what=variant.name)
     dh = jax.jit(lambda dy, wd: gemm.dgrad(dy, wd, plan.unfused()))(dy, wd)
-    assert _within(dh[0], _f64(dy[0]) @ _f64(wd[0]), h.BF16_TOL)
-    g, u = (_f64(v[0]) for v in reference.deinterleave(gu, -1, contract.GATE_BLOCK))
-    value, slope = _act_and_slope64(g, variant.gate_grad)
-    dh64 = _f64(dh[0])
-    got_dg, got_du = (_f64(v[0]) for v in reference.deinterleave(d_gu, -1, contract.GATE_BLOCK))
-    assert np.all(np.isfinite(got_dg)) and np.all(np.isfinite(got_du)), "unwritten (NaN) elements"
-    for name, got, ref in (("dg", got_dg, dh64 * u * slope), ("du", got_du, dh64 * value)):
-        bound = (2.0**-8 + 2.0**-20) * np.abs(ref) + 1e-30
-        worst = np.max(np.abs(got - ref) / bound)
-        assert worst <= 1.0, f"|{name} - ref| reaches {worst:.2f} of half a bf16 step"
+    for i in range(b):
+        assert _within(dh[i], _f64(dy[i]) @ _f64(wd[i]), h.BF16_TOL)
+        g, u = (_f64(v[i]) for v in reference.deinterleave(gu, -1, contract.GATE_BLOCK))
+        value, slope = _act_and_slope64(g, variant.gate_grad)
+        dh64 = _f64(dh[i])
+        got_dg, got_du = _f64(d_gu[0, i]), _f64(d_gu[1, i])
+        assert np.all(np.isfinite(got_dg)) and np.all(np.isfinite(got_du)), f"unwritten (NaN) elements in batch {i}"
+        for name, got, ref in (("dg", got_dg, dh64 * u * slope), ("du", got_du, dh64 * value)):
+            bound = (2.0**-8 + 2.0**-20) * np.abs(ref) + 1e-30
+            worst = np.max(np.abs(got - ref) / bound)
+            assert worst <= 1.0, f"|{name} - ref| reaches {worst:.2f} of half a bf16 step in batch {i}"
 
 
 def test_swiglu_mlp_backward_through_the_gradient_epilogue(monkeypatch):
     """Where the planner runs it (enabled here: it is held back by default), swiglu_mlp's
-    backward lowers to ONE jax_cake_dgrad_gated call and no dgrad for dh; its gradients
+    backward lowers to ONE jax_cake_dgrad_gated call, no dgrad for dh, and dx from dg and du
+    as that call leaves them (jax_cake_dgrad_gate_up); its gradients
     match the composed MLP's (gated_projection, then dense_projection: dx within bf16
     rounding, dW within 1e-5) and float64 (dWd from the op's h)."""
     t, d, f = 2048, 1024, 2048
@@ -246,7 +251,8 @@ def test_swiglu_mlp_backward_through_the_gradient_epilogue(monkeypatch):
     monkeypatch.setattr(gated_planner, "GATE_GRAD_EPILOGUE_ENABLED", True)
     assert plan_gate_grad(tokens=t, d_ff=f, d_out=d, activation="silu").op == "dgrad_gated"
     text = step().lower(*args).as_text()
-    assert h.custom_calls(text, "jax_cake_dgrad_gated") == 1 and h.custom_calls(text, "jax_cake_dgrad") == 1
+    assert h.custom_calls(text, "jax_cake_dgrad_gated") == 1 and h.custom_calls(text, "jax_cake_dgrad") == 0
+    assert h.custom_calls(text, "jax_cake_dgrad_gate_up") == 1  # dx from the planes, in place
     fused = step()(*args)
     monkeypatch.setattr(gated_pipeline, "fused_mlp_plan", lambda *a, **k: None)
     assert h.custom_calls(step().lower(*args).as_text(), "jax_cake_dgrad_gated") == 0
