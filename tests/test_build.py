@@ -22,12 +22,13 @@ from jax_cake.tools import kernel_resources
 HANDLERS = ("JaxCakeFwd", "JaxCakeDgrad", "JaxCakeWgrad")
 # Stack bytes (spilled registers) of the kernels that have any, as compiled by
 # nvidia-cutlass-dsl 4.8.1 for sm_90a (jax_cake.tools.kernel_resources, 2026-12-05): the
-# gradient epilogue's loop-invariant scalars and one of the gated c1x1 tile's; every other
+# gradient epilogue's loop-invariant scalars and one of each gated c1x1 tile's; every other
 # kernel has none. A kernel change that spills more turns the export test red.
 STACK_BYTES = {
     "jax_cake_dgrad_128x192x64_c1x1_bf16_gate_grad_silu_pp": 40,
     "jax_cake_dgrad_128x192x64_c2x1_bf16_gate_grad_silu_pp": 80,
     "jax_cake_fwd_128x192x64_c1x1_bf16_gated_silu_pp": 8,
+    "jax_cake_fwd_128x192x64_c1x1_bf16_gated_gelu_pp": 8,
 }
 
 
