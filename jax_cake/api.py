@@ -197,8 +197,8 @@ def gated_projection(x, w_gate, w_up, *, activation: str = "silu", deterministic
     sum, rounded once); dw_gate, dw_up from the wgrad's FP32 accumulator in each weight's
     dtype. The forward is one GEMM over the gate and up rows interleaved
     (jax_cake.pipeline.gated); on the GPU, at the large shapes where the planner runs its
-    wide tiles, silu runs in that GEMM's epilogue (jax_cake.planner.gated), elsewhere
-    (and gelu everywhere) as an XLA elementwise pass right after it, with the same values.
+    wide tiles, the activation runs in that GEMM's epilogue (jax_cake.planner.gated),
+    elsewhere as an XLA elementwise pass right after it, with the same values.
     The backward's activation gradient is an XLA pass.
 
     Args:

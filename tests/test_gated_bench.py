@@ -52,6 +52,16 @@ def test_arm_lowers_to_its_kernel(arm):
     assert not custom_call_lines(text, other) and "dot_general" not in text
 
 
+@pytest.mark.parametrize("arm", ["fused", "fused_pp192c1"])
+def test_gelu_arms_lower_to_the_gelu_epilogue(arm):
+    forced = arm.partition("_")[2]
+    pins = dict(zip(("tile", "cluster", "schedule"), gated_bench.FORCED[forced])) if forced else {}
+    with faked_device(), jc.planner.force("det", **pins) if pins else contextlib.nullcontext():
+        text = jax.jit(gated_bench.step_fn(arm, POINT, "gelu")).trace(*ARGS).lower(lowering_platforms=("cuda",)).as_text()
+    (call,) = custom_call_lines(text, "jax_cake_fwd_gated")
+    assert f"activation = {contract.ACTIVATION_GELU} : i64" in call, call
+
+
 def test_xla_arm_is_the_reference_composition():
     x = jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16)
     w = (jax.random.normal(jax.random.key(1), (96, 128)) * 0.1).astype(jnp.bfloat16)

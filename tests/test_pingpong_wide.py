@@ -66,12 +66,11 @@ def test_wide_pingpong_shared_memory_and_registers():
 
 def test_gated_pingpong_variants_are_in_the_table():
     assert {(v.program, v.tile, v.cluster, v.store) for v in GATED_WIDE} == {
-        ("fwd", (128, 192, 64), (1, 1), "gated_silu"),
-        ("fwd", (128, 192, 64), (2, 1), "gated_silu"),
+        ("fwd", (128, 192, 64), cluster, f"gated_{act}") for cluster in ((1, 1), (2, 1)) for act in ("silu", "gelu")
     }
     for v in GATED_WIDE:
-        assert v.name.endswith("_gated_silu_pp")
-        assert variants.find_variant("fwd", v.tile, v.cluster, "bfloat16", "gated_silu", "pingpong") == v
+        assert v.name.endswith(f"_{v.store}_pp")
+        assert variants.find_variant("fwd", v.tile, v.cluster, "bfloat16", v.store, "pingpong") == v
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
@@ -83,7 +82,7 @@ def test_gated_pingpong_shares_the_epilogue_ring():
 
     for v in GATED_WIDE:
         g = GemmSm90(v)
-        assert g.activation == "silu" and g.shared_epi
+        assert g.activation == v.activation and g.shared_epi
         assert (g.ab_stage, g.epi_stage, g.epi_buffers) == (5, 3, 3), v.name
         assert (g.producer_regs, g.consumer_regs) == (40, 232)
     with pytest.raises(ValueError, match="gated"):

@@ -227,15 +227,15 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("fwd", 128, 256, store="add"),
     GemmVariant("fwd", 128, 128, store="add"),
     GemmVariant("fwd", 128, 64, store="add"),
-    # fwd with the gated epilogue (jax_cake_fwd_gated), silu only: the gelu epilogue failed
-    # its float64 bound on the H200 at T 2048, 1024 -> 2 x 2048 (2026-12-02), so gelu runs
-    # the forward and an XLA pass. The ping-pong 128 x 192 tiles, where each tile's gu and
-    # h stores run under the other warpgroup's K loop, are what planner/gated.py plans;
-    # the cooperative 128 x 256 c2x1 one is the benchmark's comparison (slower than the
-    # pass it replaces: docs/benchmarks.md).
+    # fwd with the gated epilogue (jax_cake_fwd_gated), silu and gelu. The ping-pong
+    # 128 x 192 tiles, where each tile's gu and h stores run under the other warpgroup's K
+    # loop, are what planner/gated.py plans; the cooperative 128 x 256 c2x1 one (silu) is
+    # the benchmark's comparison (slower than the pass it replaces: docs/benchmarks.md).
     GemmVariant("fwd", 128, 192, cluster_m=2, store="gated_silu", schedule="pingpong"),
     GemmVariant("fwd", 128, 192, store="gated_silu", schedule="pingpong"),
     GemmVariant("fwd", 128, 256, cluster_m=2, store="gated_silu"),
+    GemmVariant("fwd", 128, 192, cluster_m=2, store="gated_gelu", schedule="pingpong"),
+    GemmVariant("fwd", 128, 192, store="gated_gelu", schedule="pingpong"),
     # The down projection's dgrad with the activation gradient in its epilogue
     # (jax_cake_dgrad_gated), on the gated forward's ping-pong 128 x 192 tiles, with the
     # wide setmaxnreg split (24 / 240: the epilogue's gu registers beside the accumulator).

@@ -3,10 +3,12 @@ the activation in the GEMM's epilogue against the GEMM then an XLA pass, and aga
 
     python -m jax_cake.tools.gated_bench            # Llama-3-8B: T = 8192, 4096 -> 2 x 14336
     python -m jax_cake.tools.gated_bench --arms=xla,composed,fused --md=out/gated.md
+    python -m jax_cake.tools.gated_bench --activation=gelu --arms=xla,composed,fused,fused_pp192c1
 
 One step: (h, gu) from x [T, d_in] bf16 and W [2F, d_in] bf16 (gate and up rows
 interleaved in blocks of 16, as jax_cake stacks them): gu = x W^T is the pre-activation
-a training step saves, h = bf16(silu(g) * u). Arms:
+a training step saves, h = bf16(act(g) * u), act `--activation` (silu; gelu has no
+cooperative gated variant, so not the fused_coop256c2 arm). Arms:
   xla              = jnp.dot(x, W^T), then the activation (one XLA fusion);
   composed         = the planner's jax_cake forward (here the ping-pong 128 x 192 cluster
                      2x1 tile), then the same XLA pass;
@@ -32,7 +34,6 @@ from jax_cake.tools import bench
 FLAGS = flags.FLAGS
 ARMS = ("fused", "fused_pp192c1", "fused_coop256c2", "composed", "composed_coop256c2", "xla")
 OP = "gated"
-ACTIVATION = "silu"
 # (tile, cluster, schedule) the ping-pong arms force.
 FORCED = {
     "pp192c2": ((128, 192, 64), (2, 1), "pingpong"),
@@ -43,13 +44,13 @@ FORCED = {
 REL_TOL = 2.0**-6
 
 
-def arm_plan(arm: str, tokens: int, d_in: int, d_out: int):
+def arm_plan(arm: str, tokens: int, d_in: int, d_out: int, activation: str = "silu"):
     """The Plan the arm's step runs (fused: op fwd_gated; composed: op fwd)."""
     from jax_cake import planner
     from jax_cake.planner.gated import plan_gated
 
     kind, _, forced = arm.partition("_")
-    args = dict(tokens=tokens, d_in=d_in, d_out=d_out, activation=ACTIVATION, epilogue=kind == "fused")
+    args = {"tokens": tokens, "d_in": d_in, "d_out": d_out, "activation": activation, "epilogue": kind == "fused"}
     if not forced:
         plan = plan_gated(**args)
     else:
@@ -63,7 +64,7 @@ def arm_plan(arm: str, tokens: int, d_in: int, d_out: int):
     return plan
 
 
-def step_fn(arm: str, point: bench.Point) -> Callable:
+def step_fn(arm: str, point: bench.Point, activation: str = "silu") -> Callable:
     """(x, w) -> (h, gu) for the arm."""
     import jax.numpy as jnp
 
@@ -73,13 +74,13 @@ def step_fn(arm: str, point: bench.Point) -> Callable:
 
         def xla(x, w):
             gu = jnp.dot(x, w.T)
-            return reference.gate(*reference.deinterleave(gu, -1, contract.GATE_BLOCK), ACTIVATION), gu
+            return reference.gate(*reference.deinterleave(gu, -1, contract.GATE_BLOCK), activation), gu
 
         return xla
-    plan = arm_plan(arm, point.tokens, point.d_in, point.d_out)
+    plan = arm_plan(arm, point.tokens, point.d_in, point.d_out, activation)
 
     def kernel(x, w):
-        h, gu = primitives.fwd_gated(x[None], w[None], plan, ACTIVATION, contract.GATE_BLOCK)
+        h, gu = primitives.fwd_gated(x[None], w[None], plan, activation, contract.GATE_BLOCK)
         return h[0], gu[0]
 
     return kernel
@@ -103,7 +104,7 @@ def measure(point: bench.Point, arms: Sequence[str], timer_kind: str) -> dict[st
     """{arm: per-group median step time in us}, the arms interleaved in paired groups."""
     buf, x, w, dy = bench.make_inputs(point, FLAGS.flush_mb)
     del dy  # the forward only: its step programs get None
-    steps = {arm: step_fn(arm, point) for arm in dict.fromkeys(("xla", *arms))}
+    steps = {arm: step_fn(arm, point, FLAGS.activation) for arm in dict.fromkeys(("xla", *arms))}
     check_results(steps, x, w)
     programs = {arm: bench.steps_program(lambda x, w, dy, s=steps[arm]: s(x, w), FLAGS.steps) for arm in arms}
     return bench.measure_arms(programs, buf, (x, w, None), timer_kind)
@@ -111,10 +112,13 @@ def measure(point: bench.Point, arms: Sequence[str], timer_kind: str) -> dict[st
 
 def main(argv):
     del argv
-    note = " d_out is 2F (gate and up); fused = the planner's gated plan (the silu epilogue)."
+    note = f" d_out is 2F (gate and up); fused = the planner's gated plan (the {FLAGS.activation} epilogue)."
     bench.plain_arm_bench_main("jax_cake.tools.gated_bench", ARMS, OP, measure, note)
 
 
 if __name__ == "__main__":
     bench.define_arm_bench_flags(ARMS, tokens=["8192"], d_in=["4096"], d_out=["28672"])
+    from jax_cake.reference import ACTIVATIONS
+
+    flags.DEFINE_enum("activation", "silu", ACTIVATIONS, "The gated activation.")
     app.run(main)
