@@ -16,7 +16,19 @@ import sys
 import pytest
 from helpers import REPO
 
+from jax_cake.planner import router_variants
+from jax_cake.tools import kernel_resources
+
 HANDLERS = ("JaxCakeFwd", "JaxCakeDgrad", "JaxCakeWgrad")
+# Stack bytes (spilled registers) of the kernels that have any, as compiled by
+# nvidia-cutlass-dsl 4.8.1 for sm_90a (jax_cake.tools.kernel_resources, 2026-12-05): the
+# gradient epilogue's loop-invariant scalars and one of the gated c1x1 tile's; every other
+# kernel has none. A kernel change that spills more turns the export test red.
+STACK_BYTES = {
+    "jax_cake_dgrad_128x192x64_c1x1_bf16_gate_grad_silu_pp": 40,
+    "jax_cake_dgrad_128x192x64_c2x1_bf16_gate_grad_silu_pp": 80,
+    "jax_cake_fwd_128x192x64_c1x1_bf16_gated_silu_pp": 8,
+}
 
 
 def _toolchain_missing() -> str | None:
@@ -54,7 +66,8 @@ def test_run_time_imports_neither_cutlass_nor_the_kernel_modules():
 def test_kernels_compile_and_export(tmp_path):
     """The CuTe DSL part alone (needs only the cutlass wheel): every variant compiles
     for sm_90a and exports a header and an object, so a kernel that stops compiling
-    fails here even where no CUDA toolkit is installed."""
+    fails here even where no CUDA toolkit is installed; and no kernel spills registers
+    beyond STACK_BYTES."""
     if importlib.util.find_spec("nvidia_cutlass_dsl") is None:
         pytest.skip("nvidia-cutlass-dsl not installed")
     obj = tmp_path / "obj"
@@ -74,6 +87,11 @@ def test_kernels_compile_and_export(tmp_path):
     for v in VARIANTS:
         assert (obj / f"{v.name}.h").is_file() and (obj / f"{v.name}.o").stat().st_size > 0, v.name
     assert (obj / "jax_cake_variants.inc").is_file()
+    names = [v.name for v in (*VARIANTS, *router_variants.VARIANTS)]
+    stacks = {name: r.stack_bytes for name, r in kernel_resources.read_objects(obj, names).items()}
+    over = {name: (got, STACK_BYTES.get(name, 0)) for name, got in stacks.items() if got > STACK_BYTES.get(name, 0)}
+    assert not over, f"kernels spilling more than before (stack bytes, budget): {over}"
+    assert set(STACK_BYTES) <= set(names), "a budget names a kernel that is no longer compiled"
 
 
 @pytest.mark.build
