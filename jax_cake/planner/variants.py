@@ -187,6 +187,12 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # local memory. For force() and core_bench until measured: the planner's wide rule
     # does not offer it (planner/choose.py).
     GemmVariant("fwd", 128, 176, cluster_m=2, schedule="pingpong"),
+    # 128 x 208: the widest ping-pong tile that fits in registers (208 accumulator
+    # registers per thread under the wide 24 / 240 split; exported SASS: no stack or local
+    # memory; 5 A/B stages, 3 epilogue buffers of 16 columns). The fewest operand bytes
+    # per FLOP of the ping-pong tiles, and full last waves at N = 28672 (T 8192: 8832
+    # tiles, 66.9 waves). For force() and core_bench until measured, as 128 x 176.
+    GemmVariant("fwd", 128, 208, cluster_m=2, schedule="pingpong"),
     GemmVariant("dgrad", 128, 192, schedule="pingpong"),
     GemmVariant("dgrad", 128, 192, cluster_m=2, schedule="pingpong"),
     GemmVariant("dgrad", 128, 160, cluster_m=2, schedule="pingpong"),
