@@ -1,4 +1,4 @@
-"""The wider ping-pong fwd/dgrad variants (128 x 160, 128 x 192) on CPU: the variant table,
+"""The wider ping-pong fwd/dgrad variants (128 x 160, 176, 192, 208) on CPU: the variant table,
 the planner's forcing of them, their lowering, a model of the kernel's turn barriers, and
 jax_cake.tools.core_bench's case list and arms."""
 
@@ -26,6 +26,8 @@ def test_wide_pingpong_variants_are_in_the_table():
         ("fwd", 192, (1, 1)),
         ("fwd", 192, (2, 1)),
         ("fwd", 160, (2, 1)),
+        ("fwd", 176, (2, 1)),
+        ("fwd", 208, (2, 1)),
         ("dgrad", 192, (1, 1)),
         ("dgrad", 192, (2, 1)),
         ("dgrad", 160, (2, 1)),
@@ -43,18 +45,21 @@ def test_wide_pingpong_variants_are_in_the_table():
 @pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
 def test_wide_pingpong_shared_memory_and_registers():
     """Stages fill shared memory after two epilogue buffers; buffers take the rest; the
-    register split stays 40 / 232 (accumulator 160 / 192 registers per thread)."""
+    register split is 40 / 232 for accumulators of 160 / 176 / 192 registers per thread,
+    24 / 240 for 208. 128 x 176 and 128 x 208 (no multiples of 32 columns) store
+    sub-tiles of 16 columns."""
     from jax_cake.kernels.gemm_sm90 import GemmSm90
 
     for v in WIDE:
         g = GemmSm90(v)
         stage = (v.tile_m + v.tile_n) * v.tile_k * 2
-        buf = v.tile_m * 32 * 2
+        assert g.epi_tile == (128, 16 if v.tile_n in (176, 208) else 32), v.name
+        buf = v.tile_m * g.epi_tile[1] * 2
         used = g.ab_stage * stage + g.epi_buffers * buf
         assert g.shared_epi and g.epi_buffers == g.epi_stage >= 2, v.name
-        assert used + 2048 <= g.smem_capacity < used + 2048 + min(stage, buf) or g.epi_stage == v.tile_n // 32
-        assert (g.ab_stage, g.epi_stage) == {192: (5, 3), 160: (5, 5)}[v.tile_n], v.name
-        assert (g.producer_regs, g.consumer_regs) == (40, 232)
+        assert used + 2048 <= g.smem_capacity < used + 2048 + min(stage, buf) or g.epi_stage == v.tile_n // g.epi_tile[1]
+        assert (g.ab_stage, g.epi_stage) == {208: (5, 3), 192: (5, 3), 176: (5, 8), 160: (5, 5)}[v.tile_n], v.name
+        assert (g.producer_regs, g.consumer_regs) == ((24, 240) if v.tile_n == 208 else (40, 232)), v.name
     # the 128 x 128 ping-pong keeps its per-warpgroup buffers (measured layout)
     old = GemmSm90(variants.find_variant("fwd", (128, 128, 64), (1, 1), "bfloat16", schedule="pingpong"))
     assert (old.shared_epi, old.ab_stage, old.epi_stage, old.epi_buffers) == (False, 5, 4, 8)
@@ -113,6 +118,15 @@ def test_forced_tile_needs_a_forced_schedule_for_fwd_and_dgrad():
         assert (p.tile, p.cluster) == ((128, 160, 64), (2, 1)), jc.explain(p)
         p = jc.plan("dgrad", **args)
         assert (p.tile, p.cluster) == ((128, 160, 64), (2, 1)), jc.explain(p)
+    for width in (176, 208):  # fwd only, in pairs
+        with jc.planner.force("det", tile=(128, width, 64), schedule="pingpong"):
+            p = jc.plan("fwd", **args)
+            assert (p.tile, p.cluster, p.schedule) == ((128, width, 64), (2, 1), "pingpong"), jc.explain(p)
+            assert jc.plan("dgrad", **args).tile != (128, width, 64)
+    # the wide rule never offers 128 x 176 or 208 (unmeasured): fused QKV's pick stays
+    # 128 x 160, the 4096 -> 28672 up projection's 128 x 192
+    assert jc.plan("fwd", tokens=8192, d_in=4096, d_out=6144, device=H200).tile == (128, 160, 64)
+    assert jc.plan("fwd", tokens=8192, d_in=4096, d_out=28672, device=H200).tile == (128, 192, 64)
 
 
 def test_forced_wide_pingpong_lowers_with_its_tile():

@@ -1,5 +1,5 @@
 """The pieces of the C epilogue both sm_90a kernel families use: registers -> swizzled
-shared memory -> TMA store, in sub-tiles of (tile_m, 32) columns through `epi_stage`
+shared memory -> TMA store, in sub-tiles of (tile_m, 32) columns (16 for tiles 176 or 208 wide) through `epi_stage`
 buffers.
 
 Here: the construction, each tile's sub-tile partitions, which accumulator registers

@@ -99,8 +99,9 @@ class GemmSm90Base:
         self.consumer_regs = CONSUMER_REGS_WIDE if wide else CONSUMER_REGS
         self.mma_threads = 128 * num_mma_wg
         self.threads = 128 + self.mma_threads
-        # Epilogue sub-tile: all of the tile's rows x 32 columns per TMA store.
-        self.epi_tile = (self.tile_mnk[0], 32)
+        # Epilogue sub-tile: all of the tile's rows x 32 columns per TMA store (16 where
+        # the tile's width is no multiple of 32: 176, 208).
+        self.epi_tile = (self.tile_mnk[0], 32 if self.tile_mnk[1] % 32 == 0 else 16)
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
 
     def _ring_stages(self, stage_bytes: int, epi_bytes: int) -> int:

@@ -144,9 +144,9 @@ _L2_EVICT_FIRST = 0x12F0000000000000
 # drains do not coincide.
 _PROMOTE_EVERY = 16
 # Ping-pong tile widths (tile_m 128). A warpgroup holds the whole 128 x tile_n fp32
-# accumulator (tile_n registers per thread), so 256 would spill; 192 keeps room for the
-# epilogue under the 232 registers a consumer gets.
-PINGPONG_TILE_N = (128, 160, 192)
+# accumulator (tile_n registers per thread), so 256 would spill; up to 192 fits under the
+# 232 registers a consumer gets, 208 under the wide split's 240 (gemm_base_sm90).
+PINGPONG_TILE_N = (128, 160, 176, 192, 208)
 # Named barriers of the shared-ring ping-pong epilogue turn (1, 2: the warpgroups' epilogue
 # barriers; 3, 4: the K-loop turn).
 _EPI_TURN_BARRIER_ID = 5
@@ -158,8 +158,8 @@ class GemmSm90(GemmSm90Base):
     def __init__(self, variant: GemmVariant):
         if variant.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {variant.tile_m}")
-        if variant.tile_n not in (64, 128, 160, 192, 256):
-            raise ValueError(f"tile_n must be 64, 128, 160, 192 or 256, got {variant.tile_n}")
+        if variant.tile_n not in (64, 128, 160, 176, 192, 208, 256):
+            raise ValueError(f"tile_n must be 64, 128, 160, 176, 192, 208 or 256, got {variant.tile_n}")
         if variant.tile_k != 64:
             raise ValueError(f"tile_k must be 64, got {variant.tile_k}")
         if variant.cluster not in ((1, 1), (2, 1)):
@@ -259,7 +259,7 @@ class GemmSm90(GemmSm90Base):
         # the others keep up to four. The ring index is epi_idx % epi_stage, so the number
         # of sub-tiles per tile must be a multiple of epi_stage: tile_n = 160 (five
         # sub-tiles) gets one buffer per sub-tile.
-        sub_tiles = variant.tile_n // 32
+        sub_tiles = variant.tile_n // self.epi_tile[1]
         whole_tile = variant.program == "dgrad" or sub_tiles % 4 != 0
         self.epi_stage = sub_tiles if whole_tile else min(4, sub_tiles)
         if self.activation is not None:

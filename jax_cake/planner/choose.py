@@ -537,7 +537,7 @@ def plan(
     if forced_cluster and variants.supports(op, tile, forced_cluster, "bfloat16", 1, one_pass, schedule=schedule):
         cluster, cluster_note = forced_cluster, f"; cluster {forced_cluster[0]}x{forced_cluster[1]} (forced)"
     if not variants.supports(op, tile, cluster, "bfloat16", 1, one_pass, schedule=schedule):
-        # A forced ping-pong tile compiled only in CTA pairs (fwd 128 x 160).
+        # A forced ping-pong tile compiled only in CTA pairs (fwd 128 x 160, 176 and 208).
         cluster = pingpong_clusters(op, tile)[0]
         cluster_note = f"; cluster {cluster[0]}x{cluster[1]} (the only one compiled for this tile)"
     return Plan(
