@@ -185,14 +185,15 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # 128 x 176 (epilogue sub-tiles of 16 columns, 176 being no multiple of 32) fills the
     # last wave at the fused QKV 4096 -> 6144 (T 8192: 2240 tiles, 16.97 waves of 132,
     # against 15.5 for 128 x 192). Exported SASS: 168 registers at launch, no stack or
-    # local memory. For force() and core_bench until measured: the planner's wide rule
-    # does not offer it (planner/choose.py).
+    # local memory. 128 x 208: the widest ping-pong tile that fits in registers (208
+    # accumulator registers per thread under the wide 24 / 240 split; no stack; 5 A/B
+    # stages, 3 epilogue buffers of 16 columns), the fewest operand bytes per FLOP of the
+    # ping-pong tiles. On the H200 (core_bench, 2026-12-05; docs/benchmarks.md) 176 was the
+    # best forward at 4096 -> 6144 (1.5 %) and 8192 -> 28672, 208 at 4096 -> 28672 (1.3 %
+    # past the planner's 128 x 192), each slower elsewhere; the wide rule's tile score
+    # cannot tell these apart, so they are for force() and bench until the plan table
+    # holds per-shape fwd tiles.
     GemmVariant("fwd", 128, 176, cluster_m=2, schedule="pingpong"),
-    # 128 x 208: the widest ping-pong tile that fits in registers (208 accumulator
-    # registers per thread under the wide 24 / 240 split; exported SASS: no stack or local
-    # memory; 5 A/B stages, 3 epilogue buffers of 16 columns). The fewest operand bytes
-    # per FLOP of the ping-pong tiles, and full last waves at N = 28672 (T 8192: 8832
-    # tiles, 66.9 waves). For force() and core_bench until measured, as 128 x 176.
     GemmVariant("fwd", 128, 208, cluster_m=2, schedule="pingpong"),
     GemmVariant("dgrad", 128, 192, schedule="pingpong"),
     GemmVariant("dgrad", 128, 192, cluster_m=2, schedule="pingpong"),
