@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax_cake import contract, primitives, reference
 from jax_cake.pipeline import fused, projection
 from jax_cake.planner import device as device_lib
+from jax_cake.planner import plan as make_plan
 from jax_cake.planner.gated import GATE_GRAD_OP, plan_gate_grad, plan_gate_up_dgrad, plan_gated
 from jax_cake.planner.plan_type import Plan
 from jax_cake.primitives import partitioning
@@ -110,9 +111,11 @@ def _gate_up_grads(x3, w_gate, w_up, dg, du, options: Options):
     (primitives.dgrad_gate_up), the weights' gradients come from fused.weight_gradients."""
     det, w_dtypes = options.deterministic, options.w_dtypes
     w = stack(w_gate, w_up, options.block)
-    _, dgrad_plan, _ = fused.stacked_plans(x3, w, det, w_dtypes)
+    b, t, d_in = x3.shape
+    # The rule's dgrad over K = 2F: the plan table's tile rows timed the plain dgrad's kernels.
+    sizes = dict(tokens=t, d_in=d_in, d_out=w.shape[0], batch=b, device=device_lib.current(x3, w))
+    dgrad_plan = plan_gate_up_dgrad(make_plan("dgrad", **sizes, tile_rows=False), options.block)
     (x_spec,) = partitioning.explicit_specs(x3) or (None,)
-    dgrad_plan = plan_gate_up_dgrad(dgrad_plan, options.block)
     dx = primitives.dgrad_gate_up(dg, du, w[None], dgrad_plan, options.block, out_sharding=x_spec)
     # The cotangent whole in W's row order, for the one wgrad over 2F where F is narrow
     # (XLA drops it where each weight gets its own wgrad).

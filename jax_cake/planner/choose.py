@@ -5,9 +5,11 @@ another architecture, unaligned or empty shapes: the XLA path, with the reason),
 runs XLA's dot where the measured plan table (jax_cake.planner.tables) records it faster
 (fwd, dgrad, wgrad), then picks the tile (utilization ranked by a per-tile prior), the
 wgrad algorithm (the `deterministic` flag, else the plan table), K splits,
-split tail, cluster pairing, raster and schedule by the rules below. Pins set by
-`jax_cake.planner.force` (overrides.py) win over the rules. Why each threshold has its
-value, with the measurements behind it: docs/planner.md.
+split tail, cluster pairing, raster and schedule by the rules below. Where the table holds
+a tile row for a fwd/dgrad point, that point runs the row's tile, schedule and cluster
+instead of the rule's. Pins set by `jax_cake.planner.force` (overrides.py) win over the
+rules and the rows. Why each threshold has its value, with the measurements behind it:
+docs/planner.md.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ from jax_cake.planner import device as device_lib
 from jax_cake.planner import overrides, router_variants, tables, variants
 from jax_cake.planner.overrides import forced
 from jax_cake.planner.plan_type import OPS, Plan
-
-_DENSE_OPS = ("fwd", "dgrad", "wgrad")
 
 KERNEL_ARCHS = contract.KERNEL_ARCHS  # architectures with compiled kernels; others run the XLA path
 
@@ -441,6 +441,7 @@ def plan(
     out_dtype: Any = "bfloat16",
     deterministic: bool = True,
     device: Any = None,
+    tile_rows: bool = True,
 ) -> Plan:
     """The Plan a jax_cake GEMM would run for these static sizes on `device`.
 
@@ -449,6 +450,9 @@ def plan(
     projection's sizes (x [batch, tokens, d_in], w [batch, d_out, d_in]). out_dtype:
     the result dtype (wgrad: w's dtype). device: a jax Device, AbstractDevice or
     DeviceInfo; None looks it up as a trace would (abstract mesh, else jax.devices()[0]).
+    tile_rows: whether the plan table's fwd/dgrad tile rows apply; the fused planners
+    (jax_cake.planner.gated, .residual) pass False: those rows timed the plain GEMM's
+    kernels, not the fused ones.
     """
     import numpy as np
 
@@ -478,6 +482,7 @@ def plan(
                 out_dtype=out_dtype,
                 deterministic=deterministic,
                 device=dev,
+                tile_rows=tile_rows,
             )
     if forced("program") == "xla":
         return _xla_plan(*args, "forced by jax_cake.planner.force")
@@ -506,13 +511,13 @@ def plan(
     if dev.sm_count is None:
         return _xla_plan(*args, f"the SM count of {dev.kind} is unknown")
 
-    if op in _DENSE_OPS and forced("program") is None:  # a forced program (the benchmark's arms) wins
-        v = tables.verdict(
-            dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens, op=op, batch=batch, deterministic=deterministic
-        )
-        if v.program == "xla":  # measured, not a fallback: no warning
-            reason = f"{v.why}: XLA dot_general with the same semantics"
-            return Plan(**_plan_fields(*args, backend="xla"), reason=reason)
+    verdict = tables.verdict(
+        dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens, op=op, batch=batch, deterministic=deterministic
+    )
+    # A forced program (the benchmark's arms) times the kernels: no xla row replaces them.
+    if verdict.program == "xla" and forced("program") is None:  # measured, not a fallback: no warning
+        reason = f"{verdict.why}: XLA dot_general with the same semantics"
+        return Plan(**_plan_fields(*args, backend="xla"), reason=reason)
 
     base = _plan_fields(*args)
     if op == "wgrad":
@@ -540,15 +545,36 @@ def plan(
         # A forced ping-pong tile compiled only in CTA pairs (fwd 128 x 160, 176 and 208).
         cluster = pingpong_clusters(op, tile)[0]
         cluster_note = f"; cluster {cluster[0]}x{cluster[1]} (the only one compiled for this tile)"
+    note = tile_note + cluster_note
+    pinned = any(forced(key) is not None for key in ("tile", "schedule", "cluster"))
+    if tile_rows and verdict.variant is not None and not pinned:
+        tile, schedule, cluster, note = _table_variant(op, verdict, (tile, schedule, cluster), note)
     return Plan(
         **base,
         tile=tile,
         cluster=cluster,
         raster=walk,
         schedule=schedule,
-        reason=f"one pass over K={k} (no reduction across CTAs, reproducible), {contract.describe_raster(walk)}: "
-        f"{tile_note}{cluster_note}",
+        reason=f"one pass over K={k} (no reduction across CTAs, reproducible), {contract.describe_raster(walk)}: {note}",
     )
+
+
+def _describe_variant(tile, schedule: str, cluster) -> str:
+    kind = "ping-pong" if schedule == "pingpong" else "cooperative"
+    return f"{tile[0]}x{tile[1]} {kind} tiles, cluster {cluster[0]}x{cluster[1]}"
+
+
+def _table_variant(op: str, verdict: tables.Verdict, rule: tuple, rule_note: str) -> tuple:
+    """(tile, schedule, cluster, note) of a fwd/dgrad plan where a tile row speaks: the
+    row's variant, measured fastest at this point (the rule's tile score cannot tell the
+    wide ping-pong tiles apart), or the rule's pick `rule` where this build lacks it."""
+    row, where = verdict.variant, verdict.where
+    tile, schedule, cluster = tuple(row.tile), row.schedule, tuple(row.cluster)
+    named = _describe_variant(tile, schedule, cluster)
+    if not variants.supports(op, tile, cluster, "bfloat16", 1, contract.REDUCTION_NONE, schedule=schedule):
+        return (*rule, f"{rule_note}; {where} names the {named}, which this build does not hold: the rule's pick runs")
+    measured = f"{row.ratio:.3f}x the rule's {_describe_variant(*rule)}; " if row.ratio is not None else ""
+    return tile, schedule, cluster, f"{named}: {where} measured this variant fastest here ({measured}{row.source})"
 
 
 def _wide_pingpong_rule(op: str, batch: int, m: int, n: int, k: int, sm_count: int, tile) -> tuple[tuple, str]:

@@ -30,6 +30,10 @@ into op "dgrad_gate_up" where a variant of its tile reads the cotangent's halves
 the interleaved weight's gate and up rows in place (jax_cake_dgrad_gate_up); elsewhere the
 plan stays the plain dgrad's and an XLA pass interleaves dg, du for it (one log line says
 why).
+
+These plans start from the plain GEMM's rule (choose.plan with tile_rows=False), fallbacks
+included: the plan table's fwd/dgrad tile rows timed the plain GEMMs' kernels, not the
+fused ones, and a row's tile would move the fused kernels off their measured tile.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def plan_gated(
     "fwd_gated" (the fused kernel), op "fwd" (a kernel forward plus an XLA pass) or an XLA
     plan.
     """
-    base = choose.plan("fwd", tokens=tokens, d_in=d_in, d_out=d_out, batch=batch, device=device)
+    base = choose.plan("fwd", tokens=tokens, d_in=d_in, d_out=d_out, batch=batch, device=device, tile_rows=False)
     if epilogue is None:
         epilogue = GATED_EPILOGUE_ENABLED
     return _with_epilogue(base, OP, f"gated_{activation}", d_out // 2, activation, epilogue, "h = bf16({act}(g) * u)")
@@ -127,7 +131,7 @@ def plan_gate_grad(
     XLA plan; the rule is plan_gated's. epilogue: whether the fused kernel may be planned
     (None: GATE_GRAD_EPILOGUE_ENABLED).
     """
-    base = choose.plan("dgrad", tokens=tokens, d_in=d_ff, d_out=d_out, batch=batch, device=device)
+    base = choose.plan("dgrad", tokens=tokens, d_in=d_ff, d_out=d_out, batch=batch, device=device, tile_rows=False)
     if epilogue is None:
         epilogue = GATE_GRAD_EPILOGUE_ENABLED
     return _with_epilogue(
@@ -193,7 +197,8 @@ def plan_gate_up_dgrad(base: Plan, block: int) -> Plan:
     cotangent's halves dg, du and the interleaved weight's gate and up rows in place (op
     "dgrad_gate_up", jax_cake_dgrad_gate_up), or base itself.
 
-    base: the plain dgrad's plan for that GEMM (dy [batch, T, 2F], W [batch, 2F, d_in]);
+    base: the plain dgrad's plan for that GEMM (dy [batch, T, 2F], W [batch, 2F, d_in]),
+    planned with tile_rows=False (module docstring);
     block: the weight's gate/up interleave (pipeline.gated: contract.GATE_BLOCK, or 1 where
     d_ff is not a multiple of it or the operands need partitioning). The kernel reads
     blocks of contract.GATE_BLOCK and runs base's tile, cluster and schedule where a

@@ -10,7 +10,8 @@ plain forward of the same tile followed by a bf16 add. With RESIDUAL_KERNELS_ENA
 separate add, with the same values.
 
 The tile comes from the forward planner's ranking (jax_cake.planner.choose, the same
-rules as a plain forward), restricted to what `variants.supports(..., accumulate=True)`
+rules as a plain forward, without the plan table's tile rows: they timed the plain
+forward's kernels), restricted to what `variants.supports(..., accumulate=True)`
 holds for fwd: the reduce-add variants, cluster 1x1, cooperative tiles. A tile pinned by
 `jax_cake.planner.force` comes first. Where no ranked tile has a reduce-add variant the
 result is the ordinary forward plan (op "fwd"): the primitive then runs that forward and
@@ -53,7 +54,7 @@ def plan_residual(*, tokens: int, d_in: int, d_out: int, batch: int = 1, device:
     "fwd_residual" (the fused kernel), op "fwd" (a kernel forward plus a separate add) or
     an XLA plan.
     """
-    base = choose.plan("fwd", tokens=tokens, d_in=d_in, d_out=d_out, batch=batch, device=device)
+    base = choose.plan("fwd", tokens=tokens, d_in=d_in, d_out=d_out, batch=batch, device=device, tile_rows=False)
     if not base.uses_kernel:
         return base
     if not RESIDUAL_KERNELS_ENABLED:

@@ -8,7 +8,11 @@ token counts excluded from the row, and where the verdict came from:
 - "xla": XLA's own dot (the XLA path) was faster than jax_cake's program; read under both
   values of `deterministic` (XLA's GEMMs are reproducible, docs/planner.md), for fwd,
   dgrad and wgrad.
-- "det": the deterministic program (what no row means too).
+- "det": the deterministic program (what no row means too). A fwd or dgrad det row with
+  a tile, schedule and cluster names the variant measured fastest at that point, which
+  plan() runs instead of its rule's pick (under both values of `deterministic`: fwd and
+  dgrad are one pass over K, reproducible either way); written by
+  `python -m jax_cake.tools.tune_tiles`.
 The first row (in file order) that matches, covers the token count and does not exclude
 it wins; no such row: the deterministic program.
 """
@@ -21,6 +25,8 @@ import functools
 import json
 from pathlib import Path
 from typing import Iterator
+
+from jax_cake import contract
 
 _TABLE_DIR = Path(__file__).parent / "tables"
 
@@ -42,7 +48,11 @@ class Row:
     ctas: int | None = None
     op: str = "wgrad"  # "fwd", "dgrad" or "wgrad" (absent in the JSON: wgrad)
     batch: int = 1
-    ratio: float | None = None  # xla rows: the measured median time ratio XLA / jax_cake
+    # xla rows: the measured median time ratio XLA / jax_cake; tile rows: the rule's
+    # pick's median time / the row variant's (above 1)
+    ratio: float | None = None
+    schedule: str | None = None  # tile rows: "tiles" or "pingpong" (contract.SCHEDULES)
+    cluster: tuple[int, int] | None = None  # tile rows: (1, 1) or (2, 1)
 
     def covers(self, tokens: int) -> bool:
         return self.min_tokens <= tokens <= self.max_tokens
@@ -72,10 +82,35 @@ class Verdict:
     program: str  # "split", "det" or "xla"
     row: Row | None
     why: str
+    where: str = ""  # the table and the row's point, where a row speaks (for plan reasons)
+    variant: Row | None = None  # a tile row that speaks here: the fwd/dgrad variant to run
 
 
 _VALID_PROGRAMS = ("split", "det", "xla")
 _VALID_OPS = ("fwd", "dgrad", "wgrad")
+# What a tile row may name: the fwd/dgrad schedules (wgrad's split tail is not one) and clusters.
+_TILE_ROW_SCHEDULES = tuple(s for s in contract.SCHEDULES if s != "split_tail")
+_TILE_ROW_CLUSTERS = ((1, 1), (2, 1))
+
+
+def _check_tile_row(arch: str, row: dict, op: str) -> None:
+    """A det row with a tile names a fwd/dgrad variant in full; schedule and cluster
+    belong to such rows only."""
+    where = f"plan table {arch}: {op} {row['d_in']} -> {row['d_out']} ({row['program']} row)"
+    tile, schedule, cluster = row.get("tile"), row.get("schedule"), row.get("cluster")
+    if row["program"] != "det" or tile is None:
+        for field, value in (("schedule", schedule), ("cluster", cluster)):
+            if value is not None:
+                raise ValueError(f"{where}: {field} {value!r} belongs to fwd/dgrad det rows with a tile only")
+        return
+    if op not in ("fwd", "dgrad"):
+        raise ValueError(f"{where}: tile {tile!r} on a det row names a fwd or dgrad variant, not {op}")
+    if not (isinstance(tile, (list, tuple)) and len(tile) == 3 and all(type(t) is int and t > 0 for t in tile)):
+        raise ValueError(f"{where}: tile {tile!r} is not 3 positive ints [M, N, K]")
+    if schedule not in _TILE_ROW_SCHEDULES:
+        raise ValueError(f"{where}: schedule {schedule!r} is not one of {_TILE_ROW_SCHEDULES}")
+    if cluster is None or tuple(cluster) not in _TILE_ROW_CLUSTERS:
+        raise ValueError(f"{where}: cluster {cluster!r} is not [1, 1] or [2, 1]")
 
 
 def parse(data: dict) -> Table:
@@ -95,6 +130,7 @@ def parse(data: dict) -> Table:
                 raise ValueError(f"plan table {data['arch']}: op {op!r} is not one of {_VALID_OPS}")
             if row["program"] == "split" and op != "wgrad":
                 raise ValueError(f"plan table {data['arch']}: a {op} row cannot run the split program (wgrad only)")
+            _check_tile_row(data["arch"], row, op)
             rows.append(
                 Row(
                     d_in=int(row["d_in"]),
@@ -113,6 +149,8 @@ def parse(data: dict) -> Table:
                     op=op,
                     batch=int(row.get("batch", 1)),
                     ratio=float(row["ratio"]) if row.get("ratio") is not None else None,
+                    schedule=row.get("schedule"),
+                    cluster=tuple(row["cluster"]) if row.get("cluster") is not None else None,
                 )
             )
         ranges.append(SmRange(int(r["min_sms"]), r.get("max_sms"), tuple(rows)))
@@ -194,8 +232,9 @@ def verdict(
             if row.program == "xla":
                 measured = f": median time ratio {row.ratio:.3f}" if row.ratio is not None else ""
                 why = f"{where} records XLA's dot faster here ({row.source}{measured})"
-                return Verdict("xla", row, why)
-            return Verdict(row.program, row, f"{where}: {row.program} ({row.source})")
+                return Verdict("xla", row, why, where)
+            variant = row if row.program == "det" and row.tile is not None else None
+            return Verdict(row.program, row, f"{where}: {row.program} ({row.source})", where, variant)
     if excluded is not None:
         row, where = excluded
         return Verdict(

@@ -191,8 +191,8 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # ping-pong tiles. On the H200 (core_bench, 2026-12-05; docs/benchmarks.md) 176 was the
     # best forward at 4096 -> 6144 (1.5 %) and 8192 -> 28672, 208 at 4096 -> 28672 (1.3 %
     # past the planner's 128 x 192), each slower elsewhere; the wide rule's tile score
-    # cannot tell these apart, so they are for force() and bench until the plan table
-    # holds per-shape fwd tiles.
+    # cannot tell these apart, so the planner runs them only where a plan-table tile row
+    # names them (planner/tables.py), and force() and bench pin them.
     GemmVariant("fwd", 128, 176, cluster_m=2, schedule="pingpong"),
     GemmVariant("fwd", 128, 208, cluster_m=2, schedule="pingpong"),
     GemmVariant("dgrad", 128, 192, schedule="pingpong"),
