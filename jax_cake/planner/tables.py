@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 _TABLE_DIR = Path(__file__).parent / "tables"
 
@@ -206,3 +206,9 @@ def verdict(
     return Verdict(
         "det", None, f"no {arch} table row for {sm_count} SMs, {op} {d_in} -> {d_out} {out} at {tokens} tokens"
     )
+
+
+def is_tile_row(row: Mapping) -> bool:
+    """Whether a row in its JSON form is a per-shape tile row (a det row naming its variant,
+    written by jax_cake.tools.tune_tiles)."""
+    return row.get("program") == "det" and row.get("tile") is not None

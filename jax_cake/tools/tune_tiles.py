@@ -33,6 +33,7 @@ from typing import Iterable, Mapping, Sequence
 
 from absl import app, flags
 
+from jax_cake.planner import tables
 from jax_cake.tools import markdown as md
 from jax_cake.tools import plan_rule
 
@@ -130,15 +131,11 @@ def read_csvs(paths: Iterable[str]) -> tuple[dict[Point, list[Arm]], dict]:
     return points, header
 
 
-def is_tile_row(row: Mapping) -> bool:
-    return row.get("program") == "det" and row.get("tile") is not None
-
-
 def without_tile_rows(data: Mapping) -> dict:
     """The table JSON with its tile rows removed: what plan() reads for the rule's pick."""
     return {
         **data,
-        "sm_ranges": [{**r, "rows": [row for row in r["rows"] if not is_tile_row(row)]} for r in data["sm_ranges"]],
+        "sm_ranges": [{**r, "rows": [row for row in r["rows"] if not tables.is_tile_row(row)]} for r in data["sm_ranges"]],
     }
 
 
@@ -146,7 +143,6 @@ def rule_pick(point: Point, device, table_data: Mapping | None) -> tuple | None:
     """(tile, cluster, schedule) plan() runs at `point` on `device` without tile rows, or
     None where it runs XLA's dot (an xla row, or no kernel)."""
     from jax_cake import planner
-    from jax_cake.planner import tables
 
     def plan():
         return planner.plan(point.op, tokens=point.tokens, d_in=point.d_in, d_out=point.d_out, device=device)
@@ -196,7 +192,7 @@ def merge_rows(data: Mapping, sms: int, verdicts: Sequence[Verdict], source: str
     measured = {(v.point.op, v.point.d_in, v.point.d_out, v.point.tokens) for v in verdicts if v.pick is not None}
 
     def remeasured(row):
-        return is_tile_row(row) and any(
+        return tables.is_tile_row(row) and any(
             (op, d_in, d_out) == (row["op"], row["d_in"], row["d_out"]) and row["min_tokens"] <= t <= row["max_tokens"]
             for op, d_in, d_out, t in measured
         )
