@@ -418,10 +418,9 @@ ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, f
 ffi::Error FwdResidualImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                            ffi::Buffer<ffi::BF16> r, ffi::Result<ffi::Buffer<ffi::BF16>> y, Attrs at) {
   const std::string who = kFwdResidualTarget;
-  JC_RETURN_IF_ERROR(Begin(kFwdResidualTarget, at));
-  if (at.schedule != kScheduleTiles || at.splits != 1 || at.reduction != kReductionNone)
-    return ffi::Error::InvalidArgument(who + ": schedule must be " + std::to_string(kScheduleTiles) +
-                                       ", splits 1 and reduction " + std::to_string(kReductionNone));
+  JC_RETURN_IF_ERROR(BeginOnePass(kFwdResidualTarget, at));
+  if (at.schedule != kScheduleTiles)  // the add store is compiled for the cooperative tiles only
+    return ffi::Error::InvalidArgument(who + ": schedule must be " + std::to_string(kScheduleTiles));
   JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
   JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
   JC_RETURN_IF_ERROR(CheckRank3("r", r.dimensions()));
@@ -431,9 +430,6 @@ ffi::Error FwdResidualImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::B
     return ffi::Error::InvalidArgument(who + ": shapes must be x[B,T,d_in], w[B,d_out,d_in], r and y[B,T,d_out]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
   JC_RETURN_IF_ERROR(CheckWidths(kFwdResidualTarget, d_in, d_out));
-  const VariantKey key = at.Key("fwd", kBf16, kStoreAdd, kScheduleTiles);
-  const Variant* v = FindVariant(key);
-  if (!v) return NoVariant(key);
   if (y->untyped_data() != r.untyped_data()) {
     cudaError_t err =
         cudaMemcpyAsync(y->untyped_data(), r.untyped_data(), r.size_bytes(), cudaMemcpyDeviceToDevice, stream);
@@ -443,9 +439,7 @@ ffi::Error FwdResidualImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::B
   g.a = KMajor(x.untyped_data(), T, d_in, B);
   g.b = KMajor(w.untyped_data(), d_out, d_in, B);
   g.c = KMajor(y->untyped_data(), T, d_out, B);
-  g.splits = 1;
-  g.raster = static_cast<int32_t>(at.raster);
-  return Launch(v, g, stream);
+  return LaunchOnePass(at, "fwd", kStoreAdd, g, stream);
 }
 
 // ------------------------------------------------------------------ gated epilogue

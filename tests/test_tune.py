@@ -192,18 +192,21 @@ class TableTest(parameterized.TestCase):
         self.assertEqual([(r["min_tokens"], r["max_tokens"], r["tile"]) for r in rows], [(16172, 16172, [64, 256, 64])])
 
     def test_build_table_replaces_only_the_measured_sm_count(self):
+        tile_row = {"program": "det", "op": "fwd", "tile": [128, 176, 64], "schedule": "pingpong", "cluster": [2, 1]}
         existing = {
             "arch": "sm_90a",
             "source": "old",
             "sm_ranges": [
-                {"min_sms": 114, "max_sms": 114, "rows": ["keep"]},
-                {"min_sms": 132, "max_sms": 132, "rows": ["old"]},
+                {"min_sms": 114, "max_sms": 114, "rows": [{"program": "xla", "row": "keep"}]},
+                {"min_sms": 132, "max_sms": 132, "rows": [{"program": "xla", "row": "old"}, tile_row]},
             ],
         }
-        table = tune.build_table("sm_90a", 132, "new", [{"row": 1}], existing)
+        table = tune.build_table("sm_90a", 132, "new", [{"program": "xla", "row": 1}], existing)
         self.assertEqual(table["source"], "new")
+        # tune_tiles's rows stay, after the new ones: this tuner never measures tiles.
         self.assertEqual(
-            [(r["min_sms"], r["rows"]) for r in table["sm_ranges"]], [(114, ["keep"]), (132, [{"row": 1}])]
+            [(r["min_sms"], r["rows"]) for r in table["sm_ranges"]],
+            [(114, [{"program": "xla", "row": "keep"}]), (132, [{"program": "xla", "row": 1}, tile_row])],
         )
 
 

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from jax_cake import contract
 
@@ -245,3 +245,9 @@ def verdict(
     return Verdict(
         "det", None, f"no {arch} table row for {sm_count} SMs, {op} {d_in} -> {d_out} {out} at {tokens} tokens"
     )
+
+
+def is_tile_row(row: Mapping) -> bool:
+    """Whether a row in its JSON form is a per-shape tile row (a det row naming its variant,
+    written by jax_cake.tools.tune_tiles)."""
+    return row.get("program") == "det" and row.get("tile") is not None

@@ -19,7 +19,9 @@ XLA's (max |arm - xla| <= 2^-6 max |xla|: two bf16 roundings of fp32 sums), and 
 lowered custom call is checked to name the forced tile / cluster / schedule (so a missing
 library or an ignored force fails loudly instead of timing XLA twice).
 
-Writes <out>/core_bench.csv (one row per op, shape and arm) and prints a table.
+Writes <out>/core_bench.csv (one row per op, shape and arm, with the GPU, SM count, jax
+version and date) and prints a table. `python -m jax_cake.tools.tune_tiles` turns the CSV
+into the plan table's per-shape tile rows.
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ COLUMNS = (
     "max_err_rel",
     "ok",
     "groups_us",
+    "gpu",
+    "sms",
+    "jax",
+    "date",
 )
 # Environment of a profiled run (bench's mode g): command buffers stay on while profiling,
 # and CUPTI does not serialize kernels.
@@ -196,6 +202,7 @@ def run(
     from jax_cake.tools import bench
 
     timer_kind = timer_kind or bench.default_timer()
+    h = bench.device_header(timer_kind)
     rows = []
     for op, t, d_in, d_out in cases(tokens, pairs):
         t0 = time.time()
@@ -228,6 +235,7 @@ def run(
                     "max_err_rel": f"{errs[a.name]:.3g}",
                     "ok": errs[a.name] <= REL_TOL,
                     "groups_us": " ".join(f"{g:.2f}" for g in groups_us[a.bench_arm] if g is not None),
+                    **{key: h[key] for key in ("gpu", "sms", "jax", "date")},
                 }
             )
         print(f"{op} T={t} {d_in}->{d_out}: {len(arms)} arms in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)

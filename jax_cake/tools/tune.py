@@ -67,6 +67,7 @@ from typing import Mapping, Sequence
 
 from absl import app, flags
 
+from jax_cake.planner import tables
 from jax_cake.tools import bench
 from jax_cake.tools import cuda_driver
 from jax_cake.tools import plan_rule
@@ -649,19 +650,22 @@ def build_table(
     measured: set | None = None,
     dropped: Sequence[dict] = (),
 ) -> dict:
-    """The table JSON: `existing` with its range for exactly `sms` SMs replaced by `rows`;
-    with `measured` ((row_key, T) pairs), that range's rows this run did not measure (other
+    """The table JSON: `existing` with its range for exactly `sms` SMs replaced by `rows`
+    (its tile rows, which tune_tiles writes, kept after them); with `measured` ((row_key, T) pairs), that range's rows this run did not measure (other
     keys, or token counts the run did not time) stay, first. `dropped` (Dropped.record of
     the arms the accuracy contract dropped) goes into the range's "dropped" list, a note the
     planner does not read; with `measured`, earlier notes this run did not measure stay too."""
     ranges = [r for r in (existing or {}).get("sm_ranges", []) if (r["min_sms"], r.get("max_sms")) != (sms, sms)]
-    kept, kept_dropped = [], []
-    if measured is not None:
-        for r in (existing or {}).get("sm_ranges", []):
-            if (r["min_sms"], r.get("max_sms")) == (sms, sms):
-                kept = [row for row in r["rows"] if not _remeasured(row, measured)]
+    kept, kept_dropped, tile_rows = [], [], []
+    for r in (existing or {}).get("sm_ranges", []):
+        if (r["min_sms"], r.get("max_sms")) == (sms, sms):
+            # tune_tiles's rows: this tuner never measures tiles; they stay, after its own
+            # rows (an xla row of the same point comes first and wins).
+            tile_rows = [row for row in r["rows"] if tables.is_tile_row(row)]
+            if measured is not None:
+                kept = [row for row in r["rows"] if not tables.is_tile_row(row) and not _remeasured(row, measured)]
                 kept_dropped = [d for d in r.get("dropped", []) if not _remeasured(d, measured)]
-    rng = {"min_sms": sms, "max_sms": sms, "rows": kept + list(rows)}
+    rng = {"min_sms": sms, "max_sms": sms, "rows": kept + list(rows) + tile_rows}
     if kept_dropped or dropped:
         rng["dropped"] = kept_dropped + list(dropped)
     ranges.append(rng)

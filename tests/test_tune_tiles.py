@@ -1,0 +1,197 @@
+"""jax_cake.tools.tune_tiles on CPU: core_bench CSVs -> per-shape tile verdicts -> plan-table rows."""
+
+import csv
+import json
+
+import pytest
+
+from jax_cake.tools import core_bench, tune_tiles
+from helpers import H200
+
+# The rule's picks on an H200 (132 SMs) at T 8192: fwd 4096 -> 6144 plans 128 x 160
+# ping-pong, 4096 -> 4096 the cooperative 128 x 256 (both in CTA pairs).
+PICK_6144 = ("128x160x64", "2x1", "pingpong")
+HEADER = {"gpu": "H200", "sms": 132, "jax": "0.11.2", "date": "2026-12-05"}
+
+
+def arm_row(op, d_out, tile, cluster, schedule, groups, *, d_in=4096, ok=True, raster=""):
+    return {
+        "op": op,
+        "T": 8192,
+        "d_in": d_in,
+        "d_out": d_out,
+        "arm": f"{tile}_{schedule}",
+        "tile": tile,
+        "cluster": cluster,
+        "schedule": schedule,
+        "raster": raster,
+        "us": sorted(groups)[len(groups) // 2],
+        "tflops": 0,
+        "xla_over_arm": 1,
+        "max_err_rel": 0,
+        "ok": ok,
+        "groups_us": " ".join(f"{g:.2f}" for g in groups),
+        **HEADER,
+    }
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(core_bench.COLUMNS))
+        w.writeheader()
+        w.writerows(rows)
+    return str(path)
+
+
+def base_groups(us=500.0, n=6):
+    return [us * (1 + 0.001 * g) for g in range(n)]
+
+
+def scaled(groups, ratio):
+    return [g * ratio for g in groups]
+
+
+def point_6144(tmp_path, *, n=6, cand_ratio=0.98, cand_ok=True, flip=()):
+    """fwd 4096 -> 6144: the rule's 128 x 160, a 128 x 176 at cand_ratio of its time (groups
+    listed in `flip` run slower instead), a slower 128 x 192 and XLA."""
+    base = base_groups(n=n)
+    cand = [g * (1.01 if i in flip else cand_ratio) for i, g in enumerate(base)]
+    rows = [
+        arm_row("fwd", 6144, "", "", "xla", scaled(base, 0.97)),
+        arm_row("fwd", 6144, *PICK_6144, base),
+        arm_row("fwd", 6144, "128x176x64", "2x1", "pingpong", cand, ok=cand_ok),
+        arm_row("fwd", 6144, "128x192x64", "2x1", "pingpong", scaled(base, 1.02)),
+    ]
+    return write_csv(tmp_path / "core_bench.csv", rows)
+
+
+def table_data():
+    return {
+        "arch": "sm_90a",
+        "source": "test",
+        "sm_ranges": [
+            {
+                "min_sms": 132,
+                "max_sms": 132,
+                "rows": [
+                    {"op": "fwd", "d_in": 4096, "d_out": 192, "out": "bfloat16", "min_tokens": 8192,
+                     "max_tokens": 8192, "program": "xla", "ratio": 0.7, "source": "test"},
+                ],
+            }
+        ],
+    }
+
+
+def verdicts(csv_path, data=None, min_gain=0.005):
+    points, header = tune_tiles.read_csvs([csv_path])
+    data = data or table_data()
+    return [tune_tiles.decide(p, arms, tune_tiles.rule_pick(p, H200, data), min_gain) for p, arms in points.items()], header
+
+
+def test_a_variant_faster_in_every_group_gets_a_row(tmp_path):
+    (v,), header = verdicts(point_6144(tmp_path))
+    assert header == {k: str(val) for k, val in HEADER.items()}
+    assert v.pick.tile == (128, 160, 64) and v.winner.tile == (128, 176, 64)
+    assert (v.wins, v.groups) == (6, 6)
+    row = v.row("src")
+    assert row["tile"] == [128, 176, 64] and row["schedule"] == "pingpong" and row["cluster"] == [2, 1]
+    assert (row["op"], row["d_in"], row["d_out"], row["min_tokens"], row["max_tokens"]) == ("fwd", 4096, 6144, 8192, 8192)
+    assert row["program"] == "det" and row["ratio"] == pytest.approx(1 / 0.98, abs=1e-3)
+    assert "6/6" in row["evidence"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, why",
+    [
+        (dict(flip=(3,)), "no variant beat it"),  # 5 of 6 groups: sign test p = 0.11
+        (dict(cand_ratio=0.998), "no variant beat it"),  # under --min_gain
+        (dict(cand_ok=False), "no variant beat it"),  # its result missed XLA's
+        (dict(n=4), "too few"),  # 4/4 groups: p = 0.0625
+    ],
+)
+def test_no_row_without_a_clear_win(tmp_path, kwargs, why):
+    (v,), _ = verdicts(point_6144(tmp_path, **kwargs))
+    assert v.winner is None and why in v.why
+
+
+def test_rule_pick_is_what_plan_runs_without_tile_rows():
+    data = table_data()
+    data["sm_ranges"][0]["rows"].append(
+        {"op": "fwd", "d_in": 4096, "d_out": 6144, "out": "bfloat16", "min_tokens": 8192, "max_tokens": 8192,
+         "program": "det", "tile": [128, 208, 64], "schedule": "pingpong", "cluster": [2, 1], "source": "old"}
+    )
+    pick = tune_tiles.rule_pick(tune_tiles.Point("fwd", 8192, 4096, 6144), H200, data)
+    assert pick == ((128, 160, 64), (2, 1), "pingpong")
+    # An xla row sends the point to XLA's dot: nothing to tune there.
+    assert tune_tiles.rule_pick(tune_tiles.Point("fwd", 8192, 4096, 192), H200, data) is None
+
+
+def test_the_pick_must_have_been_timed(tmp_path):
+    rows = [arm_row("fwd", 6144, "128x176x64", "2x1", "pingpong", base_groups())]
+    (v,), _ = verdicts(write_csv(tmp_path / "c.csv", rows))
+    assert v.winner is None and "not timed" in v.why
+
+
+def test_other_walks_and_ops_are_not_read(tmp_path):
+    base = base_groups()
+    rows = [
+        arm_row("fwd", 6144, *PICK_6144, base),
+        arm_row("fwd", 6144, "128x176x64", "2x1", "pingpong", scaled(base, 0.9), raster="m"),
+        arm_row("wgrad", 6144, "128x256x64", "1x1", "tiles", scaled(base, 0.9)),
+    ]
+    (v,), _ = verdicts(write_csv(tmp_path / "c.csv", rows))
+    assert v.winner is None
+
+
+def test_two_runs_in_one_input_fail(tmp_path):
+    a = point_6144(tmp_path)
+    rows = [arm_row("fwd", 4096, "128x256x64", "2x1", "tiles", base_groups()) | {"date": "2026-12-06"}]
+    b = write_csv(tmp_path / "b.csv", rows)
+    with pytest.raises(ValueError, match="two runs"):
+        tune_tiles.read_csvs([a, b])
+
+
+def old_tile_row(d_out, tokens, tile):
+    return {"op": "fwd", "d_in": 4096, "d_out": d_out, "out": "bfloat16", "min_tokens": tokens, "max_tokens": tokens,
+            "program": "det", "tile": tile, "schedule": "pingpong", "cluster": [2, 1], "source": "old"}
+
+
+def test_merge_replaces_measured_tile_rows_only(tmp_path):
+    data = table_data()
+    rows = data["sm_ranges"][0]["rows"]
+    rows += [old_tile_row(6144, 8192, [128, 208, 64]), old_tile_row(6144, 16384, [128, 208, 64])]
+    (v,), _ = verdicts(point_6144(tmp_path), data)
+    merged = tune_tiles.merge_rows(data, 132, [v], "new")["sm_ranges"][0]["rows"]
+    assert [(r["program"], r["d_out"], r["min_tokens"], r.get("tile"), r["source"]) for r in merged] == [
+        ("xla", 192, 8192, None, "test"),
+        ("det", 6144, 16384, [128, 208, 64], "old"),  # another T: not measured, kept
+        ("det", 6144, 8192, [128, 176, 64], "new"),
+    ]
+    # A measured point whose pick stays best loses its old tile row.
+    (v,), _ = verdicts(point_6144(tmp_path, cand_ratio=1.0), data)
+    merged = tune_tiles.merge_rows(data, 132, [v], "new")["sm_ranges"][0]["rows"]
+    assert [r["min_tokens"] for r in merged if r["program"] == "det"] == [16384]
+
+
+def test_merge_adds_a_range_for_a_new_sm_count(tmp_path):
+    (v,), _ = verdicts(point_6144(tmp_path))
+    merged = tune_tiles.merge_rows(table_data(), 114, [v], "new")
+    assert [(r["min_sms"], len(r["rows"])) for r in merged["sm_ranges"]] == [(114, 1), (132, 1)]
+
+
+def test_main_writes_the_table(tmp_path, monkeypatch):
+    from absl import flags
+
+    path = tmp_path / "sm_90a.json"
+    path.write_text(json.dumps(table_data()))
+    csv_path = point_6144(tmp_path)
+    if "min_gain" not in flags.FLAGS:
+        tune_tiles.define_flags()
+    flags.FLAGS([__file__, f"--csv={csv_path}", f"--table={path}", "--write"])
+    try:
+        tune_tiles.main([])
+    finally:
+        flags.FLAGS.unparse_flags()
+    rows = json.loads(path.read_text())["sm_ranges"][0]["rows"]
+    assert rows[-1]["tile"] == [128, 176, 64]
+    assert rows[-1]["source"] == "jax_cake.tools.tune_tiles from core_bench 2026-12-05 on NVIDIA H200, jax 0.11.2"
