@@ -195,3 +195,17 @@ def test_main_writes_the_table(tmp_path, monkeypatch):
     rows = json.loads(path.read_text())["sm_ranges"][0]["rows"]
     assert rows[-1]["tile"] == [128, 176, 64]
     assert rows[-1]["source"] == "jax_cake.tools.tune_tiles from core_bench 2026-12-05 on NVIDIA H200, jax 0.11.2"
+
+
+def test_plan_runs_the_written_row(tmp_path):
+    from jax_cake import planner
+    from jax_cake.planner import tables
+
+    (v,), _ = verdicts(point_6144(tmp_path))
+    merged = tune_tiles.merge_rows(table_data(), 132, [v], "src")
+    with tables.use_table(tables.parse(merged)):
+        p = planner.plan("fwd", tokens=8192, d_in=4096, d_out=6144, device=H200)
+        other_t = planner.plan("fwd", tokens=4096, d_in=4096, d_out=6144, device=H200)
+    assert (p.tile, p.cluster, p.schedule) == ((128, 176, 64), (2, 1), "pingpong")
+    assert "measured this variant fastest" in p.reason and "src" in p.reason
+    assert other_t.tile != (128, 176, 64)
