@@ -9,7 +9,7 @@ from jax.sharding import AbstractDevice
 
 import jax_cake as jc
 from jax_cake import contract
-from jax_cake.planner import DeviceInfo, tables
+from jax_cake.planner import DeviceInfo, tables, variants
 from jax_cake.planner.device import from_jax_device
 from jax_cake.planner.choose import compiled_tiles
 from jax_cake.planner.variants import split_tail_slots
@@ -586,9 +586,10 @@ def test_wide_pingpong_rule_at_the_llama_shapes(op, d_in, d_out, want):
     [
         ("fwd", 4096, 14336, 8192, "m8"),
         ("dgrad", 14336, 4096, 8192, "m8"),
-        ("fwd", 4096, 512, 16384, "m8"),  # from N = 512 up
-        ("fwd", 4096, 256, 16384, "m"),  # below: M first
-        ("dgrad", 256, 4096, 16384, "m"),  # dgrad's N is d_in
+        ("fwd", 4096, 512, 16384, "m8"),
+        ("fwd", 4096, 384, 12288, "m8"),  # 3 N tiles: x read once per band, not per N tile
+        ("fwd", 4096, 256, 16384, "m8"),  # one N tile: the band is the M-first walk
+        ("dgrad", 256, 4096, 16384, "m8"),  # dgrad's N is d_in
         ("wgrad", 4096, 14336, 8192, "m16"),  # bf16 dw
         ("wgrad", 4096, 48, 16384, "m16"),  # one band covers all of M: the M-first walk
     ],
@@ -603,6 +604,16 @@ def test_raster_rule_walks_in_bands(op, d_in, d_out, t, want):
     with jc.planner.force("det", raster="n"):  # a pin wins over the rule
         pinned = jc.plan(op, tokens=t, d_in=d_in, d_out=d_out, out_dtype=out, device=H200)
     assert pinned.raster == "n" and pinned.ffi_attributes()["raster"] == contract.RASTER_N
+
+
+@pytest.mark.parametrize("d_out, tile", [(48, (128, 64, 64)), (64, (128, 64, 64)), (192, (128, 256, 64))])
+def test_the_streaming_fwd_tile_only_where_one_covers_n(d_out, tile):
+    """The fwd 128 x 64 tile marks its x loads evict-first: kept where one N tile covers
+    d_out (x read once), left out where x would be read again for each N tile."""
+    with jc.planner.force("det"):
+        p = jc.plan("fwd", tokens=16384, d_in=4096, d_out=d_out, device=H200)
+    assert p.tile == tile, jc.explain(p)
+    assert variants.find_variant("fwd", (128, 64, 64), (1, 1), "bfloat16").streams_x
 
 
 def test_force_raster_names_a_walk():

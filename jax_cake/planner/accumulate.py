@@ -87,7 +87,7 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
             tile,
             splits=splits,
             reduction=reduction,
-            raster=choose.raster("wgrad", n),
+            raster=choose.raster("wgrad"),
             workspace_bytes=variants.workspace_bytes(splits, code, batch, m, n, "float32"),
             reason=f"gradient accumulation in the wgrad kernel, bitwise reproducible: {how}; {tile_note}",
         )

@@ -91,14 +91,15 @@ ROUTER_KERNELS_ENABLED = True
 ROUTER_XLA_MAX_EXPERTS = 16
 # The tile walk (contract's raster codes). A wave of 132 CTAs walking N first reads the
 # whole weight once the weight's rows exceed a wave (B operand 4096 x 14336 bf16: 117 MB
-# against the H200's 60 MB L2), so fwd and dgrad from this N up walk in bands of
-# _RASTER_BAND_FWD cluster rows: a wave then covers about as many A rows as B rows.
-# Measured on the H200 (jax 0.11.2, 2026-12-04, power_state, T 8192): bands of 8 beat
-# the N-first walk by 1-10 % at eight Llama shapes and tie at 4096 -> 4096, whose weight
-# fits in L2; where all N tiles fit in a band the walk is the N-first one's. wgrad walks
-# in bands of _RASTER_BAND_WGRAD (6-7 % faster than M first where d_out >= 8192, the same
-# walk where d_out <= 4096). docs/planner.md.
-_RASTER_N_MIN = 512
+# against the H200's 60 MB L2), so fwd and dgrad walk in bands of _RASTER_BAND_FWD
+# cluster rows: a wave then covers about as many A rows as B rows. Measured on the H200
+# (jax 0.11.2, 2026-12-04, power_state, T 8192): bands of 8 beat the N-first walk by 1-10 %
+# at eight Llama shapes and tie at 4096 -> 4096, whose weight fits in L2; where all N tiles
+# fit in a band the walk is the N-first one's. Walking M first instead re-reads A (x, 134 MB
+# at T 16384, d_in 4096) once per N tile: the fwd at d_out 192 / 384 (3 N tiles) took 104 /
+# 109 us M first against XLA's 45 / 74 (2026-12-05); with one N tile a band is the M-first
+# walk. wgrad walks in bands of _RASTER_BAND_WGRAD (6-7 % faster than M first where d_out
+# >= 8192, the same walk where d_out <= 4096). docs/planner.md.
 _RASTER_BAND_FWD = 8
 _RASTER_BAND_WGRAD = 16
 # A split tail cuts each tail tile into at most this many K pieces (each piece but the
@@ -190,9 +191,15 @@ def _tile_score(tile, batch: int, m: int, n: int, sm_count: int, prior: float) -
 def ranked_tiles(
     program: str, batch: int, m: int, n: int, sm_count: int, out_dtype: str | None = None
 ) -> list[tuple[tuple[int, int, int], str]]:
-    """Compiled tiles, best first: edge-and-wave utilization weighted by the tile prior."""
+    """Compiled tiles, best first: edge-and-wave utilization weighted by the tile prior.
+    A fwd tile that streams x (its loads marked L2 evict-first, variants.streams_x) is
+    left out where N needs more than one of it: each N tile would read x again, past the
+    hint (14 % slower where forced on 2026-11-30; 104 us against XLA's 45 at T 16384,
+    4096 -> 192 on 2026-12-05, with the M-first walk)."""
     ranked = []
     for tile in compiled_tiles(program, out_dtype):
+        if program == "fwd" and n > tile[1] and variants.find_variant("fwd", tile, (1, 1), "bfloat16").streams_x:
+            continue
         score, note = _tile_score(tile, batch, m, n, sm_count, _TILE_PRIOR.get(tile[:2], 0.8))
         ranked.append((score, tile, note))
     ranked.sort(key=lambda r: r[0], reverse=True)
@@ -229,16 +236,16 @@ def det_splits(tiles: int, k: int, tile_k: int, sm_count: int, fill_waves: bool 
     return best
 
 
-def raster(op: str, n: int) -> str:
-    """The tile walk (Plan.raster) of a kernel plan of op ("fwd", "dgrad", "wgrad") with
-    N = n: a forced one, else bands of _RASTER_BAND_WGRAD cluster rows for wgrad, of
-    _RASTER_BAND_FWD for fwd and dgrad from N = _RASTER_N_MIN up, M first below."""
+def raster(op: str) -> str:
+    """The tile walk (Plan.raster) of a kernel plan of op ("fwd", "dgrad", "wgrad"): a
+    forced one, else bands of _RASTER_BAND_WGRAD cluster rows for wgrad, of
+    _RASTER_BAND_FWD for fwd and dgrad."""
     pinned = forced("raster")
     if pinned is not None:
         return pinned
     if op == "wgrad":
         return f"m{_RASTER_BAND_WGRAD}"
-    return f"m{_RASTER_BAND_FWD}" if n >= _RASTER_N_MIN else "m"
+    return f"m{_RASTER_BAND_FWD}"
 
 
 def _wgrad_plan(
@@ -307,7 +314,7 @@ def _wgrad_plan(
             cluster=cluster,
             splits=splits,
             reduction=reduction,
-            raster=raster("wgrad", n),
+            raster=raster("wgrad"),
             workspace_bytes=variants.workspace_bytes(splits, contract.REDUCTIONS[reduction], batch, m, n, out_dtype),
             reason=reason + cluster_note,
         )
@@ -372,7 +379,7 @@ def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why
         tile=tile,
         splits=splits,
         reduction="split_tail",
-        raster=raster("wgrad", n),
+        raster=raster("wgrad"),
         schedule="split_tail",
         workspace_bytes=variants.workspace_bytes(
             splits, code, batch, m, n, out_dtype, tile=tile, sm_count=dev.sm_count
@@ -528,7 +535,7 @@ def plan(
         # A forced tile pins fwd/dgrad only together with a forced schedule (alone it is
         # the wgrad tile); the ping-pong tile follows in _pingpong_tile.
         tile, tile_note = tuple(forced_tile), f"{forced_tile[0]}x{forced_tile[1]} tiles (forced)"
-    walk = raster(op, n)
+    walk = raster(op)
     schedule = "tiles"
     pp_tile = _pingpong_tile(op)
     pingpong_note = pingpong_rule(op, n, k, pp_tile)
