@@ -2,6 +2,8 @@
 
 import csv
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -179,19 +181,13 @@ def test_merge_adds_a_range_for_a_new_sm_count(tmp_path):
     assert [(r["min_sms"], len(r["rows"])) for r in merged["sm_ranges"]] == [(114, 1), (132, 1)]
 
 
-def test_main_writes_the_table(tmp_path, monkeypatch):
-    from absl import flags
-
+def test_main_writes_the_table(tmp_path):
     path = tmp_path / "sm_90a.json"
     path.write_text(json.dumps(table_data()))
-    csv_path = point_6144(tmp_path)
-    if "min_gain" not in flags.FLAGS:
-        tune_tiles.define_flags()
-    flags.FLAGS([__file__, f"--csv={csv_path}", f"--table={path}", "--write"])
-    try:
-        tune_tiles.main([])
-    finally:
-        flags.FLAGS.unparse_flags()
+    cmd = [sys.executable, "-m", "jax_cake.tools.tune_tiles", f"--csv={point_6144(tmp_path)}", f"--table={path}", "--write"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "128x176 ping-pong c2x1" in done.stdout  # the verdict table
     rows = json.loads(path.read_text())["sm_ranges"][0]["rows"]
     assert rows[-1]["tile"] == [128, 176, 64]
     assert rows[-1]["source"] == "jax_cake.tools.tune_tiles from core_bench 2026-12-05 on NVIDIA H200, jax 0.11.2"
