@@ -570,7 +570,7 @@ def test_force_schedule_overrides_the_pingpong_rule():
         ("fwd", 2048, 14336, None),  # K = 2048 < _PINGPONG_WIDE_MIN_K: not measured
     ],
 )
-def test_wide_pingpong_rule_at_the_llama_shapes(op, d_in, d_out, want):
+def test_wide_pingpong_rule_at_the_llama_shapes(kernel_rules_only, op, d_in, d_out, want):
     p = jc.plan(op, tokens=8192, d_in=d_in, d_out=d_out, device=H200)
     if want is not None:
         assert (p.schedule, p.tile, p.cluster) == ("pingpong", want, (2, 1)), jc.explain(p)
