@@ -84,8 +84,9 @@ def table_data():
     }
 
 
-def verdicts(csv_path, data=None, min_gain=0.005):
-    points, header = tune_tiles.read_csvs([csv_path])
+def verdicts(csv_paths, data=None, min_gain=0.005):
+    paths = csv_paths if isinstance(csv_paths, list) else [csv_paths]
+    points, header = tune_tiles.read_csvs(paths)
     data = data or table_data()
     return [tune_tiles.decide(p, arms, tune_tiles.rule_pick(p, H200, data), min_gain) for p, arms in points.items()], header
 
@@ -145,12 +146,43 @@ def test_other_walks_and_ops_are_not_read(tmp_path):
     assert v.winner is None
 
 
-def test_two_runs_in_one_input_fail(tmp_path):
+def test_two_setups_in_one_input_fail(tmp_path):
     a = point_6144(tmp_path)
-    rows = [arm_row("fwd", 4096, "128x256x64", "2x1", "tiles", base_groups()) | {"date": "2026-12-06"}]
+    rows = [arm_row("fwd", 4096, "128x256x64", "2x1", "tiles", base_groups()) | {"jax": "0.12.0"}]
     b = write_csv(tmp_path / "b.csv", rows)
-    with pytest.raises(ValueError, match="two runs"):
+    with pytest.raises(ValueError, match="two setups"):
         tune_tiles.read_csvs([a, b])
+
+
+def test_runs_pool_their_paired_groups(tmp_path):
+    """Two runs of 4 groups each: neither reaches a verdict alone, the 8 pooled groups do."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = point_6144(tmp_path / "a", n=4)
+    base = base_groups(510.0, n=4)
+    rows = [
+        arm_row("fwd", 6144, *PICK_6144, base) | {"date": "2026-12-06"},
+        arm_row("fwd", 6144, "128x176x64", "2x1", "pingpong", scaled(base, 0.98)) | {"date": "2026-12-06"},
+    ]
+    second = write_csv(tmp_path / "b" / "core_bench.csv", rows)  # 128 x 192 not timed in this run
+    for alone in (first, second):
+        (v,), _ = verdicts(alone)
+        assert v.winner is None and "too few" in v.why
+    (v,), header = verdicts([first, second])
+    assert header["date"] == "2026-12-05, 2026-12-06"
+    assert (v.winner.tile, v.wins, v.groups) == ((128, 176, 64), 8, 8)
+    points, _ = tune_tiles.read_csvs([first, second])
+    (arms,) = points.values()
+    assert sorted(a.tile[1] for a in arms) == [160, 176]  # 192 was missing from one run
+
+
+def test_an_arm_off_xla_in_one_run_is_dropped(tmp_path):
+    (tmp_path / "a").mkdir()
+    first = point_6144(tmp_path / "a")
+    second = point_6144(tmp_path, cand_ok=False)
+    points, _ = tune_tiles.read_csvs([first, second])
+    (arms,) = points.values()
+    assert 176 not in [a.tile[1] for a in arms]
 
 
 def old_tile_row(d_out, tokens, tile):

@@ -19,6 +19,8 @@ and the fastest such variant is written as an fwd / dgrad row of program "det" w
 tile, schedule and cluster at exactly that T (jax_cake/planner/tables.py says how plan()
 reads it). A measured point where the rule's pick stays best loses any earlier tile row;
 every other row of the table stays. Points where the table runs XLA's dot are skipped.
+Several CSVs (core_bench runs on one GPU and jax version, any days) pool each point's
+paired groups, so runs too noisy for a verdict alone can reach one together.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from absl import app, flags
 
@@ -104,30 +106,40 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split("x"))
 
 
-def read_csvs(paths: Iterable[str]) -> tuple[dict[Point, list[Arm]], dict]:
+def read_csvs(paths: Sequence[str]) -> tuple[dict[Point, list[Arm]], dict]:
     """({point: timed kernel variants}, header) from core_bench CSVs. Only arms with the
-    planner's tile walk whose result matched XLA's count; header holds the gpu / sms /
-    jax / date columns where the CSVs have them (the same in every row, else an error)."""
-    points: dict[Point, list[Arm]] = {}
+    planner's tile walk whose result matched XLA's count. A point timed in several CSVs
+    (runs of one GPU and jax version) pools its paired groups, run after run, over the
+    variants timed and matching XLA in every one of those runs; header holds the gpu / sms /
+    jax columns where the CSVs have them (the same in every row, else an error) and their
+    dates."""
+    runs: dict[Point, dict[tuple, dict[int, tuple[float, ...]]]] = {}
     header: dict = {}
-    for path in paths:
+    dates: set[str] = set()
+    for index, path in enumerate(paths):
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
-                if r["op"] not in TILE_OPS or not r["tile"] or r.get("raster") or r["ok"] != "True":
+                if r["op"] not in TILE_OPS or not r["tile"] or r.get("raster"):
                     continue
-                for key in ("gpu", "sms", "jax", "date"):
-                    if r.get(key):
-                        if header.setdefault(key, r[key]) != r[key]:
-                            raise ValueError(f"{path}: rows from two runs ({key} {header[key]} and {r[key]})")
+                for key in ("gpu", "sms", "jax"):
+                    if r.get(key) and header.setdefault(key, r[key]) != r[key]:
+                        raise ValueError(f"{path}: rows of two setups ({key} {header[key]} and {r[key]})")
+                if r.get("date"):
+                    dates.add(r["date"])
                 p = Point(r["op"], int(r["T"]), int(r["d_in"]), int(r["d_out"]))
-                arm = Arm(
-                    _ints(r["tile"]),
-                    _ints(r["cluster"]),
-                    r["schedule"],
-                    float(r["us"]),
-                    tuple(float(g) for g in r["groups_us"].split()),
-                )
-                points.setdefault(p, []).append(arm)
+                variant = (_ints(r["tile"]), _ints(r["cluster"]), r["schedule"])
+                groups = tuple(float(g) for g in r["groups_us"].split()) if r["ok"] == "True" else ()
+                runs.setdefault(p, {}).setdefault(variant, {})[index] = groups
+    if dates:
+        header["date"] = ", ".join(sorted(dates))
+    points: dict[Point, list[Arm]] = {}
+    for p, variants in runs.items():
+        files = sorted({i for by_file in variants.values() for i in by_file})
+        for (tile, cluster, schedule), by_file in variants.items():
+            if sorted(by_file) != files or not all(by_file.values()):
+                continue  # missing from a run, or off XLA's result there: no pairing
+            pooled = tuple(g for i in files for g in by_file[i])
+            points.setdefault(p, []).append(Arm(tile, cluster, schedule, statistics.median(pooled), pooled))
     return points, header
 
 
