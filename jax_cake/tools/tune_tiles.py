@@ -151,19 +151,13 @@ def without_tile_rows(data: Mapping) -> dict:
     }
 
 
-def rule_pick(point: Point, device, table_data: Mapping | None) -> tuple | None:
-    """(tile, cluster, schedule) plan() runs at `point` on `device` without tile rows, or
-    None where it runs XLA's dot (an xla row, or no kernel)."""
+def rule_pick(point: Point, device, table_data: Mapping) -> tuple | None:
+    """(tile, cluster, schedule) plan() runs at `point` on `device` under `table_data`
+    without its tile rows, or None where it runs XLA's dot (an xla row, or no kernel)."""
     from jax_cake import planner
 
-    def plan():
-        return planner.plan(point.op, tokens=point.tokens, d_in=point.d_in, d_out=point.d_out, device=device)
-
-    if table_data is None:
-        p = plan()
-    else:
-        with tables.use_table(tables.parse(without_tile_rows(table_data))):
-            p = plan()
+    with tables.use_table(tables.parse(without_tile_rows(table_data))):
+        p = planner.plan(point.op, tokens=point.tokens, d_in=point.d_in, d_out=point.d_out, device=device)
     if p.backend == "xla":
         return None
     return tuple(p.tile), tuple(p.cluster), p.schedule
