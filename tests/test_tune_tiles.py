@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from jax_cake.planner import tables
 from jax_cake.tools import core_bench, tune_tiles
 from helpers import H200
 
@@ -88,7 +89,8 @@ def verdicts(csv_paths, data=None, min_gain=0.005):
     paths = csv_paths if isinstance(csv_paths, list) else [csv_paths]
     points, header = tune_tiles.read_csvs(paths)
     data = data or table_data()
-    return [tune_tiles.decide(p, arms, tune_tiles.rule_pick(p, H200, data), min_gain) for p, arms in points.items()], header
+    rule_table = tables.parse(tune_tiles.without_tile_rows(data))
+    return [tune_tiles.decide(p, arms, tune_tiles.rule_pick(p, H200, rule_table), min_gain) for p, arms in points.items()], header
 
 
 def test_a_variant_faster_in_every_group_gets_a_row(tmp_path):
@@ -123,10 +125,11 @@ def test_rule_pick_is_what_plan_runs_without_tile_rows():
         {"op": "fwd", "d_in": 4096, "d_out": 6144, "out": "bfloat16", "min_tokens": 8192, "max_tokens": 8192,
          "program": "det", "tile": [128, 208, 64], "schedule": "pingpong", "cluster": [2, 1], "source": "old"}
     )
-    pick = tune_tiles.rule_pick(tune_tiles.Point("fwd", 8192, 4096, 6144), H200, data)
+    rule_table = tables.parse(tune_tiles.without_tile_rows(data))
+    pick = tune_tiles.rule_pick(tune_tiles.Point("fwd", 8192, 4096, 6144), H200, rule_table)
     assert pick == ((128, 160, 64), (2, 1), "pingpong")
     # An xla row sends the point to XLA's dot: nothing to tune there.
-    assert tune_tiles.rule_pick(tune_tiles.Point("fwd", 8192, 4096, 192), H200, data) is None
+    assert tune_tiles.rule_pick(tune_tiles.Point("fwd", 8192, 4096, 192), H200, rule_table) is None
 
 
 def test_the_pick_must_have_been_timed(tmp_path):
@@ -227,7 +230,6 @@ def test_main_writes_the_table(tmp_path):
 
 def test_plan_runs_the_written_row(tmp_path):
     from jax_cake import planner
-    from jax_cake.planner import tables
 
     (v,), _ = verdicts(point_6144(tmp_path))
     merged = tune_tiles.merge_rows(table_data(), 132, [v], "src")

@@ -193,16 +193,17 @@ def run(
     groups: int,
     steps: int,
     flush_mb: int,
-    timer_kind: str | None,
+    timer_kind: str,
+    header: dict,
     rasters: Sequence[str] = (),
     only: str = "",
 ) -> list[dict]:
+    """Times every case's arms; each CSV row carries header's gpu / sms / jax / date
+    (bench.device_header of the run)."""
     import jax
 
     from jax_cake.tools import bench
 
-    timer_kind = timer_kind or bench.default_timer()
-    h = bench.device_header(timer_kind)
     rows = []
     for op, t, d_in, d_out in cases(tokens, pairs):
         t0 = time.time()
@@ -235,7 +236,7 @@ def run(
                     "max_err_rel": f"{errs[a.name]:.3g}",
                     "ok": errs[a.name] <= REL_TOL,
                     "groups_us": " ".join(f"{g:.2f}" for g in groups_us[a.bench_arm] if g is not None),
-                    **{key: h[key] for key in ("gpu", "sms", "jax", "date")},
+                    **{key: header[key] for key in ("gpu", "sms", "jax", "date")},
                 }
             )
         print(f"{op} T={t} {d_in}->{d_out}: {len(arms)} arms in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -273,11 +274,11 @@ def main(argv):
     if FLAGS.groups * FLAGS.steps < 15 and FLAGS.timer != "wall" and not FLAGS.allow_few_reps:
         raise app.UsageError("--groups x --steps must be >= 15 (or pass --allow_few_reps)")
     timer_kind = FLAGS.timer or bench.default_timer()
+    h = bench.device_header(timer_kind)
     t0 = time.time()
     rows = run(
-        FLAGS.out, FLAGS.tokens, pairs, FLAGS.groups, FLAGS.steps, FLAGS.flush_mb, timer_kind, FLAGS.rasters, FLAGS.only
+        FLAGS.out, FLAGS.tokens, pairs, FLAGS.groups, FLAGS.steps, FLAGS.flush_mb, timer_kind, h, FLAGS.rasters, FLAGS.only
     )
-    h = bench.device_header(timer_kind)
     header = (
         f"core_bench: {h['gpu']}, {h['sms']} SMs, driver {h['driver']}, jax {h['jax']}, {h['date']}, {h['timer']}, "
         f"{FLAGS.groups} groups x {FLAGS.steps} steps, L2 flush {FLAGS.flush_mb} MiB, {time.time() - t0:.0f} s"

@@ -151,12 +151,13 @@ def without_tile_rows(data: Mapping) -> dict:
     }
 
 
-def rule_pick(point: Point, device, table_data: Mapping) -> tuple | None:
-    """(tile, cluster, schedule) plan() runs at `point` on `device` under `table_data`
-    without its tile rows, or None where it runs XLA's dot (an xla row, or no kernel)."""
+def rule_pick(point: Point, device, rule_table: tables.Table) -> tuple | None:
+    """(tile, cluster, schedule) plan() runs at `point` on `device` under `rule_table` (a
+    table without tile rows: without_tile_rows), or None where it runs XLA's dot (an xla
+    row, or no kernel)."""
     from jax_cake import planner
 
-    with tables.use_table(tables.parse(without_tile_rows(table_data))):
+    with tables.use_table(rule_table):
         p = planner.plan(point.op, tokens=point.tokens, d_in=point.d_in, d_out=point.d_out, device=device)
     if p.backend == "xla":
         return None
@@ -249,8 +250,9 @@ def main(argv):
     device = device_lib.DeviceInfo("cuda", f"NVIDIA {gpu}", FLAGS.arch, sms)
     path = Path(FLAGS.table or TABLE_DIR / f"{FLAGS.arch}.json")
     data = json.loads(path.read_text()) if path.exists() else {"arch": FLAGS.arch, "source": "", "sm_ranges": []}
+    rule_table = tables.parse(without_tile_rows(data))
     verdicts = [
-        decide(p, arms, rule_pick(p, device, data), FLAGS.min_gain)
+        decide(p, arms, rule_pick(p, device, rule_table), FLAGS.min_gain)
         for p, arms in sorted(points.items(), key=lambda kv: dataclasses.astuple(kv[0]))
     ]
     measured = f"{header['date']} on NVIDIA {gpu}, jax {header['jax']}" if header.get("date") else FLAGS.measured
