@@ -330,3 +330,27 @@ def test_the_row_reaches_the_custom_call():
     (dgrad,) = custom_call_lines(text, "jax_cake_dgrad")  # no dgrad row: the rule's 128x256
     assert "tile_n = 256 : i64" in dgrad
 
+
+def test_shipped_tile_rows_name_compiled_variants_and_plan_them():
+    """Every tile row of the shipped tables names a variant the library holds, and the
+    shipped table's planner runs it at the row's point (the rule's pick elsewhere)."""
+    import json
+    from pathlib import Path
+
+    shipped = Path(tables.__file__).parent / "tables"
+    checked = 0
+    for path in sorted(shipped.glob("*.json")):
+        for rng in json.loads(path.read_text())["sm_ranges"]:
+            for row in filter(tables.is_tile_row, rng["rows"]):
+                tile, cluster = tuple(row["tile"]), tuple(row["cluster"])
+                assert variants.supports(
+                    row["op"], tile, cluster, "bfloat16", 1, contract.REDUCTION_NONE, schedule=row["schedule"]
+                ), row
+                if path.stem != "sm_90a":
+                    continue
+                shape = dict(d_in=row["d_in"], d_out=row["d_out"])
+                p = plan_at(row["op"], row["min_tokens"], shape)
+                assert variant_of(p) == (tile, row["schedule"], cluster), jc.explain(p)
+                assert "measured this variant fastest" in p.reason
+                checked += 1
+    assert checked  # the sm_90a table's fwd 4096 -> 6144 row at T 8192

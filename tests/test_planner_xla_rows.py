@@ -193,8 +193,8 @@ def test_shipped_xla_rows_meet_the_accuracy_contract():
 def test_shipped_sm90a_keeps_the_kernel_for_fp32_dw_and_xla_for_its_rows():
     """The FP32-wgrad xla rows without a measured error within the contract left the sm_90a
     table (into its dropped list, which the planner does not read): the H200 plans its
-    kernel there under both `deterministic`. The xla rows (BF16 forwards, and FP32 wgrads
-    re-measured within 1e-5) send their points to XLA."""
+    kernel there under both `deterministic`. The xla rows (BF16 forwards and input
+    gradients, and FP32 wgrads re-measured within 1e-5) send their points to XLA."""
     ((_, rng),) = [(n, r) for n, r in _shipped() if n == "sm_90a.json"]
     dropped = rng["dropped"]
     assert {(d["op"], d["out"], d["program"]) for d in dropped} == {("wgrad", "float32", "xla")}
@@ -205,7 +205,7 @@ def test_shipped_sm90a_keeps_the_kernel_for_fp32_dw_and_xla_for_its_rows():
             p = plan_at("wgrad", d["tokens"], d_in=d["d_in"], d_out=d["d_out"], out="float32", deterministic=deterministic)
             assert p.uses_kernel, jc.explain(p)
     rows = [r for r in rng["rows"] if r["program"] == "xla"]
-    assert {(r["op"], r["out"]) for r in rows} == {("fwd", "bfloat16"), ("wgrad", "float32")}
+    assert {(r["op"], r["out"]) for r in rows} == {("fwd", "bfloat16"), ("dgrad", "bfloat16"), ("wgrad", "float32")}
     for r in rows:
         if r["op"] == "wgrad":
             assert r["rel_err"] is not None and r["rel_err"] < r["rel_err_max"] == 1e-5, r
