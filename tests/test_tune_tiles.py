@@ -23,7 +23,7 @@ def arm_row(op, d_out, tile, cluster, schedule, groups, *, d_in=4096, ok=True, r
         "T": 8192,
         "d_in": d_in,
         "d_out": d_out,
-        "arm": f"{tile}_{schedule}",
+        "arm": f"{tile}_{schedule}" if tile else "xla",
         "tile": tile,
         "cluster": cluster,
         "schedule": schedule,
@@ -77,8 +77,17 @@ def table_data():
                 "min_sms": 132,
                 "max_sms": 132,
                 "rows": [
-                    {"op": "fwd", "d_in": 4096, "d_out": 192, "out": "bfloat16", "min_tokens": 8192,
-                     "max_tokens": 8192, "program": "xla", "ratio": 0.7, "source": "test"},
+                    {
+                        "op": "fwd",
+                        "d_in": 4096,
+                        "d_out": 192,
+                        "out": "bfloat16",
+                        "min_tokens": 8192,
+                        "max_tokens": 8192,
+                        "program": "xla",
+                        "ratio": 0.7,
+                        "source": "test",
+                    },
                 ],
             }
         ],
@@ -90,7 +99,9 @@ def verdicts(csv_paths, data=None, min_gain=0.005):
     points, header = tune_tiles.read_csvs(paths)
     data = data or table_data()
     rule_table = tables.parse(tune_tiles.without_tile_rows(data))
-    return [tune_tiles.decide(p, arms, tune_tiles.rule_pick(p, H200, rule_table), min_gain) for p, arms in points.items()], header
+    return [
+        tune_tiles.decide(p, arms, tune_tiles.rule_pick(p, H200, rule_table), min_gain) for p, arms in points.items()
+    ], header
 
 
 def test_a_variant_faster_in_every_group_gets_a_row(tmp_path):
@@ -100,7 +111,13 @@ def test_a_variant_faster_in_every_group_gets_a_row(tmp_path):
     assert (v.wins, v.groups) == (6, 6)
     row = v.row("src")
     assert row["tile"] == [128, 176, 64] and row["schedule"] == "pingpong" and row["cluster"] == [2, 1]
-    assert (row["op"], row["d_in"], row["d_out"], row["min_tokens"], row["max_tokens"]) == ("fwd", 4096, 6144, 8192, 8192)
+    assert (row["op"], row["d_in"], row["d_out"], row["min_tokens"], row["max_tokens"]) == (
+        "fwd",
+        4096,
+        6144,
+        8192,
+        8192,
+    )
     assert row["program"] == "det" and row["ratio"] == pytest.approx(1 / 0.98, abs=1e-3)
     assert "6/6" in row["evidence"]
 
@@ -122,8 +139,19 @@ def test_no_row_without_a_clear_win(tmp_path, kwargs, why):
 def test_rule_pick_is_what_plan_runs_without_tile_rows():
     data = table_data()
     data["sm_ranges"][0]["rows"].append(
-        {"op": "fwd", "d_in": 4096, "d_out": 6144, "out": "bfloat16", "min_tokens": 8192, "max_tokens": 8192,
-         "program": "det", "tile": [128, 208, 64], "schedule": "pingpong", "cluster": [2, 1], "source": "old"}
+        {
+            "op": "fwd",
+            "d_in": 4096,
+            "d_out": 6144,
+            "out": "bfloat16",
+            "min_tokens": 8192,
+            "max_tokens": 8192,
+            "program": "det",
+            "tile": [128, 208, 64],
+            "schedule": "pingpong",
+            "cluster": [2, 1],
+            "source": "old",
+        }
     )
     rule_table = tables.parse(tune_tiles.without_tile_rows(data))
     pick = tune_tiles.rule_pick(tune_tiles.Point("fwd", 8192, 4096, 6144), H200, rule_table)
@@ -188,9 +216,43 @@ def test_an_arm_off_xla_in_one_run_is_dropped(tmp_path):
     assert 176 not in [a.tile[1] for a in arms]
 
 
+def test_xla_is_read_beside_the_variants_and_pools_the_same_way(tmp_path):
+    (tmp_path / "a").mkdir()
+    first, second = point_6144(tmp_path / "a"), point_6144(tmp_path, cand_ratio=0.99)
+    points, _ = tune_tiles.read_csvs([first, second])
+    assert all(a.schedule != "xla" for arms in points.values() for a in arms)  # never a candidate
+    (p,) = points
+    x = tune_tiles.read_xla([first, second])[p]
+    assert x.groups_us == pytest.approx(scaled(base_groups(), 0.97) * 2, abs=0.01)  # run after run, like the arms'
+    assert len(x.groups_us) == len(points[p][0].groups_us)
+
+
+def test_report_says_where_xla_still_wins_and_by_how_much(tmp_path):
+    path = point_6144(tmp_path)  # XLA at 0.97 of the pick's time, the 128 x 176 winner at 0.98
+    (v,), _ = verdicts(path)
+    text = tune_tiles.report([v], tune_tiles.read_xla([path]))
+    header, _, row = text.splitlines()[:3]
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")]))
+    # Against the program the table runs after the tune (the winner), not the rule's pick.
+    assert cells["XLA / table's program"] == f"{0.97 / 0.98:.3f}"
+    assert cells["XLA faster in"] == "6/6"
+    assert "XLA us" not in tune_tiles.report([v])  # without XLA's arm, the verdict columns only
+
+
 def old_tile_row(d_out, tokens, tile):
-    return {"op": "fwd", "d_in": 4096, "d_out": d_out, "out": "bfloat16", "min_tokens": tokens, "max_tokens": tokens,
-            "program": "det", "tile": tile, "schedule": "pingpong", "cluster": [2, 1], "source": "old"}
+    return {
+        "op": "fwd",
+        "d_in": 4096,
+        "d_out": d_out,
+        "out": "bfloat16",
+        "min_tokens": tokens,
+        "max_tokens": tokens,
+        "program": "det",
+        "tile": tile,
+        "schedule": "pingpong",
+        "cluster": [2, 1],
+        "source": "old",
+    }
 
 
 def test_merge_replaces_measured_tile_rows_only(tmp_path):
@@ -219,7 +281,14 @@ def test_merge_adds_a_range_for_a_new_sm_count(tmp_path):
 def test_main_writes_the_table(tmp_path):
     path = tmp_path / "sm_90a.json"
     path.write_text(json.dumps(table_data()))
-    cmd = [sys.executable, "-m", "jax_cake.tools.tune_tiles", f"--csv={point_6144(tmp_path)}", f"--table={path}", "--write"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jax_cake.tools.tune_tiles",
+        f"--csv={point_6144(tmp_path)}",
+        f"--table={path}",
+        "--write",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "128x176 ping-pong c2x1" in done.stdout  # the verdict table

@@ -13,14 +13,16 @@ there without tile rows (the rule's pick, planned for the CSV's GPU on this mach
 GPU needed). A variant earns a tile row where
 - its result matched XLA's (core_bench's `ok`), with the planner's own tile walk;
 - it ran faster than the rule's pick in enough of the paired groups that a one-sided
-  sign test gives p < 0.05 (every group, with 5 or more groups);
+  sign test gives p < 0.05 (at least 5 groups: every one of 5 or 6, 7 of 8, 10 of 12);
 - its median time is at least `--min_gain` below the pick's;
 and the fastest such variant is written as an fwd / dgrad row of program "det" with its
 tile, schedule and cluster at exactly that T (jax_cake/planner/tables.py says how plan()
 reads it). A measured point where the rule's pick stays best loses any earlier tile row;
 every other row of the table stays. Points where the table runs XLA's dot are skipped.
 Several CSVs (core_bench runs on one GPU and jax version, any days) pool each point's
-paired groups, so runs too noisy for a verdict alone can reach one together.
+paired groups, so runs too noisy for a verdict alone can reach one together. The printed
+table also gives, per point, XLA's time over that of the program the table runs after the
+tune, and in how many paired groups XLA was faster: where XLA still wins, and by how much.
 """
 
 from __future__ import annotations
@@ -106,20 +108,21 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split("x"))
 
 
-def read_csvs(paths: Sequence[str]) -> tuple[dict[Point, list[Arm]], dict]:
-    """({point: timed kernel variants}, header) from core_bench CSVs. Only arms with the
-    planner's tile walk whose result matched XLA's count. A point timed in several CSVs
-    (runs of one GPU and jax version) pools its paired groups, run after run, over the
-    variants timed and matching XLA in every one of those runs; header holds the gpu / sms /
-    jax columns where the CSVs have them (the same in every row, else an error) and their
-    dates."""
+XLA = ((), (), "xla")  # the variant key of core_bench's XLA arm
+
+
+def _timed(paths: Sequence[str]) -> tuple[dict[Point, dict[tuple, dict[int, tuple[float, ...]]]], dict]:
+    """({point: {variant: {run index: paired groups}}}, header) from core_bench CSVs: fwd /
+    dgrad rows with the planner's tile walk, XLA's under the key XLA; an arm whose result
+    missed XLA's has no groups. header holds the gpu / sms / jax columns where the CSVs have
+    them (the same in every row, else an error) and their dates."""
     runs: dict[Point, dict[tuple, dict[int, tuple[float, ...]]]] = {}
     header: dict = {}
     dates: set[str] = set()
     for index, path in enumerate(paths):
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
-                if r["op"] not in TILE_OPS or not r["tile"] or r.get("raster"):
+                if r["op"] not in TILE_OPS or r.get("raster") or not (r["tile"] or r["arm"] == "xla"):
                     continue
                 for key in ("gpu", "sms", "jax"):
                     if r.get(key) and header.setdefault(key, r[key]) != r[key]:
@@ -127,11 +130,17 @@ def read_csvs(paths: Sequence[str]) -> tuple[dict[Point, list[Arm]], dict]:
                 if r.get("date"):
                     dates.add(r["date"])
                 p = Point(r["op"], int(r["T"]), int(r["d_in"]), int(r["d_out"]))
-                variant = (_ints(r["tile"]), _ints(r["cluster"]), r["schedule"])
+                variant = (_ints(r["tile"]), _ints(r["cluster"]), r["schedule"]) if r["tile"] else XLA
                 groups = tuple(float(g) for g in r["groups_us"].split()) if r["ok"] == "True" else ()
                 runs.setdefault(p, {}).setdefault(variant, {})[index] = groups
     if dates:
         header["date"] = ", ".join(sorted(dates))
+    return runs, header
+
+
+def _pooled(runs: Mapping[Point, Mapping[tuple, Mapping[int, tuple[float, ...]]]]) -> dict[Point, list[Arm]]:
+    """Each point's arms timed (and matching XLA) in every run of it, their groups pooled run
+    after run, so that the k-th group of one arm pairs with the k-th of every other."""
     points: dict[Point, list[Arm]] = {}
     for p, variants in runs.items():
         files = sorted({i for by_file in variants.values() for i in by_file})
@@ -140,14 +149,33 @@ def read_csvs(paths: Sequence[str]) -> tuple[dict[Point, list[Arm]], dict]:
                 continue  # missing from a run, or off XLA's result there: no pairing
             pooled = tuple(g for i in files for g in by_file[i])
             points.setdefault(p, []).append(Arm(tile, cluster, schedule, statistics.median(pooled), pooled))
-    return points, header
+    return points
+
+
+def read_csvs(paths: Sequence[str]) -> tuple[dict[Point, list[Arm]], dict]:
+    """({point: timed kernel variants}, header) from core_bench CSVs. Only arms with the
+    planner's tile walk whose result matched XLA's count. A point timed in several CSVs
+    (runs of one GPU and jax version) pools its paired groups, run after run, over the
+    variants timed and matching XLA in every one of those runs; header: see _timed."""
+    runs, header = _timed(paths)
+    kernels = {p: {v: g for v, g in variants.items() if v != XLA} for p, variants in runs.items()}
+    return _pooled(kernels), header
+
+
+def read_xla(paths: Sequence[str]) -> dict[Point, Arm]:
+    """{point: XLA's arm} from the same CSVs where every run of the point timed it, its
+    groups pooled run after run like read_csvs' arms, so that they pair with theirs."""
+    runs, _ = _timed(paths)
+    return {p: a for p, arms in _pooled(runs).items() for a in arms if (a.tile, a.cluster, a.schedule) == XLA}
 
 
 def without_tile_rows(data: Mapping) -> dict:
     """The table JSON with its tile rows removed: what plan() reads for the rule's pick."""
     return {
         **data,
-        "sm_ranges": [{**r, "rows": [row for row in r["rows"] if not tables.is_tile_row(row)]} for r in data["sm_ranges"]],
+        "sm_ranges": [
+            {**r, "rows": [row for row in r["rows"] if not tables.is_tile_row(row)]} for r in data["sm_ranges"]
+        ],
     }
 
 
@@ -216,25 +244,37 @@ def merge_rows(data: Mapping, sms: int, verdicts: Sequence[Verdict], source: str
     return {**data, "sm_ranges": ranges}
 
 
-def report(verdicts: Sequence[Verdict]) -> str:
+def report(verdicts: Sequence[Verdict], xla: Mapping[Point, Arm] | None = None) -> str:
+    """The verdicts as a markdown table; with `xla` (read_xla), XLA's time over the time of
+    the program the table runs after the tune (the winner, else the rule's pick) and in how
+    many paired groups XLA ran faster: where XLA still wins, and by how much."""
+    xla = xla or {}
     cols = ("op", "T", "d_in", "d_out", "rule's pick", "pick us", "fastest variant", "its us", "gain", "row")
+    cols += ("XLA us", "XLA / table's program", "XLA faster in") if xla else ()
     lines = []
     for v in verdicts:
         p, base, w = v.point, v.pick, v.winner
-        lines.append(
-            [
-                p.op,
-                str(p.tokens),
-                str(p.d_in),
-                str(p.d_out),
-                base.name if base else "-",
-                f"{base.us:.1f}" if base else "-",
-                w.name if w else "-",
-                f"{w.us:.1f}" if w else "-",
-                f"{base.us / w.us - 1:+.1%}" if w else "-",
-                "tile row" if w else v.why,
-            ]
-        )
+        line = [
+            p.op,
+            str(p.tokens),
+            str(p.d_in),
+            str(p.d_out),
+            base.name if base else "-",
+            f"{base.us:.1f}" if base else "-",
+            w.name if w else "-",
+            f"{w.us:.1f}" if w else "-",
+            f"{base.us / w.us - 1:+.1%}" if w else "-",
+            "tile row" if w else v.why,
+        ]
+        if xla:
+            x, run = xla.get(p), w or base
+            if x is None or run is None:
+                line += ["-", "-", "-"]
+            else:
+                paired = len(x.groups_us) == len(run.groups_us)
+                faster = sum(a < b for a, b in zip(x.groups_us, run.groups_us))
+                line += [f"{x.us:.1f}", f"{x.us / run.us:.3f}", f"{faster}/{len(x.groups_us)}" if paired else "-"]
+        lines.append(line)
     return "\n".join(md.table(cols, lines)) + "\n"
 
 
@@ -259,7 +299,7 @@ def main(argv):
     if not measured:
         raise app.UsageError("--measured: the CSVs carry no date / jax columns; say when and where they were measured")
     source = f"jax_cake.tools.tune_tiles from core_bench {measured}"
-    print(report(verdicts))
+    print(report(verdicts, read_xla(FLAGS.csv)))
     text = json.dumps(merge_rows(data, sms, verdicts, source), indent=1) + "\n"
     if FLAGS.write:
         path.write_text(text)
