@@ -96,7 +96,7 @@ def table_data():
 
 def verdicts(csv_paths, data=None, min_gain=0.005):
     paths = csv_paths if isinstance(csv_paths, list) else [csv_paths]
-    points, header = tune_tiles.read_csvs(paths)
+    points, _, header = tune_tiles.read_csvs(paths)
     data = data or table_data()
     rule_table = tables.parse(tune_tiles.without_tile_rows(data))
     return [
@@ -202,7 +202,7 @@ def test_runs_pool_their_paired_groups(tmp_path):
     (v,), header = verdicts([first, second])
     assert header["date"] == "2026-12-05, 2026-12-06"
     assert (v.winner.tile, v.wins, v.groups) == ((128, 176, 64), 8, 8)
-    points, _ = tune_tiles.read_csvs([first, second])
+    points, _, _ = tune_tiles.read_csvs([first, second])
     (arms,) = points.values()
     assert sorted(a.tile[1] for a in arms) == [160, 176]  # 192 was missing from one run
 
@@ -211,7 +211,7 @@ def test_an_arm_off_xla_in_one_run_is_dropped(tmp_path):
     (tmp_path / "a").mkdir()
     first = point_6144(tmp_path / "a")
     second = point_6144(tmp_path, cand_ok=False)
-    points, _ = tune_tiles.read_csvs([first, second])
+    points, _, _ = tune_tiles.read_csvs([first, second])
     (arms,) = points.values()
     assert 176 not in [a.tile[1] for a in arms]
 
@@ -219,10 +219,10 @@ def test_an_arm_off_xla_in_one_run_is_dropped(tmp_path):
 def test_xla_is_read_beside_the_variants_and_pools_the_same_way(tmp_path):
     (tmp_path / "a").mkdir()
     first, second = point_6144(tmp_path / "a"), point_6144(tmp_path, cand_ratio=0.99)
-    points, _ = tune_tiles.read_csvs([first, second])
+    points, xla, _ = tune_tiles.read_csvs([first, second])
     assert all(a.schedule != "xla" for arms in points.values() for a in arms)  # never a candidate
     (p,) = points
-    x = tune_tiles.read_xla([first, second])[p]
+    x = xla[p]
     assert x.groups_us == pytest.approx(scaled(base_groups(), 0.97) * 2, abs=0.01)  # run after run, like the arms'
     assert len(x.groups_us) == len(points[p][0].groups_us)
 
@@ -230,7 +230,7 @@ def test_xla_is_read_beside_the_variants_and_pools_the_same_way(tmp_path):
 def test_report_says_where_xla_still_wins_and_by_how_much(tmp_path):
     path = point_6144(tmp_path)  # XLA at 0.97 of the pick's time, the 128 x 176 winner at 0.98
     (v,), _ = verdicts(path)
-    text = tune_tiles.report([v], tune_tiles.read_xla([path]))
+    text = tune_tiles.report([v], tune_tiles.read_csvs([path])[1])
     header, _, row = text.splitlines()[:3]
     cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")]))
     # Against the program the table runs after the tune (the winner), not the rule's pick.

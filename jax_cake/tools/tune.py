@@ -651,8 +651,9 @@ def build_table(
     dropped: Sequence[dict] = (),
 ) -> dict:
     """The table JSON: `existing` with its range for exactly `sms` SMs replaced by `rows`
-    (its tile rows, which tune_tiles writes, kept after them); with `measured` ((row_key, T) pairs), that range's rows this run did not measure (other
-    keys, or token counts the run did not time) stay, first. `dropped` (Dropped.record of
+    (its tile rows, which tune_tiles writes, kept after them); with `measured` ((row_key,
+    T) pairs), that range's rows this run did not measure (other keys, or token counts the
+    run did not time) stay, first. `dropped` (Dropped.record of
     the arms the accuracy contract dropped) goes into the range's "dropped" list, a note the
     planner does not read; with `measured`, earlier notes this run did not measure stay too."""
     ranges = [r for r in (existing or {}).get("sm_ranges", []) if (r["min_sms"], r.get("max_sms")) != (sms, sms)]

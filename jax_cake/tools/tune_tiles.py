@@ -138,35 +138,36 @@ def _timed(paths: Sequence[str]) -> tuple[dict[Point, dict[tuple, dict[int, tupl
     return runs, header
 
 
-def _pooled(runs: Mapping[Point, Mapping[tuple, Mapping[int, tuple[float, ...]]]]) -> dict[Point, list[Arm]]:
+def _pooled(
+    runs: Mapping[Point, Mapping[tuple, Mapping[int, tuple[float, ...]]]], only: tuple | None = None
+) -> dict[Point, list[Arm]]:
     """Each point's arms timed (and matching XLA) in every run of it, their groups pooled run
-    after run, so that the k-th group of one arm pairs with the k-th of every other."""
+    after run, so that the k-th group of one arm pairs with the k-th of every other. only:
+    the one variant key to make arms of (the runs of a point still counted over all)."""
     points: dict[Point, list[Arm]] = {}
     for p, variants in runs.items():
         files = sorted({i for by_file in variants.values() for i in by_file})
-        for (tile, cluster, schedule), by_file in variants.items():
+        for variant, by_file in variants.items():
+            if only is not None and variant != only:
+                continue
             if sorted(by_file) != files or not all(by_file.values()):
                 continue  # missing from a run, or off XLA's result there: no pairing
             pooled = tuple(g for i in files for g in by_file[i])
-            points.setdefault(p, []).append(Arm(tile, cluster, schedule, statistics.median(pooled), pooled))
+            points.setdefault(p, []).append(Arm(*variant, statistics.median(pooled), pooled))
     return points
 
 
-def read_csvs(paths: Sequence[str]) -> tuple[dict[Point, list[Arm]], dict]:
-    """({point: timed kernel variants}, header) from core_bench CSVs. Only arms with the
-    planner's tile walk whose result matched XLA's count. A point timed in several CSVs
-    (runs of one GPU and jax version) pools its paired groups, run after run, over the
-    variants timed and matching XLA in every one of those runs; header: see _timed."""
+def read_csvs(paths: Sequence[str]) -> tuple[dict[Point, list[Arm]], dict[Point, Arm], dict]:
+    """({point: timed kernel variants}, {point: XLA's arm}, header) from core_bench CSVs.
+    Only arms with the planner's tile walk whose result matched XLA's count. A point timed
+    in several CSVs (runs of one GPU and jax version) pools its paired groups, run after
+    run, over the variants timed and matching XLA in every one of those runs; XLA's arm
+    where every run of the point timed it, pooled the same way, so that its groups pair
+    with theirs. header: see _timed."""
     runs, header = _timed(paths)
     kernels = {p: {v: g for v, g in variants.items() if v != XLA} for p, variants in runs.items()}
-    return _pooled(kernels), header
-
-
-def read_xla(paths: Sequence[str]) -> dict[Point, Arm]:
-    """{point: XLA's arm} from the same CSVs where every run of the point timed it, its
-    groups pooled run after run like read_csvs' arms, so that they pair with theirs."""
-    runs, _ = _timed(paths)
-    return {p: a for p, arms in _pooled(runs).items() for a in arms if (a.tile, a.cluster, a.schedule) == XLA}
+    xla = {p: arm for p, (arm,) in _pooled(runs, only=XLA).items()}
+    return _pooled(kernels), xla, header
 
 
 def without_tile_rows(data: Mapping) -> dict:
@@ -245,7 +246,7 @@ def merge_rows(data: Mapping, sms: int, verdicts: Sequence[Verdict], source: str
 
 
 def report(verdicts: Sequence[Verdict], xla: Mapping[Point, Arm] | None = None) -> str:
-    """The verdicts as a markdown table; with `xla` (read_xla), XLA's time over the time of
+    """The verdicts as a markdown table; with `xla` (read_csvs), XLA's time over the time of
     the program the table runs after the tune (the winner, else the rule's pick) and in how
     many paired groups XLA ran faster: where XLA still wins, and by how much."""
     xla = xla or {}
@@ -282,7 +283,7 @@ def main(argv):
     del argv
     from jax_cake.planner import device as device_lib
 
-    points, header = read_csvs(FLAGS.csv)
+    points, xla, header = read_csvs(FLAGS.csv)
     if not points:
         raise app.UsageError(f"--csv: no timed fwd/dgrad variants in {', '.join(FLAGS.csv)}")
     sms = int(header.get("sms") or FLAGS.sm_count)
@@ -299,7 +300,7 @@ def main(argv):
     if not measured:
         raise app.UsageError("--measured: the CSVs carry no date / jax columns; say when and where they were measured")
     source = f"jax_cake.tools.tune_tiles from core_bench {measured}"
-    print(report(verdicts, read_xla(FLAGS.csv)))
+    print(report(verdicts, xla))
     text = json.dumps(merge_rows(data, sms, verdicts, source), indent=1) + "\n"
     if FLAGS.write:
         path.write_text(text)
