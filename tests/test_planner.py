@@ -11,7 +11,7 @@ import jax_cake as jc
 from jax_cake import contract
 from jax_cake.planner import DeviceInfo, tables, variants
 from jax_cake.planner.device import from_jax_device
-from jax_cake.planner.choose import compiled_tiles
+from jax_cake.planner.choose import compiled_tiles, tail_splits
 from jax_cake.planner.variants import split_tail_slots
 from helpers import H200, faked_device
 
@@ -427,14 +427,12 @@ def test_compute_bound_wgrad_fills_its_waves(d_in, d_out, out, tile, splits, red
 
 
 def test_split_tail_pieces_and_workspace():
-    from jax_cake.planner.choose import _tail_splits
-
     # (splits, tail time in whole-tile times) for the last partial wave
-    assert _tail_splits(160, 132, 256) == (4, 0.25)  # 28 tail tiles -> 112 pieces, one wave
-    assert _tail_splits(320, 132, 256) == (2, 0.5)  # 56 -> 112 pieces (4 pieces: two waves, no better)
-    assert _tail_splits(264, 132, 256) == (1, 0.0)  # no tail
-    assert _tail_splits(100, 132, 256) == (1, 1.0)  # 2-4 pieces of 100 tiles: no faster
-    assert _tail_splits(160, 132, 16) == (2, 0.5)  # pieces keep >= 8 K tiles
+    assert tail_splits(160, 132, 256) == (4, 0.25)  # 28 tail tiles -> 112 pieces, one wave
+    assert tail_splits(320, 132, 256) == (2, 0.5)  # 56 -> 112 pieces (4 pieces: two waves, no better)
+    assert tail_splits(264, 132, 256) == (1, 0.0)  # no tail
+    assert tail_splits(100, 132, 256) == (1, 1.0)  # 2-4 pieces of 100 tiles: no faster
+    assert tail_splits(160, 132, 16) == (2, 0.5)  # pieces keep >= 8 K tiles
     # the workspace holds (splits - 1) partial tiles per tail tile; the grid is
     # min(SMs, tiles * splits), so fewer tiles than SMs are all tail
     assert split_tail_slots(160, 4, 132) == 28 * 3
@@ -681,10 +679,9 @@ def test_only_the_skinny_plans_stream_x_with_an_evict_first_hint():
         return variants.find_variant(p.op, p.tile, p.cluster, out, store, p.schedule)
 
     for t in (16172, 16231, 16384):
-        for op in ("fwd", "wgrad"):
-            for out in ("float32", "bfloat16"):
-                p = jc.plan(op, tokens=t, d_in=4096, d_out=48, out_dtype=out, device=H200)
-                assert variant(p).streams_x, jc.explain(p)
+        for op, out in (("fwd", "bfloat16"), ("wgrad", "float32"), ("wgrad", "bfloat16")):
+            p = jc.plan(op, tokens=t, d_in=4096, d_out=48, out_dtype=out, device=H200)
+            assert variant(p).streams_x, jc.explain(p)
     for batch, d_in, d_out in ((128, 128, 512), (128, 512, 128), (16, 128, 512)):
         p = jc.plan("fwd", tokens=4096, d_in=d_in, d_out=d_out, batch=batch, device=H200)
         assert not variant(p).streams_x, jc.explain(p)
@@ -784,3 +781,56 @@ def test_dgrad_rule_never_picks_the_128x160_pingpong():
         for n in range(1024, 57345, 512):
             p = jc.plan("dgrad", tokens=t, d_in=n, d_out=4096, device=H200)
             assert p.tile != (128, 160, 64), jc.explain(p)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(tokens=-1), ValueError, "tokens must be >= 0"),
+        (dict(d_in=-8), ValueError, "d_in must be >= 0"),
+        (dict(tokens=16.5), TypeError, "tokens must be an int"),
+        (dict(d_out="4096"), TypeError, "d_out must be an int"),
+        (dict(batch=True), TypeError, "batch must be an int"),
+        (dict(out_dtype="float16"), ValueError, "out_dtype of fwd must be bfloat16"),
+        (dict(out_dtype="float32"), ValueError, "out_dtype of fwd must be bfloat16"),
+        (dict(out_dtype="not a dtype"), TypeError, "out_dtype must be a dtype"),
+        (dict(device="h200"), TypeError, "device must be a jax Device"),
+    ],
+)
+def test_plan_rejects_bad_arguments_by_name(kwargs, error, match):
+    args = dict(tokens=8192, d_in=4096, d_out=4096, device=H200) | kwargs
+    with pytest.raises(error, match=match):
+        jc.plan("fwd", **args)
+
+
+def test_plan_takes_numpy_ints_and_empty_sizes():
+    import numpy as np
+
+    p = jc.plan("wgrad", tokens=np.int64(8192), d_in=np.int32(4096), d_out=4096, out_dtype=np.float32, device=H200)
+    assert p == jc.plan("wgrad", tokens=8192, d_in=4096, d_out=4096, out_dtype="float32", device=H200)
+    assert type(p.m) is int and type(p.k) is int
+    assert not jc.plan("fwd", tokens=0, d_in=4096, d_out=4096, device=H200).uses_kernel
+    with pytest.raises(ValueError, match="out_dtype of wgrad must be bfloat16 or float32"):
+        jc.plan("wgrad", tokens=8192, d_in=4096, d_out=4096, out_dtype="float16", device=H200)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(splits=0), "splits must be None or an int >= 1"),
+        (dict(splits=-2), "splits must be None or an int >= 1"),
+        (dict(splits="4"), "splits must be None or an int >= 1"),
+        (dict(tile=(7, 7)), "tile must be None or"),
+        (dict(tile=(128, 0, 64)), "tile must be None or"),
+        (dict(tile=128), "tile must be None or"),
+    ],
+)
+def test_force_rejects_bad_pins_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        with jc.planner.force("det", **kwargs):
+            pass
+
+
+def test_explain_takes_a_plan_only():
+    with pytest.raises(TypeError, match="explain: p must be a Plan"):
+        jc.explain("x")

@@ -27,8 +27,6 @@ from jax_cake.planner import overrides, router_variants, tables, variants
 from jax_cake.planner.overrides import forced
 from jax_cake.planner.plan_type import OPS, Plan
 
-KERNEL_ARCHS = contract.KERNEL_ARCHS  # architectures with compiled kernels; others run the XLA path
-
 # Per-tile efficiency prior: larger tiles reuse operands better when compute bound.
 # 128 x 160 runs slower per SM than 128 x 256 (its N-major B tile gets a 64-byte swizzle),
 # so it wins only where it fills a wave the others leave a third empty (5120 -> 512).
@@ -323,7 +321,7 @@ def _wgrad_plan(
     )
 
 
-def _tail_splits(tiles: int, sm_count: int, k_tiles: int) -> tuple[int, float]:
+def tail_splits(tiles: int, sm_count: int, k_tiles: int) -> tuple[int, float]:
     """(splits, tail cost in tile times) for the split tail: the tiles of the last partial
     wave cut into the splits (2.._MAX_TAIL_SPLITS, pieces of >= _MIN_K_TILES_PER_SPLIT K
     tiles) that finish the tail soonest; (1, 1.0) where no cut beats the whole tiles, (1,
@@ -365,7 +363,7 @@ def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why
     tiles = batch * math.ceil(m / tile[0]) * math.ceil(n / tile[1])
     fill = _wave_fill(tiles, dev.sm_count)
     k_tiles = math.ceil(k / tile[2])
-    splits, cost = _tail_splits(tiles, dev.sm_count, k_tiles)
+    splits, cost = tail_splits(tiles, dev.sm_count, k_tiles)
     if tiles < dev.sm_count or fill >= _WAVE_FILL or splits == 1:
         return None
     if variant.promote_in == "output" and math.ceil(k_tiles / splits) > variants.OUTPUT_PROMOTE_EVERY:
@@ -467,7 +465,21 @@ def plan(
         raise ValueError(f"plan: op must be one of {OPS}, got {op!r}")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"plan: deterministic must be a bool, got {type(deterministic).__name__}")
-    out_dtype = np.dtype(out_dtype).name
+    for name, size in (("tokens", tokens), ("d_in", d_in), ("d_out", d_out), ("batch", batch)):
+        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)):
+            raise TypeError(f"plan: {name} must be an int, got {type(size).__name__}")
+        if size < 0:
+            raise ValueError(f"plan: {name} must be >= 0, got {size}")
+    try:
+        out_dtype = np.dtype(out_dtype).name
+    except TypeError:
+        raise TypeError(f"plan: out_dtype must be a dtype, got {out_dtype!r}") from None
+    # fwd and dgrad write x's dtype; wgrad w's (a bf16 weight or an FP32 master); the
+    # router computes in FP32 whatever out_dtype says.
+    allowed = ("bfloat16",) if op in ("fwd", "dgrad") else ("bfloat16", "float32")
+    if out_dtype not in allowed:
+        raise ValueError(f"plan: out_dtype of {op} must be {' or '.join(allowed)}, got {out_dtype}")
+    tokens, d_in, d_out, batch = int(tokens), int(d_in), int(d_out), int(batch)
     dev = device_lib.current() if device is None else device_lib.from_jax_device(device)
 
     if op in ("fwd", "router_fwd"):
@@ -497,9 +509,9 @@ def plan(
         return _xla_plan(*args, "JAX_CAKE_DISABLE is set: XLA dot_general with the same semantics")
     if dev.platform != "cuda":
         return _xla_plan(*args, f"no CUDA GPU ({dev.describe()}): XLA dot_general with the same semantics")
-    if dev.arch not in KERNEL_ARCHS:
+    if dev.arch not in contract.KERNEL_ARCHS:  # no kernels compiled for it: the XLA path
         reason = (
-            f"no jax_cake kernels are built for {dev.arch} ({dev.kind}); kernels exist for {', '.join(KERNEL_ARCHS)}: "
+            f"no jax_cake kernels are built for {dev.arch} ({dev.kind}); kernels exist for {', '.join(contract.KERNEL_ARCHS)}: "
             "XLA dot_general with the same semantics"
         )
         if op == "wgrad" and not deterministic and dev.sm_count is not None and tables.load(dev.arch) is not None:
@@ -628,16 +640,6 @@ def _pingpong_tile(op: str) -> tuple[int, int, int]:
     if forced("schedule") == "pingpong" and ft is not None and op in ("fwd", "dgrad") and pingpong_clusters(op, ft):
         return tuple(ft)
     return _PINGPONG_TILE
-
-
-def pingpong_arms(op: str) -> list[dict]:
-    """Every ping-pong variant of a fwd/dgrad op as the force(...) keywords that run it
-    (tile, schedule, cluster), for benchmarks and tuners."""
-    return [
-        dict(tile=v.tile, schedule="pingpong", cluster=v.cluster)
-        for v in variants.VARIANTS
-        if v.program == op and v.schedule == "pingpong" and v.store == "plain"
-    ]
 
 
 def pingpong_rule(op: str, n: int, k: int, tile=_PINGPONG_TILE) -> str:

@@ -70,6 +70,10 @@ def from_jax_device(device: Any) -> DeviceInfo:
     """DeviceInfo of a `jax.Device` or a `jax.sharding.AbstractDevice`."""
     if isinstance(device, DeviceInfo):
         return device
+    if not isinstance(getattr(device, "platform", None), str):
+        raise TypeError(
+            f"device must be a jax Device, a jax.sharding.AbstractDevice or a DeviceInfo, got {type(device).__name__}"
+        )
     if isinstance(device, jax.sharding.AbstractDevice):
         platform = _normalize_platform(device.platform)
         arch = _arch_from_kind(device.device_kind) if platform == "cuda" else None

@@ -7,6 +7,8 @@ from jax_cake.planner.plan_type import Plan
 
 def explain(p: Plan) -> str:
     """Plain words: which kernel program and algorithm run for this Plan, and why."""
+    if not isinstance(p, Plan):
+        raise TypeError(f"explain: p must be a Plan (jax_cake.plan's result), got {type(p).__name__}")
     gemm = f"{p.op}: C[{p.batch}x{p.m}x{p.n}] over K={p.k}, {p.out_dtype} out, on {p.device}"
     if not p.uses_kernel:
         return f"{gemm}\n  runs the XLA path: {p.reason}"

@@ -70,6 +70,14 @@ def force(
         raise ValueError(f"force: schedule must be None, 'pingpong' or 'tiles', got {schedule!r}")
     if cluster not in (None, (1, 1), (2, 1)):
         raise ValueError(f"force: cluster must be None, (1, 1) or (2, 1), got {cluster!r}")
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"force: splits must be None or an int >= 1, got {splits!r}")
+    if tile is not None and not (
+        isinstance(tile, (tuple, list))
+        and len(tile) == 3
+        and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in tile)
+    ):
+        raise ValueError(f"force: tile must be None or (tile_m, tile_n, tile_k), three ints > 0, got {tile!r}")
     if raster is not None:
         try:
             contract.raster_code(raster)

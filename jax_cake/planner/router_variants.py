@@ -29,13 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_cake.contract import REDUCTION_NONE, REDUCTION_ORDERED  # the `reduction` codes
-
-# Operand majorness per program: (A major, B major). "k" = K contiguous.
-PROGRAM_MAJORS = {
-    "fwd": ("k", "k"),
-    "dgrad": ("k", "n"),
-    "wgrad": ("m", "n"),
-}
+from jax_cake.planner.variants import PROGRAM_MAJORS  # the router's operands sit as the GEMM's
 
 # wgrad runs transposed (dw^T = x^T g): x, the operand split on chip, is then the kernel's
 # A, which wgmma can take from registers as in fwd (A in registers, see a_in_registers).
@@ -142,12 +136,3 @@ def workspace_bytes(splits: int, reduction: int, e: int, d: int) -> int:
     """Workspace of jax_cake_router_wgrad (at least 16 bytes so the arity stays fixed)."""
     need = splits * e * d * 4 if (reduction == REDUCTION_ORDERED and splits > 1) else 0
     return max(need, 16)
-
-
-def default_splits(e: int, d: int, t: int, tile=(128, 128, 32), num_sms: int = 132) -> int:
-    """A split count for wgrad that fills the GPU: about one wave of CTAs, >= 8 K tiles each."""
-    tiles = -(-e // tile[0]) * -(-d // tile[1])
-    k_tiles = -(-t // tile[2])
-    splits = max(1, num_sms // max(tiles, 1))
-    splits = min(splits, max(1, k_tiles // 8))
-    return splits

@@ -28,7 +28,7 @@ from typing import Iterator, Mapping
 
 from jax_cake import contract
 
-_TABLE_DIR = Path(__file__).parent / "tables"
+TABLE_DIR = Path(__file__).parent / "tables"  # <arch>.json, read by load()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +159,7 @@ def parse(data: dict) -> Table:
 
 @functools.cache
 def _load_file(arch: str) -> Table | None:
-    path = _TABLE_DIR / f"{arch}.json"
+    path = TABLE_DIR / f"{arch}.json"
     if not path.exists():
         return None
     return parse(json.loads(path.read_text()))
@@ -251,3 +251,9 @@ def is_tile_row(row: Mapping) -> bool:
     """Whether a row in its JSON form is a per-shape tile row (a det row naming its variant,
     written by jax_cake.tools.tune_tiles)."""
     return row.get("program") == "det" and row.get("tile") is not None
+
+
+def is_range_for(sm_range: Mapping, sms: int) -> bool:
+    """Whether a range in its JSON form is the one for exactly `sms` SMs: the range a tuner
+    that measured on a GPU of `sms` SMs writes."""
+    return (sm_range["min_sms"], sm_range.get("max_sms")) == (sms, sms)
