@@ -11,7 +11,7 @@ import jax
 from absl.testing import absltest, parameterized
 
 from helpers import REPO, faked_device
-from jax_cake.tools import bench
+from jax_cake.tools import bench, plan_rule
 
 
 def run_cli(*argv: str) -> tuple[str, list[dict]]:
@@ -38,12 +38,12 @@ class CliTest(parameterized.TestCase):
         self.assertRegex(first, r"\d{4}-\d{2}-\d{2}")
         self.assertIn("| " + " | ".join(bench.COLUMNS) + " |", text)
         table = [l for l in text.splitlines() if l.startswith("| none")]
-        self.assertLen(table, len(bench.OPS) * len(bench.MODES))
+        self.assertLen(table, len(bench.OPS) * len(plan_rule.MODES))
         self.assertEqual({l.split(" | ")[5] for l in table}, set(bench.OPS))
         self.assertRegex(text, r"- wgrad g \(1 rows\): det/new \d+\.\d{3} \(")
 
         self.assertEqual(list(rows[0]), list(bench.COLUMNS))
-        self.assertLen(rows, len(bench.OPS) * len(bench.MODES))
+        self.assertLen(rows, len(bench.OPS) * len(plan_rule.MODES))
         for r in rows:
             self.assertEqual((r["d_in -> d_out"], r["out"], r["T"]), ("128 -> 32", "FP32", "64"))
             for column in ("det us", "split us", "XLA us", "new us"):

@@ -48,9 +48,9 @@ def project_fn(arm: str) -> Callable:
 
         return fused
     if arm == "separate":
-        project = lambda x, w: jax_cake.dense_projection(x, w)  # noqa: E731
+        project = lambda x, w: jax_cake.dense_projection(x, w)
     elif arm == "xla":
-        project = lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16).T)  # noqa: E731
+        project = lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16).T)
     else:
         raise ValueError(f"arm {arm!r}: expected one of {ARMS}")
 
@@ -85,8 +85,7 @@ def make_inputs(point: bench.Point, micro_batches: int, flush_mb: int, seed: int
     xs = jax.random.normal(kx, (micro_batches, point.tokens, point.d_in), jnp.bfloat16)
     w = jax.random.normal(kw, (point.d_out, point.d_in), jnp.float32) * 0.02
     dys = jax.random.normal(kd, (micro_batches, point.tokens, point.d_out), jnp.bfloat16)
-    buf = jnp.zeros((flush_mb * 2**20 // 4,), jnp.uint32)
-    return buf, xs, w, dys
+    return bench.flush_buffer(flush_mb), xs, w, dys
 
 
 def measure(point: bench.Point, arms: Sequence[str], timer_kind: str) -> dict[str, list[float]]:

@@ -86,6 +86,7 @@ from absl import app, flags
 
 from jax_cake import contract
 from jax_cake.tools import markdown as md
+from jax_cake.tools import plan_rule
 
 GRID_TOKENS = (16172, 16231, 16384)
 GRID_D_IN = (4096, 5120)
@@ -101,7 +102,6 @@ GRIDS = {
 }
 OUT_DTYPES = ("float32", "bfloat16")
 OPS = ("fwd", "dgrad", "wgrad", "bwd", "2fwd+bwd")  # dense; op_fn also builds fwd+bwd
-MODES = ("g", "e")
 ARMS = ("det", "split", "new", "xla", "cublas")  # dense
 ROUTER_ARMS = ("new", "xla_x3", "xla_highest")
 BATCHED_ARMS = ("det", "new", "xla", "cublas")
@@ -116,7 +116,8 @@ _ARM_LABEL = {"det": "det", "split": "split", "new": "new", "xla": "XLA", "cubla
 _ARM_LABEL.update(xla_x3="XLA x3", xla_highest="XLA highest")
 
 FLAGS = flags.FLAGS
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # children import this jax_cake
+# The checkout this module lies in: child processes (child_env) import its jax_cake.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def define_flags(arms_default: Sequence[str] = ARMS, with_ops: bool = True) -> None:
@@ -134,7 +135,7 @@ def define_flags(arms_default: Sequence[str] = ARMS, with_ops: bool = True) -> N
     flags.DEFINE_list("out_dtype", list(OUT_DTYPES), "Weight / wgrad output dtypes.")
     if with_ops:
         flags.DEFINE_list("ops", list(OPS), f"Ops, from {OPS} (dense; bench --family: the family's ops).")
-    flags.DEFINE_list("modes", list(MODES), "g = command buffers on, e = off.")
+    flags.DEFINE_list("modes", list(plan_rule.MODES), "g = command buffers on, e = off.")
     flags.DEFINE_list(
         "arms",
         list(arms_default),
@@ -365,6 +366,13 @@ def planning_for(arm: ArmSpec):
         yield
 
 
+def flush_buffer(flush_mb: int):
+    """The L2-flush buffer that flush() rewrites: `flush_mb` MiB of uint32 zeros."""
+    import jax.numpy as jnp
+
+    return jnp.zeros((flush_mb * 2**20 // 4,), jnp.uint32)
+
+
 def flush(buf):
     """Rewrites the whole L2-flush buffer (read + write, so L2 holds none of x, w, dy)."""
     import jax.numpy as jnp
@@ -417,14 +425,16 @@ def make_inputs(point: Point, flush_mb: int, seed: int = 0):
     x = jax.random.normal(kx, lead + (point.tokens, point.d_in), act)
     w = (jax.random.normal(kw, lead + (point.d_out, point.d_in), jnp.float32) * 0.02).astype(point.out)
     dy = jax.random.normal(kd, lead + (point.tokens, point.d_out), act)
-    buf = jnp.zeros((flush_mb * 2**20 // 4,), jnp.uint32)
-    return buf, x, w, dy
+    return flush_buffer(flush_mb), x, w, dy
 
 
 # --- output error ---------------------------------------------------------------------------
 
 ERROR_OPS = ("fwd", "dgrad", "wgrad")  # the single-GEMM ops whose output error tune measures
 ERROR_ROWS = 4096  # at most this many output rows, evenly spaced, enter the error
+# A jax_cake arm's BF16 output against the xla arm's, max |arm - xla| / max |xla| (core_bench,
+# gated_bench): both are BF16 roundings of FP32 sums over K.
+XLA_MATCH_REL_TOL = 2.0**-6
 
 
 def error_stride(rows: int) -> int:
@@ -660,6 +670,12 @@ def cublas_group_times(op: str, point: Point, steps: int, groups: int, flush_mb:
 _compiled: dict[tuple, Callable] = {}
 
 
+def clear_compiled() -> None:
+    """Drops the executables measure_point kept (a caller that moves on to other points
+    frees their device memory)."""
+    _compiled.clear()
+
+
 def measure_point(
     point: Point,
     op: str,
@@ -823,6 +839,14 @@ def write_child_output(path: str, header: dict, samples: Sequence[dict]) -> None
         json.dump({"header": header, "samples": list(samples)}, f)
 
 
+def child_env(**overrides: str) -> dict[str, str]:
+    """This process's environment plus `overrides`, with REPO_ROOT first on PYTHONPATH: a
+    child `python -m jax_cake...` imports this checkout's jax_cake, not an installed one."""
+    env = dict(os.environ, **overrides)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+    return env
+
+
 def run_children(module: str, argv_flags: Sequence[str], modes: Sequence[str], runs: int) -> tuple[dict, list[dict]]:
     """Runs `python -m module --child_out=...` per (run, mode); returns header and samples."""
     header, samples = {}, []
@@ -830,9 +854,8 @@ def run_children(module: str, argv_flags: Sequence[str], modes: Sequence[str], r
         for run in range(runs):
             for mode in modes if run % 2 == 0 else list(reversed(modes)):
                 out = os.path.join(tmp, f"{mode}_{run}.json")
-                env = dict(os.environ)
+                env = child_env()
                 env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {MODE_XLA_FLAGS[mode]}".strip()
-                env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, env.get("PYTHONPATH")]))
                 # CUPTI's serial KERNEL activity kind (some XLA versions' default) would serialize
                 # kernels of different streams: tune's busy kernel could never overlap the op.
                 env["TF_GPU_CUPTI_FORCE_CONCURRENT_KERNEL"] = "1"
@@ -871,7 +894,7 @@ def table_rows(header: dict, samples: Sequence[dict]) -> list[dict]:
     medians = run_medians(samples)
     rows = []
     order = lambda k: (
-        MODES.index(k[2]),
+        plan_rule.MODES.index(k[2]),
         k[0].family,
         k[0].batch,
         k[0].d_in,
@@ -917,7 +940,7 @@ def header_line(header: dict) -> str:
 def geomean_lines(rows: Sequence[dict], family: str = "dense") -> list[str]:
     lines = []
     for op in FAMILIES[family].ops:
-        for mode in MODES:
+        for mode in plan_rule.MODES:
             picked = [r for r in rows if r["op"] == op and r["mode"] == mode]
             parts = []
             for column in [c for c in report_columns(rows, family) if c.endswith("/new")]:
@@ -1052,7 +1075,7 @@ def main(argv):
     if FLAGS.family != "batched":
         apply_grid("experts" if FLAGS.family == "router" else "d_out")
     points = family_points(FLAGS.family)
-    ops, modes = selected("ops", family.ops), selected("modes", MODES)
+    ops, modes = selected("ops", family.ops), selected("modes", plan_rule.MODES)
     arms = [parse_arm(a) for a in FLAGS.arms]
     if any(a.kind not in family.arms for a in arms):
         raise app.UsageError(f"--arms: {FLAGS.arms} not all in {list(family.arms)} (--family={FLAGS.family})")
@@ -1155,7 +1178,7 @@ def arm_bench_markdown(
     cols = ["d_in -> d_out", "T"] + [c for c, _ in extra] + ["mode"] + [f"{a} us" for a in arms]
     if "fused" in arms:
         cols += [f"{a}/fused" for a in baselines]
-    keys = sorted({(k[0], k[2]) for k in medians}, key=lambda k: (MODES.index(k[1]), k[0].d_in, -k[0].d_out))
+    keys = sorted({(k[0], k[2]) for k in medians}, key=lambda k: (plan_rule.MODES.index(k[1]), k[0].d_in, -k[0].d_out))
     rows = []
     for point, mode in keys:
         us = {a: medians.get((point, op, mode, a)) for a in arms}
@@ -1180,7 +1203,7 @@ def arm_bench_main(
         child(arms)
         return
     names = ARM_BENCH_FLAGS + tuple(child_flags)
-    header, samples = run_children(module, child_argv(names), selected("modes", MODES), FLAGS.runs)
+    header, samples = run_children(module, child_argv(names), selected("modes", plan_rule.MODES), FLAGS.runs)
     text = markdown(header, samples, arms)
     print(text)
     if FLAGS.md:

@@ -70,8 +70,6 @@ _ENV = {
     "XLA_FLAGS": "--xla_enable_command_buffers_during_profiling=true",
     "TF_GPU_CUPTI_FORCE_CONCURRENT_KERNEL": "1",
 }
-# A forced arm's result against XLA's: both are bf16 roundings of fp32 sums over K.
-REL_TOL = 2.0**-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +214,7 @@ def run(
             point, op, [bench.parse_arm(a.bench_arm) for a in arms], timer_kind, steps, groups, flush_mb
         )
         jax.clear_caches()
-        bench._compiled.clear()  # one point's executables at a time (device memory)
+        bench.clear_compiled()  # one point's executables at a time (device memory)
         us = {a.name: statistics.median([g for g in groups_us[a.bench_arm] if g is not None]) for a in arms}
         for a in arms:
             rows.append(
@@ -234,7 +232,7 @@ def run(
                     "tflops": round(flops(t, d_in, d_out) / us[a.name] / 1e6, 1),
                     "xla_over_arm": round(us["xla"] / us[a.name], 4),
                     "max_err_rel": f"{errs[a.name]:.3g}",
-                    "ok": errs[a.name] <= REL_TOL,
+                    "ok": errs[a.name] <= bench.XLA_MATCH_REL_TOL,
                     "groups_us": " ".join(f"{g:.2f}" for g in groups_us[a.bench_arm] if g is not None),
                     **{key: header[key] for key in ("gpu", "sms", "jax", "date")},
                 }

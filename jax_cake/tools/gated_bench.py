@@ -40,8 +40,6 @@ FORCED = {
     "pp192c1": ((128, 192, 64), (1, 1), "pingpong"),
     "coop256c2": ((128, 256, 64), (2, 1), "tiles"),
 }
-# An arm's h or gu against the xla arm's: two bf16 roundings of FP32 sums apart.
-REL_TOL = 2.0**-6
 
 
 def arm_plan(arm: str, tokens: int, d_in: int, d_out: int, activation: str = "silu"):
@@ -87,7 +85,7 @@ def step_fn(arm: str, point: bench.Point, activation: str = "silu") -> Callable:
 
 
 def check_results(steps: dict[str, Callable], x, w) -> None:
-    """Every arm's (h, gu) within REL_TOL (relative to the largest entry) of the xla arm's."""
+    """Every arm's (h, gu) within bench.XLA_MATCH_REL_TOL (relative to the largest entry) of the xla arm's."""
     import jax
     import numpy as np
 
@@ -96,7 +94,7 @@ def check_results(steps: dict[str, Callable], x, w) -> None:
         got = [np.asarray(v, np.float32) for v in jax.jit(step)(x, w)]
         for name, a, b in zip(("h", "gu"), got, ref):
             err = float(np.max(np.abs(a - b))) / float(np.max(np.abs(b)))
-            if not (np.all(np.isfinite(a)) and err <= REL_TOL):
+            if not (np.all(np.isfinite(a)) and err <= bench.XLA_MATCH_REL_TOL):
                 raise RuntimeError(f"{arm}: {name} is {err:.3g} (max-relative) off the xla arm's")
 
 

@@ -59,6 +59,7 @@ from absl import app, flags
 
 from jax_cake.tools import bench
 from jax_cake.tools import markdown as md
+from jax_cake.tools import plan_rule
 
 CASES = ("skinny", "block", "block_remat", "mlp", "router", "cold")
 TIMED_CASES = CASES[:-1]
@@ -363,9 +364,7 @@ def collect(
     deterministic: bool = True,
 ) -> list[dict]:
     """One sample per (case, arm) measured in this process."""
-    import jax.numpy as jnp
-
-    timer = bench.make_timer(timer_kind, jnp.zeros((flush_mb * 2**20 // 4,), jnp.uint32), steps)
+    timer = bench.make_timer(timer_kind, bench.flush_buffer(flush_mb), steps)
     samples, t0 = [], time.time()
     for i, name in enumerate(cases):
         print(f"[{mode} run {run}] {i + 1}/{len(cases)} {name} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
@@ -392,8 +391,7 @@ def run_cold(argv_flags: Sequence[str], case_name: str, runs: int) -> list[dict]
     Each sample carries its process's device header."""
     arms = ("xla", "jax_cake")
     samples = []
-    env = dict(os.environ, **COLD_ENV)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [bench._REPO_ROOT, env.get("PYTHONPATH")]))
+    env = bench.child_env(**COLD_ENV)
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(runs):
             for arm in arms if run % 2 == 0 else arms[::-1]:
@@ -553,7 +551,7 @@ def main(argv):
     del argv
     sizes = sizes_from_flags()
     cases = bench.selected("cases", CASES)
-    modes = bench.selected("modes", bench.MODES)
+    modes = bench.selected("modes", plan_rule.MODES)
     if FLAGS.cold_case not in TIMED_CASES:
         raise app.UsageError(f"--cold_case: {FLAGS.cold_case!r} not in {list(TIMED_CASES)}")
     if FLAGS.cold_child:  # one cold first step

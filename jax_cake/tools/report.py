@@ -33,9 +33,9 @@ from absl import app, flags
 
 from jax_cake.tools import bench
 from jax_cake.tools import markdown as md
+from jax_cake.tools import plan_rule
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_DOCS = os.path.join(_REPO_ROOT, "docs")
+_DOCS = os.path.join(bench.REPO_ROOT, "docs")
 
 # The CSVs the headline comes from (paths relative to the repository root), in merge order.
 CSVS = (
@@ -129,7 +129,7 @@ def dense_table(rows: Sequence[dict]) -> list[str]:
         columns += [f"{baseline}/new all (range)", "d_out <= 64", "d_out >= 512", ">= 1.00"]
     columns.append("split/new")
     out = []
-    modes = [m for m in bench.MODES if any(r["mode"] == m for r in rows)]
+    modes = [m for m in plan_rule.MODES if any(r["mode"] == m for r in rows)]
     for mode in modes:
         for op in bench.OPS:
             picked = [r for r in rows if r["op"] == op and r["mode"] == mode]
@@ -337,7 +337,7 @@ def render(
             speedup_picture(dense, mode, name, dpi)
             label = {"g": "CUDA graphs", "e": "eager"}[mode]
             out += [f"![speedup against XLA and cuBLAS, every grid point, {label}]({rel(name)})", ""]
-        if any(m in picture_modes for m in bench.MODES):
+        if any(m in picture_modes for m in plan_rule.MODES):
             out += [
                 "Colour: baseline us / jax_cake us per point (row) and op and T (column); blue: jax_cake "
                 "faster, red: slower; the scale is clipped to 0.85-1.5 (the values are in the table's CSVs).",
@@ -381,7 +381,7 @@ def write_report(
 
 def main(argv):
     del argv
-    csvs = [p if os.path.isabs(p) else os.path.join(_REPO_ROOT, p) for p in FLAGS.csvs]
+    csvs = [p if os.path.isabs(p) else os.path.join(bench.REPO_ROOT, p) for p in FLAGS.csvs]
     write_report(csvs, FLAGS.page, FLAGS.img_dir, FLAGS.dpi, FLAGS.picture_modes)
     print(f"wrote {FLAGS.page} and {FLAGS.img_dir}")
 

@@ -67,7 +67,7 @@ from typing import Mapping, Sequence
 
 from absl import app, flags
 
-from jax_cake.planner import tables
+from jax_cake.planner import tables, variants
 from jax_cake.tools import bench
 from jax_cake.tools import cuda_driver
 from jax_cake.tools import plan_rule
@@ -75,19 +75,11 @@ from jax_cake.tools import plan_rule
 TUNE_OPS = ("wgrad",) + plan_rule.STEP_OPS
 XLA_OPS = ("fwd", "dgrad", "wgrad")
 XLA_ARM = "xla/path"  # the op on jax_cake's XLA path: what an xla row runs
-TABLE_DIR = Path(__file__).resolve().parent.parent / "planner" / "tables"
 FLAGS = flags.FLAGS
 
 
 def candidate_arms(splits: Sequence[int] = ()) -> list[str]:
-    """Split arms: the arrival-order wgrad tiles that are compiled, times split counts.
-
-    Without jax_cake.planner.variants, one arm: the planner's own split program.
-    """
-    try:
-        from jax_cake.planner import variants
-    except ImportError:
-        return ["split"]
+    """Split arms: the arrival-order wgrad tiles that are compiled, times split counts."""
     tiles = sorted({v.tile for v in variants.VARIANTS if v.program == "wgrad" and v.store == "add"})
     return [bench.split_arm_name(s, t) for t in tiles for s in (list(splits) or [None])] or ["split"]
 
@@ -212,9 +204,7 @@ def run_tune_child(
             slowest = max(
                 statistics.median(g for g in s["groups_us"] if g is not None)
                 for s in samples
-                if s["op"] == "wgrad"
-                and s["arm"] == "det"
-                and bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"]) == point
+                if s["op"] == "wgrad" and s["arm"] == "det" and _point_of(s) == point
             )
             ns = int(2 * FLAGS.steps * (slowest + 100) * 1e3)  # covers a whole call: steps x (op + flush)
             for sms in map(int, FLAGS.busy_sms):
@@ -263,7 +253,7 @@ def verdicts(samples: Sequence[dict], candidate: str) -> dict[bench.Point, plan_
     groups: dict[tuple, list] = {}
     for s in samples:
         key = (
-            bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"]),
+            _point_of(s),
             s["op"],
             s["mode"],
             s["run"],
@@ -473,7 +463,7 @@ def paired_op_runs(
     times = {}
     for s in samples:
         if s.get("busy_sms") is None and s["op"] == op and s["arm"] in (base, cand):
-            if bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"]) == point:
+            if _point_of(s) == point:
                 times[(s["mode"], s["run"], s["arm"])] = s["groups_us"]
     runs = {}
     for (mode, run, arm), groups in sorted(times.items()):
@@ -556,7 +546,7 @@ def choose_xla(
     for op, point in cells:
         row_out = point.out if op == "wgrad" else "bfloat16"
         errors = arm_errors(xla_samples, op, point, XLA_ARM) + arm_errors(split_samples, op, point, XLA_ARM)
-        decide = lambda runs: plan_rule.decide_xla(runs, gemm=op, out=row_out, errors=errors)  # noqa: E731
+        decide = lambda runs: plan_rule.decide_xla(runs, gemm=op, out=row_out, errors=errors)
         runs = paired_op_runs(xla_samples, op, point, "det", XLA_ARM)
         arm = split_of.get(point) if op == "wgrad" else None
         split_verdict = None
@@ -656,10 +646,10 @@ def build_table(
     run did not time) stay, first. `dropped` (Dropped.record of
     the arms the accuracy contract dropped) goes into the range's "dropped" list, a note the
     planner does not read; with `measured`, earlier notes this run did not measure stay too."""
-    ranges = [r for r in (existing or {}).get("sm_ranges", []) if (r["min_sms"], r.get("max_sms")) != (sms, sms)]
+    ranges = [r for r in (existing or {}).get("sm_ranges", []) if not tables.is_range_for(r, sms)]
     kept, kept_dropped, tile_rows = [], [], []
     for r in (existing or {}).get("sm_ranges", []):
-        if (r["min_sms"], r.get("max_sms")) == (sms, sms):
+        if tables.is_range_for(r, sms):
             # tune_tiles's rows: this tuner never measures tiles; they stay, after its own
             # rows (an xla row of the same point comes first and wins).
             tile_rows = [row for row in r["rows"] if tables.is_tile_row(row)]
@@ -693,7 +683,7 @@ def main(argv):
             f"--arms: tune compares split candidates (split[/sN][/tMxNxK]) and {XLA_ARM} against det"
         )
     candidates = [a.name for a in arms[1:] if a.kind == "split"]
-    modes = bench.selected("modes", bench.MODES)
+    modes = bench.selected("modes", plan_rule.MODES)
     if FLAGS.child_out:
         cells = read_cells(FLAGS.child_cells) if FLAGS.child_cells else None
         run_tune_child(points, arms, modes[0], FLAGS.run_index, FLAGS.child_out, FLAGS.child_ops, cells)
@@ -787,7 +777,7 @@ def main(argv):
         + (" (screened: wgrad and XLA's cells in graph mode first, one run)" if FLAGS.screen else "")
         + (f", XLA's dot at {len(cells)} (op, point) cells" if cells else "")
     )
-    path = Path(FLAGS.table or TABLE_DIR / f"{arch}.json")
+    path = Path(FLAGS.table or tables.TABLE_DIR / f"{arch}.json")
     existing = json.loads(path.read_text()) if path.exists() else None
     rows = table_rows(choices) + xla_table_rows(xla_choices, header["date"])
     measured = None

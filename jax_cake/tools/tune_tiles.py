@@ -42,10 +42,8 @@ from jax_cake.tools import markdown as md
 from jax_cake.tools import plan_rule
 
 FLAGS = flags.FLAGS
-TABLE_DIR = Path(__file__).resolve().parent.parent / "planner" / "tables"
 TILE_OPS = ("fwd", "dgrad")
 MIN_GROUPS = 5  # the fewest paired groups whose all-win sign test is below 0.05 (2^-5)
-P_MAX = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +206,7 @@ def decide(point: Point, arms: Sequence[Arm], pick: tuple | None, min_gain: floa
         if a is base or len(a.groups_us) != len(base.groups_us):
             continue
         wins = sum(g < b for g, b in zip(a.groups_us, base.groups_us))  # ties are no wins
-        if plan_rule.sign_test_p(wins, n) >= P_MAX or a.us > base.us * (1 - min_gain):
+        if plan_rule.sign_test_p(wins, n) >= plan_rule.SIGN_TEST_P_MAX or a.us > base.us * (1 - min_gain):
             continue
         if best is None or a.us < best.us:
             best, best_wins = a, wins
@@ -234,7 +232,7 @@ def merge_rows(data: Mapping, sms: int, verdicts: Sequence[Verdict], source: str
         )
 
     ranges = [dict(r) for r in data.get("sm_ranges", [])]
-    target = next((r for r in ranges if (r["min_sms"], r.get("max_sms")) == (sms, sms)), None)
+    target = next((r for r in ranges if tables.is_range_for(r, sms)), None)
     if target is None:
         target = {"min_sms": sms, "max_sms": sms, "rows": []}
         ranges.append(target)
@@ -289,7 +287,7 @@ def main(argv):
     sms = int(header.get("sms") or FLAGS.sm_count)
     gpu = header.get("gpu") or FLAGS.gpu
     device = device_lib.DeviceInfo("cuda", f"NVIDIA {gpu}", FLAGS.arch, sms)
-    path = Path(FLAGS.table or TABLE_DIR / f"{FLAGS.arch}.json")
+    path = Path(FLAGS.table or tables.TABLE_DIR / f"{FLAGS.arch}.json")
     data = json.loads(path.read_text()) if path.exists() else {"arch": FLAGS.arch, "source": "", "sm_ranges": []}
     rule_table = tables.parse(without_tile_rows(data))
     verdicts = [
