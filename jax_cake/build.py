@@ -1,11 +1,11 @@
 """Ahead-of-time build of the native library: `python -m jax_cake.build`.
 
 Runs on a CPU machine (no GPU, no driver needed):
-  1. compiles every kernel variant of jax_cake/planner/variants.py with CuTe DSL for
-     the target arch (CUTE_DSL_ARCH is set before cutlass is imported), with dynamic
+  1. compiles every kernel variant of jax_cake/planner/variants.py and
+     router_variants.py with CuTe DSL for the target arch (CUTE_DSL_ARCH is set before cutlass is imported), with dynamic
      M/N/K/L, and exports each one to C (`<name>.h` + `<name>.o`) under build/obj/;
-  2. generates build/obj/jax_cake_variants.inc (the variant table for the handlers,
-     jax_cake/module_table.py) and jax_cake_codes.h (the FFI codes and names of
+  2. generates build/obj/jax_cake_variants.inc and jax_cake_router_variants.inc (the
+     variant tables for the handlers, jax_cake/module_table.py) and jax_cake_codes.h (the FFI codes and names of
      jax_cake/contract.py, which ffi/*.cc include);
   3. compiles ffi/splitk_reduce.cu (nvcc) and ffi/*.cc (g++) against the XLA FFI
      headers of the oldest supported jaxlib (--ffi_headers_jaxlib), because a handler
@@ -255,7 +255,7 @@ def build_library(
         raise RuntimeError(f"libcudart_static.a not found under {cuda}")
     cmd = ["g++", "-shared", "-fPIC", "-o", str(tmp), *map(str, ffi_objs), str(reduce_obj)]
     cmd += [str(obj_dir / f"{v.name}.o") for v in variants]
-    cmd += [str(e["object"]) for e in router if e["name"]]
+    cmd += [str(e["object"]) for e in router]
     cmd += [
         f"-L{cutlass_runtime_lib_dir()}",
         "-lcuda_dialect_runtime_static",
@@ -290,8 +290,10 @@ def main(argv):
     variants = export_kernels(arch, obj_dir)
     module_table.write_variant_table(variants, obj_dir)
     from jax_cake.kernels.router_bf16x3_sm90 import export_router_kernels  # after CUTE_DSL_ARCH is set
+    from jax_cake.planner.router_variants import VARIANTS as ROUTER_VARIANTS
 
     router = export_router_kernels(obj_dir, log=_log)
+    module_table.write_router_variant_table(list(ROUTER_VARIANTS), obj_dir)
     if FLAGS.compile_only:
         _log(f"kernels exported to {obj_dir} in {time.time() - t0:.1f} s (--compile_only: no link)")
         print(obj_dir)

@@ -72,6 +72,10 @@ def describe_raster(raster: str) -> str:
 ACTIVATION_SILU = 0
 ACTIVATION_GELU = 1
 ACTIVATION_CODES = {"silu": ACTIVATION_SILU, "gelu": ACTIVATION_GELU}
+# The tanh-form GELU's constants (jax.nn.gelu(approximate=True)): sqrt(2 / pi) and the
+# cubic's; the reference and the kernel epilogue compute the same function with them.
+GELU_C = 0.7978845608028654
+GELU_A = 0.044715
 
 # The gated epilogue's layout (jax_cake_fwd_gated): the stacked weight holds gate and up
 # rows interleaved in blocks of GATE_BLOCK rows (jax_cake.reference.interleave), so every

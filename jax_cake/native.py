@@ -9,8 +9,9 @@ Where the library is looked for, first hit wins:
   3. libjax_cake_ffi.so next to this package (an installed copy);
   4. the per-user cache, `cache_dir()`: $JAX_CAKE_CACHE_DIR/<key>, else
      $XDG_CACHE_HOME/jax_cake/<key>, else ~/.cache/jax_cake/<key>, where <key> is
-     `cache_key()` (jax_cake's version, the kernels' GPU architecture and the jaxlib
-     version whose FFI headers the handlers are built against).
+     `cache_key()` (jax_cake's version, the kernels' GPU architecture, the jaxlib
+     version whose FFI headers the handlers are built against, and a digest of the
+     build's inputs, so an edited kernel or handler never loads a stale build).
 
 Build on first use: where none is found and the CuTe DSL is installed
 (`pip install 'jax_cake[build]'`), the first op that needs the library builds it into

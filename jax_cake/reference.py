@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_cake import contract
+
 
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
@@ -108,8 +110,6 @@ def router_wgrad(g, x):
 # computing these on the accumulator tile must give the same values.
 
 ACTIVATIONS = ("silu", "gelu")
-_GELU_C = 0.7978845608028654  # sqrt(2 / pi), as jax.nn.gelu's
-_GELU_A = 0.044715
 
 
 def _act_and_slope(z, activation: str):
@@ -119,8 +119,8 @@ def _act_and_slope(z, activation: str):
         return z * s, s * (1.0 + z * (1.0 - s))
     if activation == "gelu":
         # 0.5 (1 + tanh(y)) = sigmoid(2 y), and its derivative 2 s (1 - s) dy/dz.
-        s = jax.nn.sigmoid((2.0 * _GELU_C) * (z + _GELU_A * (z * z * z)))
-        slope = s + z * (2.0 * s * (1.0 - s)) * (_GELU_C * (1.0 + 3.0 * _GELU_A * (z * z)))
+        s = jax.nn.sigmoid((2.0 * contract.GELU_C) * (z + contract.GELU_A * (z * z * z)))
+        slope = s + z * (2.0 * s * (1.0 - s)) * (contract.GELU_C * (1.0 + 3.0 * contract.GELU_A * (z * z)))
         return z * s, slope
     raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
 

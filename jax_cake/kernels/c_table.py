@@ -1,7 +1,7 @@
 """C++ glue for exported CuTe DSL kernels: per-variant module loaders and launchers.
 
-Both generated variant tables (jax_cake_variants.inc from jax_cake/build.py and
-jax_cake_router_variants.inc from router_bf16x3_sm90.py) are built from these pieces: the
+Both generated variant tables (jax_cake_variants.inc and jax_cake_router_variants.inc,
+which jax_cake/build.py writes through jax_cake/module_table.py) are built from these pieces: the
 exported headers' error checks routed into a status the handlers can return, then one
 module, loader and launcher per variant, each launcher copying the handler's operand
 structs into the exported wrapper's tensor structs.

@@ -22,10 +22,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 
-
-# The tanh-form GELU's constants (jax.nn.gelu(approximate=True)): sqrt(2 / pi) and the cubic's.
-_GELU_C = 0.7978845608028654
-_GELU_A = 0.044715
+from jax_cake.contract import GELU_A, GELU_C
 
 
 class SubTileStaging(NamedTuple):
@@ -114,7 +111,7 @@ def stage_gated_sub_tile(ep: SubTileStaging, pair: int, buf, activation: str) ->
     """h sub-tile `pair` (32 columns of h [M, N / 2]) -> staged buffer buf, between the
     same two barriers as stage_sub_tile.
 
-    The accumulator's columns are gate and up entries in blocks of 16 (variants.GATE_BLOCK):
+    The accumulator's columns are gate and up entries in blocks of 16 (jax_cake.contract.GATE_BLOCK):
     in sub-tile e, the registers of the copy's first 16-column group are gate values and
     those of its second group, at the same positions, the up values of the same d_ff
     indices. Column group n of h sub-tile `pair` is made from accumulator sub-tile
@@ -251,7 +248,7 @@ def _act_and_slope(z, activation: str, slope: bool = True):
         # near -1 (the DSL's tanh is not accurate enough for it).
         if slope:
             raise ValueError("the gelu gradient epilogue is not built")
-        return z * (1.0 / (1.0 + cute.math.exp(-2.0 * _GELU_C * (z + _GELU_A * (z * z * z))))), None
+        return z * (1.0 / (1.0 + cute.math.exp(-2.0 * GELU_C * (z + GELU_A * (z * z * z))))), None
     raise ValueError(f"unknown activation {activation!r}")
 
 

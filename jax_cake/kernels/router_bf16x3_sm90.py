@@ -64,7 +64,6 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_cake.kernels.epilogue_sm90 import make_epilogue, tile_sub_tiles
 from jax_cake.kernels.gemm_base_sm90 import EPI_BARRIER_ID, GemmSm90Base, fence_tensor
-from jax_cake.module_table import write_router_variant_table  # the one table generator
 from jax_cake.planner.router_variants import VARIANTS, RouterVariant
 
 # Two-level accumulation interval in K tiles (32 each). wgmma's fp32 accumulation in the
@@ -574,12 +573,11 @@ def export_router_kernels(obj_dir, log=_default_log) -> list[dict]:
     """Compiles and exports every router variant to `<obj_dir>/<name>.{h,o}`.
 
     CUTE_DSL_ARCH must already be set (to sm_90a) by the caller before cutlass was
-    first imported, as jax_cake/build.py:export_kernels does. Also writes
-    `<obj_dir>/jax_cake_router_variants.inc` (the table ffi/router_ffi.cc includes).
+    first imported, as jax_cake/build.py:export_kernels does. The table ffi/router_ffi.cc
+    includes is jax_cake/build.py's to write (jax_cake.module_table).
 
     `log` takes one message (build.py's `_log` fits). Returns one dict per variant, in
-    table order: name (= function prefix), header and object paths, program and tile;
-    plus a last entry {"name": None, "table": path}.
+    table order: name (= function prefix), header and object paths, program and tile.
     """
     arch = os.environ.get("CUTE_DSL_ARCH")
     if arch != "sm_90a":
@@ -604,6 +602,4 @@ def export_router_kernels(obj_dir, log=_default_log) -> list[dict]:
                 "tile": v.tile,
             }
         )
-    table = write_router_variant_table(list(VARIANTS), obj_dir)
-    out.append({"name": None, "table": table})
     return out
