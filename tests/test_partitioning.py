@@ -137,6 +137,22 @@ def test_dense_projection_sharded_equals_unsharded(case, w_dtype, explicit):
         assert partitioning.normalize(jax.typeof(got[2]).sharding.spec, 2) == partitioning.normalize(w_spec, 2)
 
 
+@pytest.mark.parametrize("case", DENSE_CASES)
+def test_explicit_shardings_without_a_mesh_context(case):
+    """Explicit-axis arrays (jax.make_mesh's default) passed to jit with no `jax.set_mesh`:
+    the resharding the rule asks for names its mesh, so it needs no context."""
+    shape, names, x_spec, w_spec, y_spec, _ = DENSE_CASES[case]
+    mesh = _mesh(shape, names, explicit=True)
+    x, w, ct = rand(1, (T, K), BF16), rand(2, (O, K), F32), rand(3, (T, O), F32)
+
+    def step(x, w, ct):
+        y, vjp = jax.vjp(jc.dense_projection, x, w)
+        return (y, *vjp(jax.sharding.reshard(ct, jax.typeof(y).sharding).astype(y.dtype)))
+
+    args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in ((x, x_spec), (w, w_spec), (ct, y_spec))]
+    _check_values(jax.jit(step)(*args), jax.jit(_step(jc.dense_projection))(x, w, ct), F32)
+
+
 # --- batched_projection and router_logits ---------------------------------------------------
 
 BATCHED_CASES = {

@@ -317,9 +317,13 @@ def explicit_call(name: str, local: Local, a, b, *, mesh, device, out_request: A
 
 
 def _reshard(v, spec: P):
-    if normalize(jax.typeof(v).sharding.spec, v.ndim) == normalize(spec, v.ndim):
+    sharding = jax.typeof(v).sharding
+    if normalize(sharding.spec, v.ndim) == normalize(spec, v.ndim):
         return v
-    return jax.sharding.reshard(v, spec)
+    # On v's own mesh where its type has one (a bare PartitionSpec needs a `jax.set_mesh`
+    # context, and a caller may pass Explicit-sharded arrays without one); an unsharded v
+    # goes to the context's mesh.
+    return jax.sharding.reshard(v, spec if sharding.mesh.empty else NamedSharding(sharding.mesh, spec))
 
 
 def reshard_to(v, spec):
