@@ -3,6 +3,7 @@
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice
@@ -794,6 +795,7 @@ def test_dgrad_rule_never_picks_the_128x160_pingpong():
         (dict(out_dtype="float16"), ValueError, "out_dtype of fwd must be bfloat16"),
         (dict(out_dtype="float32"), ValueError, "out_dtype of fwd must be bfloat16"),
         (dict(out_dtype="not a dtype"), TypeError, "out_dtype must be a dtype"),
+        (dict(out_dtype=None), TypeError, "out_dtype must be a dtype"),
         (dict(device="h200"), TypeError, "device must be a jax Device"),
     ],
 )
@@ -815,20 +817,46 @@ def test_plan_takes_numpy_ints_and_empty_sizes():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
-        (dict(splits=0), "splits must be None or an int >= 1"),
-        (dict(splits=-2), "splits must be None or an int >= 1"),
-        (dict(splits="4"), "splits must be None or an int >= 1"),
-        (dict(tile=(7, 7)), "tile must be None or"),
-        (dict(tile=(128, 0, 64)), "tile must be None or"),
-        (dict(tile=128), "tile must be None or"),
+        (dict(splits=0), ValueError, "splits must be >= 1"),
+        (dict(splits=-2), ValueError, "splits must be >= 1"),
+        (dict(splits="4"), TypeError, "splits must be None or an int"),
+        (dict(splits=True), TypeError, "splits must be None or an int"),
+        (dict(tile=(7, 7)), TypeError, "tile must be None or"),
+        (dict(tile=128), TypeError, "tile must be None or"),
+        (dict(tile=(128, 0, 64)), ValueError, "tile sizes must be >= 1"),
     ],
 )
-def test_force_rejects_bad_pins_by_name(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_force_rejects_bad_pins_by_name(kwargs, error, match):
+    with pytest.raises(error, match=match):
         with jc.planner.force("det", **kwargs):
             pass
+
+
+def test_force_takes_numpy_ints():
+    import numpy as np
+
+    args = dict(tokens=16384, d_in=4096, d_out=1024, out_dtype="float32", device=H200)
+    with jc.planner.force("split", splits=4, tile=(128, 128, 64)):
+        want = jc.plan("wgrad", **args)
+    with jc.planner.force("split", splits=np.int64(4), tile=[np.int32(128), 128, 64]):
+        assert jc.plan("wgrad", **args) == want
+    assert want.splits == 4 and want.tile == (128, 128, 64), jc.explain(want)
+
+
+def test_symbolic_sizes_plan_the_xla_path_and_export():
+    """A shape-polymorphic export (symbolic token count) plans XLA's dot, with the reason,
+    on the GPU as on the CPU."""
+    from jax import export
+
+    (t,) = export.symbolic_shape("t")
+    p = jc.plan("fwd", tokens=t, d_in=4096, d_out=4096, device=H200)
+    assert not p.uses_kernel and "symbolic tokens" in p.reason, jc.explain(p)
+    x = jax.ShapeDtypeStruct((t, 64), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    exported = export.export(jax.jit(jc.dense_projection))(x, w)
+    assert str(exported.out_avals[0].shape) == "(t, 32)"
 
 
 def test_explain_takes_a_plan_only():

@@ -460,17 +460,26 @@ def plan(
     kernels, not the fused ones.
     """
     import numpy as np
+    from jax import export
 
     if op not in OPS:
         raise ValueError(f"plan: op must be one of {OPS}, got {op!r}")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"plan: deterministic must be a bool, got {type(deterministic).__name__}")
-    for name, size in (("tokens", tokens), ("d_in", d_in), ("d_out", d_out), ("batch", batch)):
+    sizes = {"tokens": tokens, "d_in": d_in, "d_out": d_out, "batch": batch}
+    symbolic = [name for name, size in sizes.items() if export.is_symbolic_dim(size)]
+    for name, size in sizes.items():
+        if name in symbolic:  # a shape-polymorphic export's dimension: planned below
+            continue
         if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)):
             raise TypeError(f"plan: {name} must be an int, got {type(size).__name__}")
         if size < 0:
             raise ValueError(f"plan: {name} must be >= 0, got {size}")
+        sizes[name] = int(size)
+    tokens, d_in, d_out, batch = sizes["tokens"], sizes["d_in"], sizes["d_out"], sizes["batch"]
     try:
+        if out_dtype is None:  # np.dtype(None) is float64
+            raise TypeError
         out_dtype = np.dtype(out_dtype).name
     except TypeError:
         raise TypeError(f"plan: out_dtype must be a dtype, got {out_dtype!r}") from None
@@ -479,7 +488,6 @@ def plan(
     allowed = ("bfloat16",) if op in ("fwd", "dgrad") else ("bfloat16", "float32")
     if out_dtype not in allowed:
         raise ValueError(f"plan: out_dtype of {op} must be {' or '.join(allowed)}, got {out_dtype}")
-    tokens, d_in, d_out, batch = int(tokens), int(d_in), int(d_out), int(batch)
     dev = device_lib.current() if device is None else device_lib.from_jax_device(device)
 
     if op in ("fwd", "router_fwd"):
@@ -507,6 +515,10 @@ def plan(
         return _xla_plan(*args, "forced by jax_cake.planner.force")
     if os.environ.get("JAX_CAKE_DISABLE", "") not in ("", "0"):  # read at trace time: debugging, bisecting
         return _xla_plan(*args, "JAX_CAKE_DISABLE is set: XLA dot_general with the same semantics")
+    if symbolic:
+        return _xla_plan(
+            *args, f"symbolic {', '.join(symbolic)} (a shape-polymorphic export): the kernels are planned for static sizes"
+        )
     if dev.platform != "cuda":
         return _xla_plan(*args, f"no CUDA GPU ({dev.describe()}): XLA dot_general with the same semantics")
     if dev.arch not in contract.KERNEL_ARCHS:  # no kernels compiled for it: the XLA path

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+import numpy as np
+
 from jax_cake import contract
 
 _forced: dict[str, Any] = {}
@@ -38,6 +40,11 @@ def released() -> Iterator[None]:
     finally:
         _forced.clear()
         _forced.update(saved)
+
+
+def _is_int(v) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 @contextlib.contextmanager
@@ -70,14 +77,18 @@ def force(
         raise ValueError(f"force: schedule must be None, 'pingpong' or 'tiles', got {schedule!r}")
     if cluster not in (None, (1, 1), (2, 1)):
         raise ValueError(f"force: cluster must be None, (1, 1) or (2, 1), got {cluster!r}")
-    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
-        raise ValueError(f"force: splits must be None or an int >= 1, got {splits!r}")
-    if tile is not None and not (
-        isinstance(tile, (tuple, list))
-        and len(tile) == 3
-        and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in tile)
-    ):
-        raise ValueError(f"force: tile must be None or (tile_m, tile_n, tile_k), three ints > 0, got {tile!r}")
+    if splits is not None:
+        if not _is_int(splits):
+            raise TypeError(f"force: splits must be None or an int, got {type(splits).__name__}")
+        if splits < 1:
+            raise ValueError(f"force: splits must be >= 1, got {splits}")
+        splits = int(splits)
+    if tile is not None:
+        if not (isinstance(tile, (tuple, list)) and len(tile) == 3 and all(_is_int(d) for d in tile)):
+            raise TypeError(f"force: tile must be None or (tile_m, tile_n, tile_k), three ints, got {tile!r}")
+        if min(tile) < 1:
+            raise ValueError(f"force: tile sizes must be >= 1, got {tile!r}")
+        tile = tuple(int(d) for d in tile)
     if raster is not None:
         try:
             contract.raster_code(raster)
