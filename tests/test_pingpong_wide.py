@@ -152,11 +152,16 @@ def test_forced_wide_pingpong_lowers_with_its_tile():
 
 
 def _turn_model(num_items: int, cluster_id: int, num_clusters: int, shared_epi: bool = True):
-    """Runs the consumer warpgroups' barrier program of gemm_sm90's ping-pong (K-loop turn
-    3 / 4, 256 threads; epilogue turn 5 / 6, 160 threads: 32 arrive, 128 wait) on a model
-    of named barriers (a phase completes when its thread count is reached; more is an
-    error). Returns (per warpgroup, the (event, item) order; barrier counts left)."""
-    size = {3: 256, 4: 256, 5: 160, 6: 160}
+    """Runs the consumer warpgroups' barrier program of gemm_sm90's ping-pong (the K-loop
+    turn and the epilogue turn, with the kernel's barrier ids and thread counts: a 128-thread
+    warpgroup waits, the other warpgroup or its store warp arrives) on a model of named
+    barriers (a phase completes when its thread count is reached; more is an error).
+    Returns (per warpgroup, the (event, item) order; barrier counts left)."""
+    from jax_cake.kernels import gemm_sm90 as k
+
+    mma, epi = k.MMA_TURN_BARRIER_ID, k.EPI_TURN_BARRIER_ID
+    size = {mma: k.MMA_TURN_THREADS, mma + 1: k.MMA_TURN_THREADS, epi: k.EPI_TURN_THREADS, epi + 1: k.EPI_TURN_THREADS}
+    warpgroup, store_warp = 128, 32  # the threads that arrive: a warpgroup, or one warp
     count = {b: 0 for b in size}
     phase = {b: 0 for b in size}
     progs = {}
@@ -164,17 +169,17 @@ def _turn_model(num_items: int, cluster_id: int, num_clusters: int, shared_epi: 
         ops = []
         items = list(range(cluster_id + w * num_clusters, num_items, 2 * num_clusters))
         if w == 1 and cluster_id < num_items:
-            ops.append(("arrive", 4 - 1, 128, None))  # their_turn = barrier 3
+            ops.append(("arrive", mma, warpgroup, None))  # warpgroup 1's their_turn: warpgroup 0's
             if shared_epi:
-                ops.append(("arrive", 5, 32, None))  # their_epi = barrier 5
+                ops.append(("arrive", epi, store_warp, None))  # its their_epi
         for item in items:
-            ops.append(("wait", 3 + w, 128, ("mma", item)))
+            ops.append(("wait", mma + w, warpgroup, ("mma", item)))
             if item + num_clusters < num_items:
-                ops.append(("arrive", 4 - w, 128, None))
+                ops.append(("arrive", mma + 1 - w, warpgroup, None))
             if shared_epi:
-                ops.append(("wait", 5 + w, 128, ("epi", item)))
+                ops.append(("wait", epi + w, warpgroup, ("epi", item)))
                 if item + num_clusters < num_items:
-                    ops.append(("arrive", 6 - w, 32, None))
+                    ops.append(("arrive", epi + 1 - w, store_warp, None))
         progs[w] = ops
     pc, blocked, log = {0: 0, 1: 0}, {0: None, 1: None}, []
     while True:
@@ -207,6 +212,7 @@ def _turn_model(num_items: int, cluster_id: int, num_clusters: int, shared_epi: 
     return log, count
 
 
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
 @pytest.mark.parametrize("num_items", [0, 1, 2, 3, 131, 132, 133, 264, 4097])
 @pytest.mark.parametrize("cluster_id, num_clusters", [(0, 132), (5, 132), (131, 132), (0, 66), (65, 66)])
 def test_epilogue_turns_alternate_without_stray_arrivals(num_items, cluster_id, num_clusters):

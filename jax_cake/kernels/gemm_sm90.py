@@ -147,9 +147,14 @@ _PROMOTE_EVERY = 16
 # accumulator (tile_n registers per thread), so 256 would spill; up to 192 fits under the
 # 232 registers a consumer gets, 208 under the wide split's 240 (gemm_base_sm90).
 PINGPONG_TILE_N = (128, 160, 176, 192, 208)
-# Named barriers of the shared-ring ping-pong epilogue turn (1, 2: the warpgroups' epilogue
-# barriers; 3, 4: the K-loop turn).
-_EPI_TURN_BARRIER_ID = 5
+# Named barriers of the ping-pong consumers (1, 2 are the warpgroups' epilogue barriers,
+# EPI_BARRIER_ID). Warpgroup w waits for its turn to issue MMAs on MMA_TURN_BARRIER_ID + w,
+# a rendezvous of both consumer warpgroups (one arrives, the other waits), and for its turn
+# to stage into the shared epilogue ring on EPI_TURN_BARRIER_ID + w, a rendezvous of the
+# other warpgroup's store warp (32 arrive) and its own 128 threads (tests/test_pingpong_wide
+# runs this protocol on a model of named barriers).
+MMA_TURN_BARRIER_ID, MMA_TURN_THREADS = 3, 256
+EPI_TURN_BARRIER_ID, EPI_TURN_THREADS = 5, 160
 
 
 class GemmSm90(GemmSm90Base):
@@ -616,16 +621,20 @@ class GemmSm90(GemmSm90Base):
             item_begin, item_step = cluster_id, num_clusters
             if cutlass.const_expr(self.pingpong):
                 # Warpgroup w takes every other tile of this CTA, starting with its w-th;
-                # the turn to issue MMAs passes between the two through named barriers 3
-                # and 4 (each a 256-thread rendezvous: one arrives, the other waits).
+                # the turn to issue MMAs passes between the two through the MMA turn
+                # barriers (each a 256-thread rendezvous: one arrives, the other waits).
                 item_begin, item_step = cluster_id + mma_wg * num_clusters, 2 * num_clusters
-                my_turn = pipeline.NamedBarrier(barrier_id=3 + mma_wg, num_threads=256)
-                their_turn = pipeline.NamedBarrier(barrier_id=4 - mma_wg, num_threads=256)
+                my_turn = pipeline.NamedBarrier(barrier_id=MMA_TURN_BARRIER_ID + mma_wg, num_threads=MMA_TURN_THREADS)
+                their_turn = pipeline.NamedBarrier(
+                    barrier_id=MMA_TURN_BARRIER_ID + 1 - mma_wg, num_threads=MMA_TURN_THREADS
+                )
                 # Shared epilogue ring: the turn to stage into it passes the same way, from
                 # the store warp (once its stores have read the ring) to the other
                 # warpgroup (a 160-thread rendezvous: 32 arrive, 128 wait).
-                my_epi = pipeline.NamedBarrier(barrier_id=_EPI_TURN_BARRIER_ID + mma_wg, num_threads=160)
-                their_epi = pipeline.NamedBarrier(barrier_id=_EPI_TURN_BARRIER_ID + 1 - mma_wg, num_threads=160)
+                my_epi = pipeline.NamedBarrier(barrier_id=EPI_TURN_BARRIER_ID + mma_wg, num_threads=EPI_TURN_THREADS)
+                their_epi = pipeline.NamedBarrier(
+                    barrier_id=EPI_TURN_BARRIER_ID + 1 - mma_wg, num_threads=EPI_TURN_THREADS
+                )
                 if mma_wg == 1:
                     # The first tile is warpgroup 0's: skip its stages, give it the turn.
                     read_state.advance(k_tiles)
