@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_cake as jc
-from helpers import REPO, assert_raises_naming, child_env, custom_call_lines, faked_device, rand
+from helpers import REPO, assert_raises_naming, child_env, custom_call_lines, f64, faked_device, rand, rel_err
 from jax_cake import primitives
 from jax_cake.pipeline import projection
 from jax_cake.primitives import gemm
@@ -68,6 +68,8 @@ def test_dense_accumulated_gradient_is_the_sum_of_the_micro_batch_gradients(w_dt
     expected = np.asarray(acc0, np.float64) + sum(np.asarray(g, np.float64) for g in grads)
     assert total.dtype == F32 and total.shape == w.shape
     np.testing.assert_allclose(np.asarray(total, np.float64), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    # and that sum is dw's: acc0 + sum over micro-batches of dy^T x, in float64
+    assert rel_err(total, f64(acc0) + np.einsum("mbto,mbti->oi", f64(dys), f64(xs))) < 1e-5
 
 
 def test_batched_accumulated_gradient_is_the_sum_of_the_micro_batch_gradients():
@@ -79,6 +81,7 @@ def test_batched_accumulated_gradient_is_the_sum_of_the_micro_batch_gradients():
     grads = _plain_grads(lambda x, w: jc.batched_projection(x, w), w, xs, dys)
     expected = sum(np.asarray(g, np.float64) for g in grads)
     np.testing.assert_allclose(np.asarray(total, np.float64), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    assert rel_err(total, np.einsum("mbto,mbti->boi", f64(dys), f64(xs))) < 1e-5
 
 
 def test_forward_and_dx_are_unchanged_and_w_gets_a_zero_cotangent():

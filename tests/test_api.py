@@ -10,7 +10,7 @@ from helpers import f64, rand, rel_err
 
 BF16_TOL = 1e-2
 FP32_WGRAD_TOL = 1e-5
-ROUTER_TOL = 3e-5
+ROUTER_TOL = 5e-6  # the router's accuracy target (BF16x3 measures ~4.5e-6 here)
 
 # (T, d_in, d_out): aligned, ragged token counts (37, and 16172-like odd counts scaled
 # down), skinny outputs, and a d_in not a multiple of 8 (XLA fallback shape).
@@ -116,17 +116,6 @@ def test_empty_dimensions_give_empty_or_zero_results(shape_x, shape_w):
     y, dx, dw = _loss_and_grads(jc.dense_projection, x, w, jnp.ones((shape_x[0], shape_w[0]), jnp.bfloat16))
     assert y.shape == (shape_x[0], shape_w[0]) and dx.shape == shape_x and dw.shape == shape_w
     assert not np.any(np.asarray(y, np.float32))
-
-
-def test_deterministic_results_are_bitwise_repeatable():
-    x = rand(19, (1011, 256), jnp.bfloat16)
-    w = rand(20, (64, 256), jnp.float32)
-    dy = rand(21, (1011, 64), jnp.bfloat16)
-    step = jax.jit(lambda x, w, dy: _loss_and_grads(jc.dense_projection, x, w, dy))
-    first = [np.asarray(a) for a in step(x, w, dy)]
-    for _ in range(5):
-        for a, b in zip(first, step(x, w, dy)):
-            np.testing.assert_array_equal(a, np.asarray(b))
 
 
 def test_bf16x3_split_survives_xla_simplification():

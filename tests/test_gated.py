@@ -814,3 +814,6 @@ def test_dgrad_gate_up_is_the_dgrad_over_the_interleaved_cotangent():
         jnp.stack([dg, du]), jnp.stack([du, dg])
     )
     np.testing.assert_array_equal(np.asarray(batched[0]), np.asarray(want))
+    swapped = primitives.dgrad(reference.interleave(du, dg, -1, contract.GATE_BLOCK), w, base)
+    assert np.any(np.asarray(swapped) != np.asarray(want))  # entry 1 differs from entry 0
+    np.testing.assert_array_equal(np.asarray(batched[1]), np.asarray(swapped))

@@ -30,9 +30,11 @@ class CaseTest(absltest.TestCase):
         text = memory_floor.markdown("header", [(case, 1.0, "narrow, 264 x 1024")])
         self.assertIn("| 1000 | 1000 -> 1000 | 2.0 | 2.0 | 1.00 | 4.00 | narrow, 264 x 1024 |", text)
 
-    def test_every_default_case_parses(self):
+    def test_every_default_case_parses_to_its_sizes(self):
         for text in memory_floor.DEFAULT_CASES:
-            memory_floor.Case.parse(text)
+            case = memory_floor.Case.parse(text)
+            self.assertEqual(f"{case.rows}:{case.a}:{case.b}", text)
+            self.assertAlmostEqual(case.read_mb, case.rows * case.a * 2 / 1e6)
 
 
 class NoGpuTest(absltest.TestCase):

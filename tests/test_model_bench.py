@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from jax_cake.tools import bench, model_bench as mb
-from helpers import REPO
+from helpers import REPO, rel_err
 
 
 TINY = mb.Sizes(
@@ -68,6 +68,12 @@ def test_fused_and_separate_skinny_arms_compute_the_same_step():
     assert float(sep[2]) == pytest.approx(float(fused[2]), rel=1e-2)
     for a, b in zip(jax.tree.leaves(sep[1]), jax.tree.leaves(fused[1])):  # Adam moments from dw
         assert a.dtype == b.dtype == jax.numpy.float32
+    # Adam's first moment after one step is (1 - b1) dw: every head's FP32 dw, arm against arm
+    m_sep, m_fused = jax.tree.leaves(sep[1][0]), jax.tree.leaves(fused[1][0])
+    assert len(m_sep) == len(m_fused) == len(TINY.skinny_heads)
+    for a, b in zip(m_sep, m_fused):
+        assert rel_err(b, a) < 1e-5
+    assert rel_err(fused[3], sep[3]) < 1e-2  # dx, bf16
 
 
 def _sample(case, arm, run, groups, loss=1.0, temp=2**20, mode="g"):
