@@ -829,9 +829,8 @@ def test_plan_takes_numpy_ints_and_empty_sizes():
     ],
 )
 def test_force_rejects_bad_pins_by_name(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        with jc.planner.force("det", **kwargs):
-            pass
+    with pytest.raises(error, match=match), jc.planner.force("det", **kwargs):
+        pass
 
 
 def test_force_takes_numpy_ints():

@@ -57,9 +57,8 @@ from typing import Any, Callable, Sequence
 
 from absl import app, flags
 
-from jax_cake.tools import bench
+from jax_cake.tools import bench, plan_rule
 from jax_cake.tools import markdown as md
-from jax_cake.tools import plan_rule
 
 CASES = ("skinny", "block", "block_remat", "mlp", "router", "cold")
 TIMED_CASES = CASES[:-1]

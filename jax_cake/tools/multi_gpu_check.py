@@ -555,7 +555,7 @@ def run_cases(n: int) -> list[dict]:
                             )
                             args = (place(x, data_spec, mesh), place(params, pspecs, mesh), place(t, data_spec, mesh))
                             compiled[arm] = step.lower(*args).compile()
-                        except Exception as e:  # a case that does not build is reported
+                        except Exception as e:  # noqa: BLE001 - a case that does not build is reported
                             report(
                                 f"{case}/{arm}/build",
                                 False if arm == "jax_cake" else None,

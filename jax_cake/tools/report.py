@@ -31,9 +31,8 @@ from typing import Iterable, Mapping, Sequence
 
 from absl import app, flags
 
-from jax_cake.tools import bench
+from jax_cake.tools import bench, plan_rule
 from jax_cake.tools import markdown as md
-from jax_cake.tools import plan_rule
 
 _DOCS = os.path.join(bench.REPO_ROOT, "docs")
 
