@@ -15,7 +15,6 @@ projection's activation is its forward GEMM's "gated" epilogue (docs/architectur
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,12 +24,6 @@ from jax.sharding import PartitionSpec as P
 from jax_cake import remat
 from jax_cake.pipeline import fused, gated, projection, router, validation
 from jax_cake.primitives import partitioning
-
-
-def _batch_of_one(a):
-    """a [..., n] -> [1, T, n], T the product of the leading dimensions. A reshape, not
-    [None]: the transpose of a reshape is a reshape (no reduce)."""
-    return jnp.reshape(a, (1, math.prod(a.shape[:-1]), a.shape[-1]))
 
 
 def _run_projection(fn, x3, w3, residual, r3, acc3, deterministic, request, out, to_y):
@@ -98,16 +91,16 @@ def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None,
         validation.check_residual(fn, residual, lead + (d_out,))
     if grad_accumulator is not None:
         validation.check_accumulator(fn, grad_accumulator, w)
-    out = validation.check_out_sharding(fn, out_sharding, x.ndim)
+    out = validation.check_out_sharding(fn, out_sharding, lead + (d_out,))
     one = (1,) + w.shape
     # The asked-for sharding reaches the GEMM where y3 has it as it is (x of rank 2).
     request = P(None, *out[0]) if out is not None and x.ndim == 2 else None
     return _run_projection(
         fn,
-        _batch_of_one(x),
+        partitioning.merge_leading(x),
         jnp.reshape(w, one),
         residual,
-        None if residual is None else _batch_of_one(residual),
+        None if residual is None else partitioning.merge_leading(residual),
         None if grad_accumulator is None else jnp.reshape(grad_accumulator, one),
         deterministic,
         request,
@@ -138,7 +131,7 @@ def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=Non
         validation.check_residual(fn, residual, (x.shape[0], x.shape[1], w.shape[1]))
     if grad_accumulator is not None:
         validation.check_accumulator(fn, grad_accumulator, w)
-    out = validation.check_out_sharding(fn, out_sharding, 3)
+    out = validation.check_out_sharding(fn, out_sharding, (x.shape[0], x.shape[1], w.shape[1]))
     request = out[0] if out is not None else None
     return _run_projection(
         fn, x, w, residual, residual, grad_accumulator, deterministic, request, out, lambda y3: y3
@@ -173,7 +166,7 @@ def fused_projections(x, ws: Sequence[Any], *, deterministic: bool = True) -> tu
     validation.check_activations(fn, x)
     validation.check_weights(fn, ws, x.shape[-1])
     lead = x.shape[:-1]
-    ys = fused.project_fused(_batch_of_one(x), tuple(ws), deterministic=deterministic)
+    ys = fused.project_fused(partitioning.merge_leading(x), tuple(ws), deterministic=deterministic)
     return tuple(remat.name_output(jnp.reshape(y, lead + (y.shape[-1],))) for y in ys)
 
 
@@ -222,7 +215,7 @@ def gated_projection(x, w_gate, w_up, *, activation: str = "silu", deterministic
     fn = "gated_projection"
     activation, deterministic = _gated_operands(fn, x, w_gate, w_up, activation, deterministic)
     lead, d_ff = x.shape[:-1], w_gate.shape[0]
-    h3 = gated.project_gated(_batch_of_one(x), w_gate, w_up, activation=activation, deterministic=deterministic)
+    h3 = gated.project_gated(partitioning.merge_leading(x), w_gate, w_up, activation=activation, deterministic=deterministic)
     return remat.name_output(jnp.reshape(h3, lead + (d_ff,)))
 
 
@@ -262,11 +255,11 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", residual=No
     if residual is not None:
         validation.check_residual(fn, residual, lead + (d_out,))
     y3 = gated.project_mlp(
-        _batch_of_one(x),
+        partitioning.merge_leading(x),
         w_gate,
         w_up,
         jnp.reshape(w_down, (1,) + w_down.shape),
-        None if residual is None else _batch_of_one(residual),
+        None if residual is None else partitioning.merge_leading(residual),
         activation=activation,
         deterministic=deterministic,
     )

@@ -153,6 +153,62 @@ def test_explicit_shardings_without_a_mesh_context(case):
     _check_values(jax.jit(step)(*args), jax.jit(_step(jc.dense_projection))(x, w, ct), F32)
 
 
+def _grads(fn):
+    return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(fn(x, w).astype(F32) ** 2), argnums=(0, 1)))
+
+
+def _same(got, want, rtol=1e-6):
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        _close(g, r, rtol)
+
+
+OPS_OF_X_W = {
+    "dense": jc.dense_projection,
+    "fused": lambda x, w: jc.fused_projections(x, [w, 2 * w])[1],
+    "gated": lambda x, w: jc.gated_projection(x, w, 0.5 * w),
+    "swiglu": lambda x, w: jc.swiglu_mlp(x, w, 0.5 * w, w.T[:, : w.shape[0]]),
+}
+
+
+@pytest.mark.parametrize("op", OPS_OF_X_W)
+def test_auto_axes_with_unsharded_operands(op):
+    """jit under `jax.set_mesh` of an Auto mesh with operands that are not sharded, and a
+    shard_map over one axis of two: the partitioner's mesh has no devices there, and the
+    per-shard plans go to the default device."""
+    x, w = rand(1, (T, K), BF16), rand(2, (O, K), F32)
+    fn = OPS_OF_X_W[op]
+    want = _grads(fn)(x, w)
+    with jax.set_mesh(_mesh((8,), ("d",), False)):
+        _same(_grads(fn)(x, w), want)
+    mesh = _mesh((4, 2), ("d", "m"), False)
+    y = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"), axis_names={"d"}))(x, w)
+    _same(y, fn(x, w))
+
+
+def test_out_sharding_reshards_unsharded_operands_under_explicit_axes():
+    x, w, r = rand(1, (T, K), BF16), rand(2, (O, K), F32), rand(3, (T, O), BF16)
+    with jax.set_mesh(_mesh((8,), ("d",), True)):
+        y = jax.jit(lambda x: jc.dense_projection(x, w, out_sharding=P("d")))(x)
+        y_res = jax.jit(lambda x: jc.dense_projection(x, w, residual=r, out_sharding=P(None, "d")))(x)
+    assert jax.typeof(y).sharding.spec == P("d", None) and jax.typeof(y_res).sharding.spec == P(None, "d")
+    _same(y, jc.dense_projection(x, w))
+    _same(y_res, jc.dense_projection(x, w, residual=r))
+
+
+@pytest.mark.parametrize("op", OPS_OF_X_W)
+def test_sequence_parallel_activations_under_explicit_axes(op):
+    """x [B, S, d] sharded on S (after an unsharded B): the tokens are gathered for the
+    GEMM (no sharding of the merged T holds them), the values are the unsharded ones and
+    dx keeps x's sharding."""
+    x, w = rand(1, (4, 16, K), BF16), rand(2, (O, K), F32)
+    fn = OPS_OF_X_W[op]
+    want = _grads(fn)(x, w)
+    with jax.set_mesh(_mesh((4, 2), ("d", "m"), True)):
+        got = _grads(fn)(jax.device_put(x, P(None, "d")), w)
+    _same(got, want)
+    assert partitioning.normalize(jax.typeof(got[1][0]).sharding.spec, 3) == ((), ("d",), ())
+
+
 # --- batched_projection and router_logits ---------------------------------------------------
 
 BATCHED_CASES = {
@@ -227,6 +283,10 @@ def test_out_sharding_is_validated_and_named():
             trace(out_sharding=P(None, None, "d"))
         with pytest.raises(ValueError, match="uses mesh axis 'd' twice"):
             trace(out_sharding=P("d", "d"))
+        with pytest.raises(ValueError, match=r"splits output dimension 1 \(size 12\) into 8 parts"):
+            jax.jit(lambda x, w: jc.dense_projection(x, w, out_sharding=P(None, "d"))).trace(
+                x, jax.ShapeDtypeStruct((12, K), F32)
+            )
     xb, wb = jax.ShapeDtypeStruct((2, T, K), BF16), jax.ShapeDtypeStruct((2, O, K), F32)
     with pytest.raises(TypeError, match="batched_projection: out_sharding must be"):
         jax.jit(lambda x, w: jc.batched_projection(x, w, out_sharding=1)).trace(xb, wb)

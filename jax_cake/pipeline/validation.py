@@ -7,6 +7,7 @@ adapters and nothing else.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -202,9 +203,10 @@ def check_residual(fn: str, r, y_shape) -> None:
         )
 
 
-def check_out_sharding(fn: str, out_sharding: Any, ndim: int):
-    """out_sharding as (PartitionSpec, NamedSharding or PartitionSpec) after validation,
-    or None."""
+def check_out_sharding(fn: str, out_sharding: Any, shape: tuple[int, ...]):
+    """out_sharding for an output of `shape`, as (PartitionSpec, NamedSharding or
+    PartitionSpec) after validation, or None."""
+    ndim = len(shape)
     if out_sharding is None:
         return None
     if isinstance(out_sharding, NamedSharding):
@@ -226,7 +228,7 @@ def check_out_sharding(fn: str, out_sharding: Any, ndim: int):
     if len(spec) > ndim:
         raise ValueError(f"{fn}: out_sharding={spec} has {len(spec)} entries, more than the output's rank {ndim}")
     seen: set = set()
-    for axes in partitioning.normalize(spec, ndim):
+    for dim, (size, axes) in enumerate(zip(shape, partitioning.normalize(spec, ndim))):
         for axis in axes:
             if axis not in mesh.axis_names:
                 raise ValueError(
@@ -236,4 +238,10 @@ def check_out_sharding(fn: str, out_sharding: Any, ndim: int):
             if axis in seen:
                 raise ValueError(f"{fn}: out_sharding={spec} uses mesh axis {axis!r} twice")
             seen.add(axis)
+        parts = math.prod(mesh.shape[axis] for axis in axes)
+        if size % parts:
+            raise ValueError(
+                f"{fn}: out_sharding={spec} splits output dimension {dim} (size {size}) into {parts} "
+                "parts, which do not divide it"
+            )
     return spec, out_sharding

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from typing import Any, Callable
 
@@ -245,9 +246,20 @@ def _propagate_user(name, local, mesh, user_shape):
     return user_shape.sharding
 
 
+def _device_of(mesh) -> device_lib.DeviceInfo:
+    """The device the per-shard GEMMs are planned for: the mesh's, else (a mesh the
+    partitioner hands over without devices: jit under `jax.set_mesh` on unsharded operands)
+    its abstract device, else the default one."""
+    first = mesh.devices.flat[0]
+    if first is not None:
+        return device_lib.from_jax_device(first)
+    abstract_device = getattr(getattr(mesh, "abstract_mesh", None), "abstract_device", None)
+    return device_lib.from_jax_device(abstract_device) if abstract_device is not None else device_lib.current()
+
+
 def _partition(name, local, mesh, arg_shapes, result_shape):
     d = _mesh_decision(name, mesh, arg_shapes, result_shape)
-    device = device_lib.from_jax_device(mesh.devices.flat[0])
+    device = _device_of(mesh)
     out_dtype = result_shape.dtype
 
     def lower_fn(a, b):
@@ -298,6 +310,34 @@ def explicit_mesh(*arrays):
         if not mesh.empty and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
             return mesh
     return None
+
+
+def merge_leading(a):
+    """a [..., n] -> [1, T, n], T the product of the leading dimensions. A reshape, not
+    [None]: the transpose of a reshape is a reshape (no reduce). Under Explicit axes the
+    merged T keeps the leading dimensions' sharding where they are sharded first (tokens
+    sharded on the batch dimension); a sharded dimension after an unsharded one (sequence
+    parallel: [B, S@axis, n]) has no sharding of T to go to, so those dimensions are
+    gathered, with a log line."""
+    shape = (1, math.prod(a.shape[:-1]), a.shape[-1])
+    if explicit_mesh(a) is None:
+        return jax.numpy.reshape(a, shape)
+    spec = normalize(jax.typeof(a).sharding.spec, a.ndim)
+    sharded = [bool(axes) for axes in spec[:-1]]
+    if sharded == sorted(sharded, reverse=True):
+        return jax.numpy.reshape(a, shape)
+    _log_gathered_leading_once(str(to_pspec(spec)), str(a.shape))
+    return jax.numpy.reshape(a, shape, out_sharding=to_pspec(((), (), spec[-1])))
+
+
+@functools.cache
+def _log_gathered_leading_once(spec: str, shape: str) -> None:
+    logging.getLogger("jax_cake").warning(
+        "jax_cake: an operand %s sharded %s has a sharded leading dimension after an unsharded one; "
+        "its tokens are gathered for the GEMM (shard the first leading dimension to keep them local)",
+        shape,
+        spec,
+    )
 
 
 def explicit_call(name: str, local: Local, a, b, *, mesh, device, out_request: Any = None):
@@ -376,13 +416,18 @@ def as_primal_types(cotangents, primals):
 
 def apply_out_sharding(y, checked):
     """y with the sharding asked for (`checked`: (PartitionSpec, the caller's sharding) or
-    None): a reshard under Explicit axes, a constraint otherwise."""
+    None): a reshard where y's type or the asked-for mesh has Explicit axes (a constraint
+    there is an assert, and y may be unsharded), a constraint otherwise."""
     if checked is None:
         return y
     spec, out_sharding = checked
-    if explicit_mesh(y) is not None:
-        return reshard_to(y, spec)
-    return jax.lax.with_sharding_constraint(y, out_sharding)
+    named = isinstance(out_sharding, NamedSharding)
+    mesh = out_sharding.mesh if named else jax.sharding.get_abstract_mesh()
+    if explicit_mesh(y) is None and not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return jax.lax.with_sharding_constraint(y, out_sharding)
+    if normalize(jax.typeof(y).sharding.spec, y.ndim) == normalize(spec, y.ndim):
+        return y
+    return jax.sharding.reshard(y, NamedSharding(mesh, spec) if named else spec)
 
 
 def manual(*arrays) -> bool:
