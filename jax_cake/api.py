@@ -215,7 +215,8 @@ def gated_projection(x, w_gate, w_up, *, activation: str = "silu", deterministic
     fn = "gated_projection"
     activation, deterministic = _gated_operands(fn, x, w_gate, w_up, activation, deterministic)
     lead, d_ff = x.shape[:-1], w_gate.shape[0]
-    h3 = gated.project_gated(partitioning.merge_leading(x), w_gate, w_up, activation=activation, deterministic=deterministic)
+    x3 = partitioning.merge_leading(x)
+    h3 = gated.project_gated(x3, w_gate, w_up, activation=activation, deterministic=deterministic)
     return remat.name_output(jnp.reshape(h3, lead + (d_ff,)))
 
 

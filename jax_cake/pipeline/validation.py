@@ -239,7 +239,7 @@ def check_out_sharding(fn: str, out_sharding: Any, shape: tuple[int, ...]):
                 raise ValueError(f"{fn}: out_sharding={spec} uses mesh axis {axis!r} twice")
             seen.add(axis)
         parts = math.prod(mesh.shape[axis] for axis in axes)
-        if size % parts:
+        if isinstance(size, int) and size % parts:  # (a symbolic size is checked by jax)
             raise ValueError(
                 f"{fn}: out_sharding={spec} splits output dimension {dim} (size {size}) into {parts} "
                 "parts, which do not divide it"

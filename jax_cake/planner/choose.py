@@ -517,13 +517,15 @@ def plan(
         return _xla_plan(*args, "JAX_CAKE_DISABLE is set: XLA dot_general with the same semantics")
     if symbolic:
         return _xla_plan(
-            *args, f"symbolic {', '.join(symbolic)} (a shape-polymorphic export): the kernels are planned for static sizes"
+            *args,
+            f"symbolic {', '.join(symbolic)} (a shape-polymorphic export): the kernels are planned for static sizes",
         )
     if dev.platform != "cuda":
         return _xla_plan(*args, f"no CUDA GPU ({dev.describe()}): XLA dot_general with the same semantics")
     if dev.arch not in contract.KERNEL_ARCHS:  # no kernels compiled for it: the XLA path
         reason = (
-            f"no jax_cake kernels are built for {dev.arch} ({dev.kind}); kernels exist for {', '.join(contract.KERNEL_ARCHS)}: "
+            f"no jax_cake kernels are built for {dev.arch} ({dev.kind}); kernels exist for "
+            f"{', '.join(contract.KERNEL_ARCHS)}: "
             "XLA dot_general with the same semantics"
         )
         if op == "wgrad" and not deterministic and dev.sm_count is not None and tables.load(dev.arch) is not None:
