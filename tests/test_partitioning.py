@@ -209,6 +209,22 @@ def test_sequence_parallel_activations_under_explicit_axes(op):
     assert partitioning.normalize(jax.typeof(got[1][0]).sharding.spec, 3) == ((), ("d",), ())
 
 
+def test_shape_polymorphic_export_under_a_mesh():
+    """A symbolic token count plans the XLA path; under a mesh that GEMM is XLA's to
+    partition (custom_partitioning lowers static shapes only)."""
+    from jax import export
+
+    (t,) = export.symbolic_shape("t")
+    specs = jax.ShapeDtypeStruct((t, K), BF16), jax.ShapeDtypeStruct((O, K), F32)
+    with jax.set_mesh(_mesh((8,), ("d",), False)):
+        exported = export.export(jax.jit(lambda x, w: jc.dense_projection(x, w, out_sharding=P("d"))))(*specs)
+        x, w = rand(1, (T, K), BF16), rand(2, (O, K), F32)
+        named = lambda v, spec: jax.device_put(v, NamedSharding(jax.sharding.get_mesh(), spec))
+        y = exported.call(named(x, P("d")), named(w, P()))
+    assert str(exported.out_avals[0].shape) == f"(t, {O})"
+    _same(y, jc.dense_projection(x, w))
+
+
 # --- batched_projection and router_logits ---------------------------------------------------
 
 BATCHED_CASES = {

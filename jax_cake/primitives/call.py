@@ -121,7 +121,9 @@ def call_sharded(local: Local, a, b, out_sharding=None):
     if mesh is not None:
         device = device_lib.current(a, b)
         return partitioning.explicit_call(local.op, local, a, b, mesh=mesh, device=device, out_request=out_sharding)
-    if partitioning.unpartitioned(a, b):
+    if partitioning.unpartitioned(a, b) or any(map(jax.export.is_symbolic_dim, a.shape + b.shape)):
+        # (custom_partitioning lowers static shapes only; a shape-polymorphic export's
+        # GEMM is planned on the XLA path, which XLA partitions itself)
         return local(a, b)
     return partitioning.partitioned_call(local.op, local, a, b)
 
