@@ -471,7 +471,7 @@ def plan(
     for name, size in sizes.items():
         if name in symbolic:  # a shape-polymorphic export's dimension: planned below
             continue
-        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)):
+        if not overrides.is_int(size):
             raise TypeError(f"plan: {name} must be an int, got {type(size).__name__}")
         if size < 0:
             raise ValueError(f"plan: {name} must be >= 0, got {size}")

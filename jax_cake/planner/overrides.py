@@ -42,8 +42,8 @@ def released() -> Iterator[None]:
         _forced.update(saved)
 
 
-def _is_int(v) -> bool:
-    """A Python or numpy integer, not a bool."""
+def is_int(v) -> bool:
+    """A Python or numpy integer, not a bool (the planner's sizes and pins)."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
@@ -78,13 +78,13 @@ def force(
     if cluster not in (None, (1, 1), (2, 1)):
         raise ValueError(f"force: cluster must be None, (1, 1) or (2, 1), got {cluster!r}")
     if splits is not None:
-        if not _is_int(splits):
+        if not is_int(splits):
             raise TypeError(f"force: splits must be None or an int, got {type(splits).__name__}")
         if splits < 1:
             raise ValueError(f"force: splits must be >= 1, got {splits}")
         splits = int(splits)
     if tile is not None:
-        if not (isinstance(tile, (tuple, list)) and len(tile) == 3 and all(_is_int(d) for d in tile)):
+        if not (isinstance(tile, (tuple, list)) and len(tile) == 3 and all(is_int(d) for d in tile)):
             raise TypeError(f"force: tile must be None or (tile_m, tile_n, tile_k), three ints, got {tile!r}")
         if min(tile) < 1:
             raise ValueError(f"force: tile sizes must be >= 1, got {tile!r}")

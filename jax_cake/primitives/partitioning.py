@@ -249,12 +249,9 @@ def _propagate_user(name, local, mesh, user_shape):
 def _device_of(mesh) -> device_lib.DeviceInfo:
     """The device the per-shard GEMMs are planned for: the mesh's, else (a mesh the
     partitioner hands over without devices: jit under `jax.set_mesh` on unsharded operands)
-    its abstract device, else the default one."""
+    the one a trace would plan for."""
     first = mesh.devices.flat[0]
-    if first is not None:
-        return device_lib.from_jax_device(first)
-    abstract_device = getattr(getattr(mesh, "abstract_mesh", None), "abstract_device", None)
-    return device_lib.from_jax_device(abstract_device) if abstract_device is not None else device_lib.current()
+    return device_lib.current() if first is None else device_lib.from_jax_device(first)
 
 
 def _partition(name, local, mesh, arg_shapes, result_shape):
@@ -356,14 +353,16 @@ def explicit_call(name: str, local: Local, a, b, *, mesh, device, out_request: A
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=to_pspec(d.out_spec))(a, b)
 
 
-def _reshard(v, spec: P):
+def _reshard(v, spec: P, mesh=None):
+    """v resharded to `spec` on `mesh`; without one, on v's own mesh where its type has one
+    (a bare PartitionSpec needs a `jax.set_mesh` context, and a caller may pass
+    Explicit-sharded arrays without one), else on the context's mesh."""
     sharding = jax.typeof(v).sharding
     if normalize(sharding.spec, v.ndim) == normalize(spec, v.ndim):
         return v
-    # On v's own mesh where its type has one (a bare PartitionSpec needs a `jax.set_mesh`
-    # context, and a caller may pass Explicit-sharded arrays without one); an unsharded v
-    # goes to the context's mesh.
-    return jax.sharding.reshard(v, spec if sharding.mesh.empty else NamedSharding(sharding.mesh, spec))
+    if mesh is None and not sharding.mesh.empty:
+        mesh = sharding.mesh
+    return jax.sharding.reshard(v, spec if mesh is None else NamedSharding(mesh, spec))
 
 
 def reshard_to(v, spec):
@@ -425,9 +424,7 @@ def apply_out_sharding(y, checked):
     mesh = out_sharding.mesh if named else jax.sharding.get_abstract_mesh()
     if explicit_mesh(y) is None and not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
         return jax.lax.with_sharding_constraint(y, out_sharding)
-    if normalize(jax.typeof(y).sharding.spec, y.ndim) == normalize(spec, y.ndim):
-        return y
-    return jax.sharding.reshard(y, NamedSharding(mesh, spec) if named else spec)
+    return _reshard(y, spec, out_sharding.mesh if named else None)
 
 
 def manual(*arrays) -> bool:
