@@ -2,11 +2,12 @@
 
 Runs on a CPU machine (no GPU, no driver needed):
   1. compiles every kernel variant of jax_cake/planner/variants.py and
-     router_variants.py with CuTe DSL for the target arch (CUTE_DSL_ARCH is set before cutlass is imported), with dynamic
-     M/N/K/L, and exports each one to C (`<name>.h` + `<name>.o`) under build/obj/;
+     router_variants.py with CuTe DSL for the target arch (CUTE_DSL_ARCH is set before
+     cutlass is imported), with dynamic M/N/K/L, and exports each one to C (`<name>.h` +
+     `<name>.o`) under build/obj/;
   2. generates build/obj/jax_cake_variants.inc and jax_cake_router_variants.inc (the
-     variant tables for the handlers, jax_cake/module_table.py) and jax_cake_codes.h (the FFI codes and names of
-     jax_cake/contract.py, which ffi/*.cc include);
+     variant tables for the handlers, jax_cake/module_table.py) and jax_cake_codes.h (the
+     FFI codes and names of jax_cake/contract.py, which ffi/*.cc include);
   3. compiles ffi/splitk_reduce.cu (nvcc) and ffi/*.cc (g++) against the XLA FFI
      headers of the oldest supported jaxlib (--ffi_headers_jaxlib), because a handler
      built with newer headers fails on an older runtime while older headers work on

@@ -1,10 +1,10 @@
 """C++ glue for exported CuTe DSL kernels: per-variant module loaders and launchers.
 
 Both generated variant tables (jax_cake_variants.inc and jax_cake_router_variants.inc,
-which jax_cake/build.py writes through jax_cake/module_table.py) are built from these pieces: the
-exported headers' error checks routed into a status the handlers can return, then one
-module, loader and launcher per variant, each launcher copying the handler's operand
-structs into the exported wrapper's tensor structs.
+which jax_cake/build.py writes through jax_cake/module_table.py) are built from these
+pieces: the exported headers' error checks routed into a status the handlers can return,
+then one module, loader and launcher per variant, each launcher copying the handler's
+operand structs into the exported wrapper's tensor structs.
 """
 
 from __future__ import annotations
