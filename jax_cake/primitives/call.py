@@ -189,7 +189,71 @@ def _public(op: str, a, b, plan: Plan, deterministic, out_sharding, add_to=None)
     if deterministic is None:
         deterministic = plan.deterministic
     epilogue = "store" if add_to is None else "add"
-    return call(Local(op, plan, bool(deterministic), epilogue), a, b, add_to, out_sharding)
+    return _role(Local(op, plan, bool(deterministic), epilogue), out_sharding, a, b, add_to)
+
+
+# --- second order: the gradient of a GEMM role is the other two roles ----------------------
+#
+# Each role is linear in each operand, so reverse-over-reverse autodiff (the gradient of a
+# pipeline's backward: a Hessian-vector product, a gradient penalty) runs the kernels'
+# roles again with the cotangent in the place of one operand:
+#
+#   fwd    y = a b^T  (a [B, T, K], b [B, N, K]):  da = dgrad(g, b),  db = wgrad(g, a)
+#   dgrad  y = a b    (a [B, T, N], b [B, N, K]):  da = fwd(g, b),    db = wgrad(a, g)
+#   wgrad  y = a^T b  (a [B, T, N], b [B, T, K]):  da = fwd(b, g),    db = dgrad(a, g)
+#
+# (the router's roles the same in FP32 by BF16x3, without B); the "add" epilogue's addend
+# gets g. Each cotangent is made in its operand's dtype and, under Explicit axes, sharding.
+
+
+def _second_order_plan(op: str, a, b, out_dtype, deterministic: bool) -> Plan:
+    kwargs = dict(sizes(op, a.shape, b.shape), device=device_lib.current(a, b))
+    if op == "wgrad" or op.startswith("router_"):
+        kwargs["out_dtype"] = out_dtype
+    if op.endswith("wgrad"):
+        kwargs["deterministic"] = deterministic
+    return make_plan(op, **kwargs)
+
+
+def _run_role(op: str, a, b, out_dtype, deterministic: bool, out_sharding):
+    plan = _second_order_plan(op, a, b, out_dtype, deterministic)
+    return _public(op, a, b, plan, deterministic, out_sharding)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _role(local: Local, out_sharding, a, b, c):
+    return call(local, a, b, c, out_sharding)
+
+
+def _role_fwd(local, out_sharding, a, b, c):
+    return call(local, a, b, c, out_sharding), (a, b, c)
+
+
+def _role_bwd(local, out_sharding, saved, g):
+    del out_sharding
+    a, b, c = saved
+    prefix = "router_" if local.op.startswith("router_") else ""
+    role = local.op.removeprefix(prefix)
+    # The router's roles are FP32 throughout; the bf16 roles take a bf16 cotangent (the
+    # addend's cotangent is g itself).
+    dc = None if c is None else partitioning.as_primal_types((g.astype(c.dtype),), (c,))[0]
+    g = g.astype(a.dtype)
+    a_spec, b_spec = partitioning.explicit_specs(a, b) or (None, None)
+
+    def run(op, p, q, out_dtype, spec):
+        return _run_role(prefix + op, p, q, out_dtype, local.deterministic, spec)
+
+    if role == "fwd":
+        da, db = run("dgrad", g, b, a.dtype, a_spec), run("wgrad", g, a, b.dtype, b_spec)
+    elif role == "dgrad":
+        da, db = run("fwd", g, b, a.dtype, a_spec), run("wgrad", a, g, b.dtype, b_spec)
+    else:
+        da, db = run("fwd", b, g, a.dtype, a_spec), run("dgrad", a, g, b.dtype, b_spec)
+    da, db = partitioning.as_primal_types((da.astype(a.dtype), db.astype(b.dtype)), (a, b))
+    return da, db, dc
+
+
+_role.defvjp(_role_fwd, _role_bwd)
 
 
 # --- the primitives ------------------------------------------------------------------------
@@ -223,7 +287,21 @@ def _fused_or(fused_call, fallback, out_batched, *operands):
         in_axes = tuple(0 if b else None for b in in_batched)
         return jax.vmap(fallback, in_axes=in_axes, axis_size=axis_size)(*operands), out_batched
 
-    return call(*operands)
+    # Differentiated (only reverse-over-reverse reaches here: a pipeline's custom_vjp
+    # differentiates it once) through the unfused form: its GEMM roles and XLA's
+    # elementwise gradient of the epilogue.
+    @jax.custom_vjp
+    def differentiable(*operands):
+        return call(*operands)
+
+    def differentiable_fwd(*operands):
+        return call(*operands), operands
+
+    def differentiable_bwd(operands, cotangent):
+        return jax.vjp(fallback, *operands)[1](cotangent)
+
+    differentiable.defvjp(differentiable_fwd, differentiable_bwd)
+    return differentiable(*operands)
 
 
 def fwd_gated(x, w, plan: Plan, activation: str, block: int, *, out_sharding=None):
