@@ -25,3 +25,6 @@ def test_readme_python_snippets_run():
     assert float(scope["loss"]) == 1024 * 512 * 256  # the Auto-axes step: y = 256 everywhere
     assert scope["y_by_column"].sharding.spec == P(None, "data")
     assert (scope["ys"] == scope["ys_per_w"]).all()
+    # H v of 0.5 |x w^T|^2 is v x^T x: with x and v all ones, 512 tokens x 256 = 131072.
+    assert scope["hvp"].dtype == jnp.float32 and scope["hvp"].shape == (48, 256)
+    assert float(scope["hvp"].min()) == float(scope["hvp"].max()) == 512 * 256
