@@ -170,3 +170,77 @@ def deinterleave(v, axis: int, block: int = 1):
     pairs = jnp.reshape(v, v.shape[:axis] + (f // block, 2, block) + v.shape[axis + 1 :])
     halves = (lax.index_in_dim(pairs, i, axis + 1, keepdims=False) for i in (0, 1))
     return tuple(jnp.reshape(h, v.shape[:axis] + (f,) + v.shape[axis + 1 :]) for h in halves)
+
+
+# --- grouped (ragged) GEMMs: one weight per group of rows (MoE experts) ----------------------
+#
+# The rows of the activations are sorted by group and group_sizes [G] (int32, a run-time
+# array) says how many rows each group holds. The sizes are made safe first
+# (`grouped_sizes`): a negative size counts as 0 and the groups are cut where their running
+# sum reaches the row count M, so no GEMM reads or writes a row past M. Rows from
+# sum(sizes) on belong to no group: their y and dx are 0 (a select, so whatever those rows
+# hold never reaches a result) and they add nothing to dw. Each result is the FP32 product
+# rounded once to its dtype, by construction (an FP32 ragged dot, then one convert), on
+# every backend. Leading dimensions, where present, are batch dimensions of every operand
+# alike (a vmapped batch of independent calls): x [..., M, K], w [..., G, N, K],
+# group_sizes [..., G].
+
+
+def grouped_sizes(group_sizes, rows: int):
+    """group_sizes [..., G] made safe for `rows` rows: max(s, 0) each, and cut where the
+    running sum reaches `rows` (a later group keeps what is left, then 0). The running sum
+    saturates at `rows` (min(a, rows - b) + b for a, b in [0, rows]: no int32 overflow)."""
+    clipped = jnp.clip(group_sizes.astype(jnp.int32), 0, rows)
+    if clipped.shape[-1] == 0:
+        return clipped
+    ends = lax.associative_scan(lambda a, b: jnp.minimum(a, rows - b) + b, clipped, axis=clipped.ndim - 1)
+    starts = jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends[..., :-1]], axis=-1)
+    return ends - starts
+
+
+def _grouped(a, b, group_sizes, role: str, out_dtype):
+    """The grouped GEMM `role` ("fwd", "dgrad", "wgrad") over any leading batch dimensions
+    (flattened into one for lax.ragged_dot_general)."""
+    lead, m = a.shape[:-2], a.shape[-2]
+    nb = 1 if lead else 0
+    if lead:
+        flat = 1
+        for size in lead:
+            flat *= size
+        a, b = jnp.reshape(a, (flat,) + a.shape[-2:]), jnp.reshape(b, (flat,) + b.shape[len(lead) :])
+        group_sizes = jnp.reshape(group_sizes, (flat, group_sizes.shape[-1]))
+    sizes = grouped_sizes(group_sizes, m)
+    batch = ((0,), (0,)) if lead else ((), ())
+    if role == "fwd":  # a [M, K] . b [G, N, K]^T, rows of a ragged
+        dims = lax.RaggedDotDimensionNumbers((((nb + 1,), (nb + 2,)), batch), [nb], [nb])
+    elif role == "dgrad":  # a [M, N] . b [G, N, K], rows of a ragged
+        dims = lax.RaggedDotDimensionNumbers((((nb + 1,), (nb + 1,)), batch), [nb], [nb])
+    else:  # wgrad: a [M, N]^T . b [M, K], the contracted rows ragged: [G, N, K]
+        dims = lax.RaggedDotDimensionNumbers((((nb,), (nb,)), batch), [nb], [])
+    out = lax.ragged_dot_general(a, b, sizes, dims, preferred_element_type=_F32)
+    if role == "wgrad":
+        if lead:  # the group dimension comes first: [G, B, N, K] -> [B, G, N, K]
+            out = jnp.moveaxis(out, 0, 1)
+    else:  # rows past the groups' sum are 0, whatever the backend's ragged dot leaves there
+        live = lax.broadcasted_iota(jnp.int32, out.shape[:-1] + (1,), nb) < jnp.sum(sizes, axis=-1)[..., None, None]
+        out = jnp.where(live, out, jnp.zeros((), _F32))
+    out = out.astype(out_dtype)
+    return jnp.reshape(out, lead + out.shape[nb:])
+
+
+def grouped_fwd(x, w, group_sizes, out_dtype=_BF16):
+    """y[M, N] (bf16, or out_dtype) with y[r] = x[r] . w[g(r)]^T: x [M, K], w [G, N, K],
+    g(r) the group row r falls in; 0 for rows past the groups."""
+    return _grouped(x, w, group_sizes, "fwd", out_dtype)
+
+
+def grouped_dgrad(dy, w, group_sizes, out_dtype=_BF16):
+    """dx[M, K] (bf16, or out_dtype) with dx[r] = dy[r] . w[g(r)]: dy [M, N], w [G, N, K];
+    0 for rows past the groups."""
+    return _grouped(dy, w, group_sizes, "dgrad", out_dtype)
+
+
+def grouped_wgrad(dy, x, group_sizes, out_dtype):
+    """dw[G, N, K] (out_dtype, from the FP32 sum) with dw[g] = dy[rows of g]^T . x[rows of g]:
+    dy [M, N], x [M, K]; exactly 0 for an empty group."""
+    return _grouped(dy, x, group_sizes, "wgrad", out_dtype)
