@@ -4,6 +4,7 @@ import jax_cake as jc
 y = jc.dense_projection(x, w, deterministic=True)    # y = x @ w.T
 q, k, v = jc.fused_projections(x, (wq, wk, wv))      # one GEMM launch each for fwd, dx, dw
 y = jc.swiglu_mlp(x, w_gate, w_up, w_down)            # silu(x @ w_gate.T) * (x @ w_up.T) @ w_down.T
+y = jc.grouped_projection(x, w, group_sizes)          # y[r] = x[r] @ w[group of r].T (MoE experts)
 print(jc.explain(jc.plan("wgrad", tokens=16384, d_in=4096, d_out=48)))
 """
 
@@ -13,6 +14,8 @@ from jax_cake.api import (
     dense_projection,
     fused_projections,
     gated_projection,
+    grouped_projection,
+    ragged_dot,
     router_logits,
     swiglu_mlp,
 )
@@ -29,8 +32,10 @@ __all__ = [
     "explain",
     "fused_projections",
     "gated_projection",
+    "grouped_projection",
     "plan",
     "promote_dtype",
+    "ragged_dot",
     "remat",
     "router_logits",
     "swiglu_mlp",

@@ -1,5 +1,6 @@
-"""The public ops: dense, batched, fused and gated projections, the SwiGLU MLP and the
-FP32 router GEMM.
+"""The public ops: dense, batched, fused and gated projections, the SwiGLU MLP, the FP32
+router GEMM and the grouped (ragged) projections of MoE experts (grouped_projection and
+ragged_dot, a drop-in for jax.lax.ragged_dot).
 
 Each op validates its arguments (jax_cake.pipeline.validation: a bad argument raises a
 TypeError or ValueError naming it, at trace time, before anything runs), brings them to
@@ -15,15 +16,20 @@ projection's activation is its forward GEMM's "gated" epilogue (docs/architectur
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_cake import remat
-from jax_cake.pipeline import fused, gated, projection, router, validation
+from jax_cake.pipeline import fused, gated, grouped, projection, router, validation
 from jax_cake.primitives import partitioning
+
+_log = logging.getLogger("jax_cake")
 
 
 def _run_projection(fn, x3, w3, residual, r3, acc3, deterministic, request, out, to_y):
@@ -285,3 +291,143 @@ def router_logits(x, w, *, deterministic: bool = True):
     fn = "router_logits"
     deterministic = validation.check_router_operands(fn, x, w, deterministic)
     return remat.name_output(router.route(x, w, deterministic=deterministic))
+
+
+def grouped_projection(x, w, group_sizes, *, deterministic: bool = True):
+    """y[r] = x[r] @ w[g(r)].T: one weight per group of rows (MoE experts), g(r) the group
+    row r falls in, with BF16 operands and FP32 accumulation.
+
+    Groups: the rows of x are sorted by group; group i holds the next group_sizes[i] rows
+    (a run-time array: the sizes may change from step to step with no recompilation and no
+    host sync). The sizes are made safe inside the op, never read on the host: a negative
+    size counts as 0, and the groups are cut at M (the groups' running sum stops at M: the
+    group that crosses it keeps the rows up to M, later groups none). So no GEMM reads or
+    writes out of bounds, and the results are finite for finite inputs. Rows from
+    sum(sizes) on (after those rules) belong to no group: their y is 0, their dx is 0, and
+    they add nothing to dw, whatever they hold.
+
+    Values: each output element is the FP32 sum of its products rounded once to bf16 (an
+    FP32 result, then one rounding, on every backend); dw in w's dtype straight from the
+    FP32 sum (an FP32 master weight gets an FP32 gradient, never rounded to bf16); an
+    empty group's dw is exactly 0. The GEMMs run XLA's ragged dot today (no grouped
+    kernel is built yet: `jc.explain(jc.plan("grouped_fwd", ...))` says so); a kernel
+    will take their place with the same API and semantics.
+
+    Args:
+      x: [M, d_in] bfloat16 tokens, rows sorted by group.
+      w: [G, d_out, d_in] bfloat16 or float32 (a master weight: rounded to bfloat16 for the
+        products, its gradient float32).
+      group_sizes: [G] int32, rows per group (see Groups above).
+      deterministic: keyword-only, as in dense_projection (the XLA path is bitwise
+        reproducible either way).
+
+    Returns:
+      y: [M, d_out] bfloat16. Gradients: dx bfloat16, dw in w's dtype (group_sizes gets
+      none). Differentiable twice (grad of grad); jax.jvp raises custom_vjp's error.
+      Under jit with sharded inputs: tokens sharded keep their sharding, w sharded on
+      d_out or d_in works as in dense_projection; w sharded on its expert axis G is
+      gathered (each device's tokens may use any expert): for expert parallelism, run
+      it under jax.shard_map with the caller's all-to-all (examples/expert_parallel.py).
+
+    Raises (at trace time): TypeError / ValueError naming the bad argument.
+    """
+    fn = "grouped_projection"
+    deterministic = validation.check_grouped_operands(fn, x, w, group_sizes, deterministic)
+    return remat.name_output(grouped.project_grouped(x, w, group_sizes, deterministic=deterministic))
+
+
+@functools.cache
+def _log_ragged_dot_fallback_once(reason: str) -> None:
+    _log.info("jax_cake: ragged_dot runs jax.lax.ragged_dot: %s", reason)
+
+
+def _ragged_dot_fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, out_sharding) -> str:
+    """Why jax_cake does not serve this ragged_dot call ("" where it does; see ragged_dot)."""
+    if not all(hasattr(v, "shape") and hasattr(v, "dtype") for v in (lhs, rhs, group_sizes)):
+        return "an operand is not an array"
+    lhs_dtype, rhs_dtype = jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype)
+    if lhs_dtype != jnp.dtype(jnp.bfloat16):
+        return f"lhs is {lhs_dtype.name}: jax_cake's grouped GEMMs take bfloat16 activations"
+    if rhs_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        return f"rhs is {rhs_dtype.name}: jax_cake takes a bfloat16 rhs or a float32 master"
+    if preferred_element_type is not None and jnp.dtype(preferred_element_type) != jnp.dtype(jnp.bfloat16):
+        name = jnp.dtype(preferred_element_type).name
+        return f"preferred_element_type {name}: jax_cake's grouped GEMMs write bfloat16"
+    if preferred_element_type is None and rhs_dtype == jnp.dtype(jnp.float32):
+        return (
+            "a float32 rhs with preferred_element_type=None has a float32 result in lax (pass "
+            "preferred_element_type=jnp.bfloat16 for jax_cake's float32 master weight)"
+        )
+    if not validation.is_default_precision(precision):
+        return f"precision={precision!r}: jax_cake runs the default precision only"
+    if group_offset is not None:
+        return "group_offset is given: jax_cake takes every group"
+    if out_sharding is not None:
+        return "out_sharding is given"
+    if jnp.dtype(group_sizes.dtype) != jnp.dtype(jnp.int32):
+        return f"group_sizes is {jnp.dtype(group_sizes.dtype).name}, not int32"
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
+        return "shapes other than lhs [M, K], rhs [G, K, N], group_sizes [G]"
+    if lhs.shape[1] != rhs.shape[1] or group_sizes.shape[0] != rhs.shape[0] or rhs.shape[0] < 1:
+        return "shapes other than lhs [M, K], rhs [G, K, N], group_sizes [G] with G >= 1"
+    return ""
+
+
+def ragged_dot(
+    lhs,
+    rhs,
+    group_sizes,
+    precision=None,
+    preferred_element_type=None,
+    group_offset=None,
+    out_sharding=None,
+    *,
+    deterministic: bool = True,
+):
+    """A drop-in for `jax.lax.ragged_dot` (same signature, result dtypes and values) that
+    runs jax_cake's grouped projection where it can: MoE code written against lax swaps
+    one name.
+
+    out[r] = lhs[r] @ rhs[g(r)] with lhs [M, K], rhs [G, K, N] (lax's layout, used as
+    stored: no transposed copy of the weights; the forward is the grouped "dgrad" GEMM, as
+    the projection pipeline's "kn" layout does) and group_sizes [G].
+
+    Served by jax_cake (grouped_projection's semantics, gradients and plan) when all of:
+      - lhs is bfloat16 [M, K], rhs [G, K, N] with G >= 1, group_sizes int32 [G];
+      - rhs is bfloat16 with preferred_element_type None or bfloat16 (lax's result is
+        bfloat16: jax_cake computes it as the FP32 sum rounded once), or rhs is float32
+        with preferred_element_type=jnp.bfloat16 (a master weight: rounded to bfloat16 for
+        the products, where lax would multiply the float32 values, and its gradient is
+        float32 from the FP32 accumulator);
+      - precision is the default (None, Precision.DEFAULT or a pair of them), group_offset
+        and out_sharding are None.
+    Every other call is `jax.lax.ragged_dot` with the caller's arguments, unchanged (with
+    a log line on the "jax_cake" logger, once per reason): float32 activations, a float32
+    result, another precision, group_offset, out_sharding, other shapes (lax's own
+    errors).
+
+    Where served, the values are lax.ragged_dot's for valid group sizes (sizes >= 0,
+    summing to at most M; rows past the sum are 0 in both), and jax_cake's rules hold
+    beyond: a negative size counts as 0 and groups are cut at M (grouped_projection), where
+    lax's result is unspecified.
+
+    deterministic: keyword-only, as in grouped_projection.
+    """
+    reason = _ragged_dot_fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, out_sharding)
+    if reason:
+        _log_ragged_dot_fallback_once(reason)
+        return lax.ragged_dot(
+            lhs,
+            rhs,
+            group_sizes,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            group_offset=group_offset,
+            out_sharding=out_sharding,
+        )
+    fn = "ragged_dot"
+    deterministic = validation.check_grouped_operands(
+        fn, lhs, rhs, group_sizes, deterministic, names=("lhs", "rhs"), layout="kn"
+    )
+    y = grouped.project_grouped(lhs, rhs, group_sizes, deterministic=deterministic, layout="kn")
+    return remat.name_output(y)

@@ -245,3 +245,55 @@ def check_out_sharding(fn: str, out_sharding: Any, shape: tuple[int, ...]):
                 "parts, which do not divide it"
             )
     return spec, out_sharding
+
+
+def check_grouped_operands(
+    fn: str, x, w, group_sizes, deterministic: Any, names=("x", "w"), layout: str = "nk"
+) -> bool:
+    """deterministic; x [M, d_in] bf16 (rows sorted by group); w [G, d_out, d_in] (layout
+    "nk") or [G, d_in, d_out] ("kn", lax.ragged_dot's rhs) bf16 or f32 with G >= 1;
+    group_sizes [G] int32. `names`: what the caller calls x and w. Returns deterministic
+    as a bool."""
+    deterministic = check_deterministic(fn, deterministic)
+    x_name, w_name = names
+    check_array(fn, x_name, x)
+    check_array(fn, w_name, w)
+    check_array(fn, "group_sizes", group_sizes)
+    check_dtype(fn, x_name, x, (jnp.bfloat16,), f" (cast activations with {x_name}.astype(jnp.bfloat16))")
+    check_dtype(fn, w_name, w, (jnp.bfloat16, jnp.float32), "")
+    w_layout = "[G, d_out, d_in]" if layout == "nk" else "[G, K, N]"
+    check_rank(fn, x_name, x, 2, "[M, d_in] with its rows sorted by group" if layout == "nk" else "[M, K]")
+    check_rank(fn, w_name, w, 3, w_layout)
+    d_in_axis = 2 if layout == "nk" else 1
+    if x.shape[1] != w.shape[d_in_axis]:
+        raise ValueError(
+            f"{fn}: {x_name}.shape[1] ({x.shape[1]}) must equal {w_name}.shape[{d_in_axis}] "
+            f"({w.shape[d_in_axis]}), the contracted size; {w_name} is {w_layout}"
+        )
+    if w.shape[0] < 1:
+        raise ValueError(f"{fn}: {w_name} must hold at least one group, got shape {tuple(w.shape)} ({w_layout})")
+    if jnp.dtype(group_sizes.dtype) != jnp.dtype(jnp.int32):
+        raise TypeError(
+            f"{fn}: group_sizes must be int32, got {jnp.dtype(group_sizes.dtype).name} "
+            "(cast it with group_sizes.astype(jnp.int32))"
+        )
+    check_rank(fn, "group_sizes", group_sizes, 1, "[G], one size per group")
+    if group_sizes.shape[0] != w.shape[0]:
+        raise ValueError(
+            f"{fn}: group_sizes must hold one size per group of {w_name}: {w_name}.shape[0] is G={w.shape[0]}, "
+            f"got group_sizes of shape {tuple(group_sizes.shape)}"
+        )
+    return deterministic
+
+
+def is_default_precision(precision) -> bool:
+    """Whether a `lax` precision argument asks for the default (None, Precision.DEFAULT or a
+    pair of them); a DotAlgorithm, a preset or anything else is not."""
+    if precision is None:
+        return True
+    if isinstance(precision, (tuple, list)):
+        return len(precision) == 2 and all(is_default_precision(p) for p in precision)
+    try:
+        return jax.lax.Precision(precision) == jax.lax.Precision.DEFAULT
+    except (ValueError, TypeError):
+        return False

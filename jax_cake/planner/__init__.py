@@ -4,6 +4,7 @@
   choose.py       plan(): the rules and table lookups that choose a Plan
   overrides.py    force(): pins for the benchmark and the tuner
   explanation.py  explain(): a Plan in plain words
+  grouped.py      the grouped (ragged, MoE) GEMMs' plans and their explanation
   tables.py       the measured plan tables (xla, wgrad split and fwd/dgrad tile rows)
   variants.py, router_variants.py  what the native library holds (plain data)
   device.py       the device a plan is made for

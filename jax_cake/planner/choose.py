@@ -23,9 +23,9 @@ from absl import logging
 
 from jax_cake import contract
 from jax_cake.planner import device as device_lib
-from jax_cake.planner import overrides, router_variants, tables, variants
+from jax_cake.planner import grouped, overrides, router_variants, tables, variants
 from jax_cake.planner.overrides import forced
-from jax_cake.planner.plan_type import OPS, Plan
+from jax_cake.planner.plan_type import GROUPED_OPS, OPS, Plan
 
 # Per-tile efficiency prior: larger tiles reuse operands better when compute bound.
 # 128 x 160 runs slower per SM than 128 x 256 (its N-major B tile gets a 64-byte swizzle),
@@ -447,13 +447,17 @@ def plan(
     deterministic: bool = True,
     device: Any = None,
     tile_rows: bool = True,
+    groups: Any = None,
 ) -> Plan:
     """The Plan a jax_cake GEMM would run for these static sizes on `device`.
 
     op: "fwd" (y = x w^T), "dgrad" (dx = dy w), "wgrad" (dw = dy^T x), or the router's
-    "router_fwd" / "router_dgrad" / "router_wgrad". tokens, d_in, d_out, batch: the
-    projection's sizes (x [batch, tokens, d_in], w [batch, d_out, d_in]). out_dtype:
-    the result dtype (wgrad: w's dtype). device: a jax Device, AbstractDevice or
+    "router_fwd" / "router_dgrad" / "router_wgrad", or the grouped (ragged, MoE) GEMMs
+    "grouped_fwd" / "grouped_dgrad" / "grouped_wgrad" (jax_cake.planner.grouped). tokens,
+    d_in, d_out, batch: the projection's sizes (x [batch, tokens, d_in], w [batch, d_out,
+    d_in]). groups: the grouped ops' G (w [G, d_out, d_in], x [tokens, d_in] in G groups
+    of rows; batch stays 1), and only theirs. out_dtype: the result dtype (wgrad and
+    grouped_wgrad: w's dtype). device: a jax Device, AbstractDevice or
     DeviceInfo; None looks it up as a trace would (abstract mesh, else jax.devices()[0]).
     tile_rows: whether the plan table's fwd/dgrad tile rows apply; the fused planners
     (jax_cake.planner.gated, .residual) pass False: those rows timed the plain GEMM's
@@ -462,11 +466,17 @@ def plan(
     import numpy as np
     from jax import export
 
-    if op not in OPS:
-        raise ValueError(f"plan: op must be one of {OPS}, got {op!r}")
+    if op not in OPS + GROUPED_OPS:
+        raise ValueError(f"plan: op must be one of {OPS + GROUPED_OPS}, got {op!r}")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"plan: deterministic must be a bool, got {type(deterministic).__name__}")
     sizes = {"tokens": tokens, "d_in": d_in, "d_out": d_out, "batch": batch}
+    if op in GROUPED_OPS:
+        if groups is None:
+            raise TypeError(f"plan: {op} needs groups= (G, the number of groups), got None")
+        sizes["groups"] = groups
+    elif groups is not None:
+        raise ValueError(f"plan: groups applies to the grouped ops {GROUPED_OPS} only, got groups={groups!r} for {op}")
     symbolic = [name for name, size in sizes.items() if export.is_symbolic_dim(size)]
     for name, size in sizes.items():
         if name in symbolic:  # a shape-polymorphic export's dimension: planned below
@@ -477,6 +487,8 @@ def plan(
             raise ValueError(f"plan: {name} must be >= 0, got {size}")
         sizes[name] = int(size)
     tokens, d_in, d_out, batch = sizes["tokens"], sizes["d_in"], sizes["d_out"], sizes["batch"]
+    if op in GROUPED_OPS and batch != 1:
+        raise ValueError(f"plan: batch of {op} must be 1 (its groups are groups=), got {batch}")
     try:
         if out_dtype is None:  # np.dtype(None) is float64
             raise TypeError
@@ -485,10 +497,21 @@ def plan(
         raise TypeError(f"plan: out_dtype must be a dtype, got {out_dtype!r}") from None
     # fwd and dgrad write x's dtype; wgrad w's (a bf16 weight or an FP32 master); the
     # router computes in FP32 whatever out_dtype says.
-    allowed = ("bfloat16",) if op in ("fwd", "dgrad") else ("bfloat16", "float32")
+    allowed = ("bfloat16",) if op in ("fwd", "dgrad", "grouped_fwd", "grouped_dgrad") else ("bfloat16", "float32")
     if out_dtype not in allowed:
         raise ValueError(f"plan: out_dtype of {op} must be {' or '.join(allowed)}, got {out_dtype}")
     dev = device_lib.current() if device is None else device_lib.from_jax_device(device)
+    if op in GROUPED_OPS:
+        return grouped.plan_grouped(
+            op,
+            tokens=tokens,
+            groups=sizes["groups"],
+            d_in=d_in,
+            d_out=d_out,
+            out_dtype=out_dtype,
+            dev=dev,
+            symbolic=tuple(symbolic),
+        )
 
     if op in ("fwd", "router_fwd"):
         m, n, k = tokens, d_out, d_in

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from jax_cake.planner.plan_type import Plan
+from jax_cake.planner.grouped import describe_gemm
+from jax_cake.planner.plan_type import GROUPED_OPS, Plan
 
 
 def explain(p: Plan) -> str:
     """Plain words: which kernel program and algorithm run for this Plan, and why."""
     if not isinstance(p, Plan):
         raise TypeError(f"explain: p must be a Plan (jax_cake.plan's result), got {type(p).__name__}")
-    gemm = f"{p.op}: C[{p.batch}x{p.m}x{p.n}] over K={p.k}, {p.out_dtype} out, on {p.device}"
+    if p.op in GROUPED_OPS:
+        gemm = describe_gemm(p)
+    else:
+        gemm = f"{p.op}: C[{p.batch}x{p.m}x{p.n}] over K={p.k}, {p.out_dtype} out, on {p.device}"
     if not p.uses_kernel:
         return f"{gemm}\n  runs the XLA path: {p.reason}"
     tm, tn, tk = p.tile

@@ -14,6 +14,9 @@ from jax_cake import contract
 from jax_cake.planner import variants
 
 OPS = ("fwd", "dgrad", "wgrad", "router_fwd", "router_dgrad", "router_wgrad")
+# The grouped (ragged) GEMMs of grouped_projection / ragged_dot: rows sorted by group, one
+# weight per group (MoE experts); jax_cake.planner.grouped plans them.
+GROUPED_OPS = ("grouped_fwd", "grouped_dgrad", "grouped_wgrad")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +27,7 @@ class Plan:
     docs/ffi_contract.md for how fwd/dgrad/wgrad map onto it).
     """
 
-    op: str  # one of OPS
+    op: str  # one of OPS or GROUPED_OPS
     backend: str  # "sm90a" (CuTe DSL kernels) or "xla"
     batch: int
     m: int
@@ -48,6 +51,7 @@ class Plan:
     reason: str = ""
     sm_count: int = 0  # the device's SM count the plan was made for (kernel plans)
     schedule: str = "tiles"  # "tiles", "split_tail" (wgrad, reduction "split_tail"), "pingpong" (fwd/dgrad)
+    groups: int = 0  # the grouped ops (GROUPED_OPS): G, the number of groups (weights); 0 for the others
 
     @property
     def uses_kernel(self) -> bool:

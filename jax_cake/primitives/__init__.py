@@ -22,6 +22,7 @@ from jax_cake.primitives.call import (
     wgrad,
 )
 from jax_cake.primitives.gemm import router_ffi_operands, targets_from
+from jax_cake.primitives import grouped  # the grouped (ragged) GEMM roles of the MoE projections
 
 __all__ = [
     "dgrad",

@@ -1,0 +1,279 @@
+"""The grouped (ragged) GEMMs of the MoE projections: one function per GEMM role, a Plan in,
+the GEMM out, each a `jax.custom_vjp` whose backward is the other two roles.
+
+With the rows of the activations sorted by group and group_sizes [G] (int32, a run-time
+array; reference.grouped_sizes's rules for negative sizes and a sum above M), g(r) the
+group of row r:
+
+    fwd    y [M, N]     = a [M, K] . b [G, N, K]^T,  y[r] = a[r] . b[g(r)]^T   plan op "grouped_fwd"
+    dgrad  dx [M, K]    = a [M, N] . b [G, N, K],    dx[r] = a[r] . b[g(r)]     "grouped_dgrad"
+    wgrad  dw [G, N, K] = a [M, N]^T . b [M, K],     K = the rows, ragged      "grouped_wgrad"
+
+Every role is linear in each operand, so its derivatives are the other roles:
+
+    fwd(x, w):     dx = dgrad(dy, w),     dw = wgrad(dy, x)
+    dgrad(dy, w):  d dy = fwd(ddx, w),    dw = wgrad(dy, ddx)
+    wgrad(dy, x):  d dy = fwd(x, ddw),    dx = dgrad(dy, ddw)
+
+and the backward of a grouped projection (jax_cake.pipeline.grouped), written with these
+roles, can itself be differentiated (grad of grad). Forward mode (jax.jvp) is
+custom_vjp's error.
+
+Operands: the activations (a, and b of wgrad) are bf16; the weight (b of fwd and dgrad)
+is bf16 or an FP32 master, rounded to bf16 for the product, whose cotangent is the wgrad
+in its dtype from the FP32 sum. Results: bf16 (fwd, dgrad) and plan.out_dtype (wgrad).
+
+Backends: a kernel plan has no branch yet (no grouped kernel is built; the planner,
+jax_cake.planner.grouped, plans every grouped GEMM on the XLA path); the XLA plan runs
+jax_cake.reference.grouped_fwd / _dgrad / _wgrad. Around it:
+
+- vmap: a `custom_vmap` rule broadcasts the operands the vmapped axis does not carry and
+  runs the reference with a leading batch dimension on every operand (one ragged dot with
+  a batch dimension, no loop).
+- jit with sharded operands (Auto axes): XLA partitions the ragged dot itself.
+- Explicit axes: the GEMM runs under `jax.sharding.auto_axes`, its result typed with
+  `out_spec` (a backward asks for its primal's sharding) or the rule `result_spec`: the
+  activations' row sharding and the weight's free axis, as the dense GEMMs' rule gives.
+- shard_map: the roles run on the per-device operands as given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+from jax.sharding import PartitionSpec as P
+
+from jax_cake import reference
+from jax_cake.planner import Plan
+from jax_cake.planner import device as device_lib
+from jax_cake.planner import plan as make_plan
+from jax_cake.primitives import partitioning
+
+_BF16 = jnp.bfloat16
+
+_REFERENCE = {
+    "grouped_fwd": reference.grouped_fwd,
+    "grouped_dgrad": reference.grouped_dgrad,
+    "grouped_wgrad": reference.grouped_wgrad,
+}
+
+
+def sizes(op: str, a_shape, b_shape) -> dict:
+    """The planner's sizes (tokens, d_in, d_out) of grouped GEMM `op` on operand shapes, by
+    position: fwd(a [M, K], b [G, N, K]), dgrad(a [M, N], b [G, N, K]), wgrad(a [M, N],
+    b [M, K])."""
+    if op == "grouped_fwd":
+        return dict(tokens=a_shape[-2], d_in=a_shape[-1], d_out=b_shape[-2])
+    return dict(tokens=a_shape[-2], d_out=a_shape[-1], d_in=b_shape[-1])
+
+
+def plan_for(op: str, a_shape, b_shape, groups: int, device, *, out_dtype="bfloat16", deterministic=True) -> Plan:
+    """The Plan of grouped GEMM `op` on operands of these shapes."""
+    return make_plan(
+        op,
+        **sizes(op, a_shape, b_shape),
+        groups=groups,
+        out_dtype=out_dtype,
+        deterministic=deterministic,
+        device=device,
+    )
+
+
+def _axes(spec, ndim: int):
+    return partitioning.normalize(spec, ndim)
+
+
+def result_spec(op: str, a, b) -> P:
+    """The result's sharding under Explicit axes: the rows keep a's sharding (never
+    gathered), the weight's free axis (N of fwd, K of dgrad) or wgrad's (N, K) keep their
+    operand's axes where not used already; wgrad's groups are whole. Leading (vmapped)
+    dimensions keep a's."""
+    a_axes = _axes(jax.typeof(a).sharding.spec, a.ndim)
+    b_axes = _axes(jax.typeof(b).sharding.spec, b.ndim)
+    lead = a.ndim - 2
+    if op == "grouped_fwd":
+        wanted = a_axes[: lead + 1] + (b_axes[lead + 1],)
+    elif op == "grouped_dgrad":
+        wanted = a_axes[: lead + 1] + (b_axes[lead + 2],)
+    else:
+        wanted = a_axes[:lead] + ((), a_axes[lead + 1], b_axes[lead + 1])
+    used: set = set()
+    out = []
+    for axes in wanted:
+        keep = tuple(axis for axis in axes if axis not in used)
+        if len(keep) != len(axes):
+            keep = ()  # an axis already used: this dimension stays whole
+        used.update(keep)
+        out.append(keep)
+    return partitioning.to_pspec(tuple(out))
+
+
+def _xla(op: str, out_dtype, out_spec, a, b, group_sizes):
+    """reference's grouped GEMM; under Explicit axes in Auto mode, typed out_spec (or the
+    rule's)."""
+    ref = functools.partial(_REFERENCE[op], out_dtype=out_dtype)
+    mesh = partitioning.explicit_mesh(a, b, group_sizes)
+    if mesh is None:
+        return ref(a, b, group_sizes)
+    spec = out_spec if out_spec is not None else result_spec(op, a, b)
+    if jax.sharding.get_abstract_mesh().empty:  # Explicit-sharded arrays without jax.set_mesh
+        with jax.sharding.use_abstract_mesh(mesh):
+            return jax.sharding.auto_axes(ref, out_sharding=spec)(a, b, group_sizes)
+    return jax.sharding.auto_axes(ref, out_sharding=spec)(a, b, group_sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One grouped GEMM call's static part: its plan, the `deterministic` its backward plans
+    with, and the result's sharding asked for under Explicit axes (None: result_spec's)."""
+
+    plan: Plan
+    deterministic: bool = True
+    out_spec: Any = None
+
+
+def _gemm(call: Call, a, b, group_sizes):
+    """The GEMM of call.plan on a, b (bf16), with its vmap rule."""
+    plan = call.plan
+    if plan.uses_kernel:  # the planner plans no grouped kernel yet; its branch comes with the kernels
+        raise NotImplementedError(f"jax_cake: no grouped kernel is built to run this plan: {plan}")
+
+    @custom_vmap
+    def gemm(a, b, group_sizes):
+        return _xla(plan.op, plan.out_dtype, call.out_spec, a, b, group_sizes)
+
+    @gemm.def_vmap
+    def rule(axis_size, in_batched, a, b, group_sizes):
+        # Every operand carries the vmapped axis first, then one GEMM with a batch dimension
+        # (reference's leading dimensions). Nested vmaps come back here, one axis each.
+        a, b, group_sizes = (
+            v if batched else jnp.broadcast_to(v, (axis_size,) + v.shape)
+            for v, batched in zip((a, b, group_sizes), in_batched)
+        )
+        return _gemm(dataclasses.replace(call, out_spec=None), a, b, group_sizes), True
+
+    return gemm(a, b, group_sizes)
+
+
+def _check(plan: Plan, op: str) -> None:
+    if not isinstance(plan, Plan) or plan.op != op:
+        got = plan.op if isinstance(plan, Plan) else type(plan).__name__
+        raise ValueError(f"jax_cake.primitives.grouped: the {op} role needs a plan of op {op!r}, got {got}")
+
+
+def _cotangent_specs(*primals):
+    """Each primal's PartitionSpec under Explicit axes (its cotangent is asked for in it),
+    else Nones."""
+    return partitioning.explicit_specs(*primals) or (None,) * len(primals)
+
+
+def _plan(op: str, a, b, groups: int, call: Call, out_dtype="bfloat16") -> Plan:
+    device = device_lib.current(a, b)
+    return plan_for(op, a.shape, b.shape, groups, device, out_dtype=out_dtype, deterministic=call.deterministic)
+
+
+# --- the three roles, each the others' derivative -------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fwd(x, w, group_sizes, call: Call):
+    return _gemm(call, x.astype(_BF16), w.astype(_BF16), group_sizes)
+
+
+def _fwd_fwd(x, w, group_sizes, call):
+    return _fwd(x, w, group_sizes, call), (x, w, group_sizes)
+
+
+def _fwd_bwd(call, saved, dy):
+    x, w, group_sizes = saved
+    groups = w.shape[-3]
+    dy = dy.astype(_BF16)
+    x_spec, w_spec = _cotangent_specs(x, w)
+    again = dataclasses.replace(call, out_spec=None)
+    dx = dgrad(dy, w, group_sizes, _plan("grouped_dgrad", dy, w, groups, again), **_opts(call, x_spec))
+    weight_plan = _plan("grouped_wgrad", dy, x, groups, again, out_dtype=jnp.dtype(w.dtype).name)
+    dw = wgrad(dy, x, group_sizes, weight_plan, **_opts(call, w_spec))
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+_fwd.defvjp(_fwd_fwd, _fwd_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dgrad(dy, w, group_sizes, call: Call):
+    return _gemm(call, dy.astype(_BF16), w.astype(_BF16), group_sizes)
+
+
+def _dgrad_fwd(dy, w, group_sizes, call):
+    return _dgrad(dy, w, group_sizes, call), (dy, w, group_sizes)
+
+
+def _dgrad_bwd(call, saved, ddx):
+    dy, w, group_sizes = saved
+    groups = w.shape[-3]
+    ddx = ddx.astype(_BF16)
+    dy_spec, w_spec = _cotangent_specs(dy, w)
+    again = dataclasses.replace(call, out_spec=None)
+    d_dy = fwd(ddx, w, group_sizes, _plan("grouped_fwd", ddx, w, groups, again), **_opts(call, dy_spec))
+    weight_plan = _plan("grouped_wgrad", dy, ddx, groups, again, out_dtype=jnp.dtype(w.dtype).name)
+    dw = wgrad(dy, ddx, group_sizes, weight_plan, **_opts(call, w_spec))
+    return d_dy.astype(dy.dtype), dw.astype(w.dtype), None
+
+
+_dgrad.defvjp(_dgrad_fwd, _dgrad_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _wgrad(dy, x, group_sizes, call: Call):
+    return _gemm(call, dy.astype(_BF16), x.astype(_BF16), group_sizes)
+
+
+def _wgrad_fwd(dy, x, group_sizes, call):
+    return _wgrad(dy, x, group_sizes, call), (dy, x, group_sizes)
+
+
+def _wgrad_bwd(call, saved, ddw):
+    dy, x, group_sizes = saved
+    groups = ddw.shape[-3]
+    dy_spec, x_spec = _cotangent_specs(dy, x)
+    again = dataclasses.replace(call, out_spec=None)
+    # ddw is the weight-like operand of fwd and dgrad (an FP32 cotangent is rounded to bf16)
+    d_dy = fwd(x, ddw, group_sizes, _plan("grouped_fwd", x, ddw, groups, again), **_opts(call, dy_spec))
+    dx = dgrad(dy, ddw, group_sizes, _plan("grouped_dgrad", dy, ddw, groups, again), **_opts(call, x_spec))
+    return d_dy.astype(dy.dtype), dx.astype(x.dtype), None
+
+
+_wgrad.defvjp(_wgrad_fwd, _wgrad_bwd)
+
+
+def _opts(call: Call, out_spec) -> dict:
+    return dict(deterministic=call.deterministic, out_spec=out_spec)
+
+
+def fwd(x, w, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None):
+    """y [M, N] bf16, y[r] = x[r] . w[g(r)]^T: x [M, K] bf16, w [G, N, K] bf16 or an FP32
+    master; rows past the groups are 0. plan: op "grouped_fwd". deterministic: for the
+    plans of its backward. out_spec: y's PartitionSpec under Explicit axes (None: the
+    rule's)."""
+    _check(plan, "grouped_fwd")
+    return _fwd(x, w, group_sizes, Call(plan, bool(deterministic), out_spec))
+
+
+def dgrad(dy, w, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None):
+    """dx [M, K] bf16, dx[r] = dy[r] . w[g(r)]: dy [M, N] bf16, w [G, N, K] bf16 or an FP32
+    master; rows past the groups are 0. plan: op "grouped_dgrad"."""
+    _check(plan, "grouped_dgrad")
+    return _dgrad(dy, w, group_sizes, Call(plan, bool(deterministic), out_spec))
+
+
+def wgrad(dy, x, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None):
+    """dw [G, N, K] in plan.out_dtype from the FP32 sum, dw[g] = dy[rows of g]^T . x[rows of
+    g]: dy [M, N], x [M, K] bf16; exactly 0 for an empty group. plan: op "grouped_wgrad"
+    (G = plan.groups)."""
+    _check(plan, "grouped_wgrad")
+    return _wgrad(dy, x, group_sizes, Call(plan, bool(deterministic), out_spec))
