@@ -5,8 +5,10 @@
 // The contract (operands, attributes, workspace) is docs/ffi_contract.md. Each handler
 // maps its buffers onto one GEMM C[M, N] = sum_k A[m, k] B[n, k] (batch L), picks the
 // AOT-compiled CuTe DSL variant named by the tile/cluster attributes, and launches it
-// on XLA's stream. Handlers are command-buffer (CUDA graph) compatible: they only
-// launch kernels and memsets on the given stream; they never allocate or synchronize.
+// on XLA's stream. Handlers are command-buffer (CUDA graph) compatible (gemm_handler.h's
+// kGraphSafe): they only launch kernels, memsets and device copies on the given stream;
+// they never allocate or synchronize. Errors are in gemm_handler.h's one style: the
+// target's name, what must hold, what came instead.
 //
 // Kernel modules are loaded by jax_cake_load_modules(), which jax_cake/native.py calls
 // once after the CUDA backend is up. A handler reached before that loads them itself
@@ -19,10 +21,8 @@
 #include <cstring>
 #include <string>
 
-#include "gemm_handler.h"  // Operand, Shapes, table lookup and launch; includes jax_cake_codes.h
+#include "gemm_handler.h"  // handler boilerplate, errors, Operand, Shapes, table lookup and launch
 #include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
 
 namespace jax_cake {
 
@@ -83,26 +83,31 @@ const Variant* FindVariant(const VariantKey& k) {
   });
 }
 
-ffi::Error NoVariant(const VariantKey& k) {
+ffi::Error NoVariant(const char* target, const VariantKey& k) {
   char buf[256];
-  std::snprintf(buf, sizeof(buf),
-                "jax_cake: no compiled %s variant with tile (%lld, %lld, %lld), cluster (%lld, %lld), out %s%s%s; "
-                "rebuild with python -m jax_cake.build or fix the plan",
-                k.program, (long long)k.tile_m, (long long)k.tile_n, (long long)k.tile_k, (long long)k.cluster_m,
-                (long long)k.cluster_n, k.out_dtype == kF32 ? "float32" : "bfloat16",
+  std::snprintf(buf, sizeof(buf), "with tile (%lld, %lld, %lld), cluster (%lld, %lld), out %s%s%s", (long long)k.tile_m,
+                (long long)k.tile_n, (long long)k.tile_k, (long long)k.cluster_m, (long long)k.cluster_n,
+                k.out_dtype == kF32 ? "float32" : "bfloat16",
                 k.store == kStoreAdd ? ", reduce-add store"
                 : k.store == kStoreGatedSilu ? ", gated silu epilogue"
                 : k.store == kStoreGatedGelu ? ", gated gelu epilogue"
                 : k.store == kStoreGateGradSilu ? ", silu gradient epilogue"
                 : k.store == kStoreGateUpHalves ? ", gate and up operand halves" : "",
-                k.schedule == kScheduleSplitTail ? ", split tail" : (k.schedule == kSchedulePingpong ? ", ping-pong" : ""));
-  return ffi::Error::InvalidArgument(buf);
+                k.schedule == kScheduleSplitTail  ? ", split tail"
+                : k.schedule == kSchedulePingpong ? ", ping-pong"
+                                                  : "");
+  return NoCompiledVariant(target, k.program, buf);
 }
 
-// The GEMM attributes of every dense target (docs/ffi_contract.md), decoded by XLA from
-// the call's attribute dictionary (XLA_FFI_REGISTER_STRUCT_ATTR_DECODING below).
+// The GEMM attributes of every dense target (docs/ffi_contract.md), all int64, decoded by
+// XLA from the call's attribute dictionary (XLA_FFI_REGISTER_STRUCT_ATTR_DECODING below).
 struct Attrs {
-  int64_t tile_m, tile_n, tile_k, cluster_m, cluster_n, splits, reduction, raster, schedule;
+  int64_t tile_m, tile_n, tile_k;  // the CTA tile; with the others below, names a compiled variant
+  int64_t cluster_m, cluster_n;    // the CTA cluster shape
+  int64_t splits;                  // K splits (1 = none); wgrad only
+  int64_t reduction;               // a kReduction* code: how K splits are summed
+  int64_t raster;                  // kRasterM, kRasterN, or bands of 2 .. kRasterBandMax cluster rows
+  int64_t schedule;                // a kSchedule* code: whole tiles, split tail or ping-pong
 
   VariantKey Key(const char* program, int out_dtype, int64_t store, int64_t sched) const {
     return {program, tile_m, tile_n, tile_k, cluster_m, cluster_n, out_dtype, store, sched};
@@ -112,54 +117,47 @@ struct Attrs {
 // The gated targets' attributes: the GEMM's and the activation code.
 struct GatedAttrs {
   Attrs gemm;
-  int64_t activation;
+  int64_t activation;  // a kActivation* code: silu or gelu (tanh form)
 };
 
-ffi::Error Launch(const Variant* v, GemmArgs args, cudaStream_t stream) {
+ffi::Error Launch(const char* target, const Variant* v, GemmArgs args, cudaStream_t stream) {
   if (v->schedule != kScheduleSplitTail && (v->store == kStorePlain || v->store == kStoreAdd))
     args.aux = {args.c.data, {1, 1, 1}, {8, 8}};  // never read
-  return LaunchEntry("jax_cake", v, args, g_modules, stream);
+  return LaunchEntry(target, v, args, g_modules, stream);
 }
 
-ffi::Error CheckRank3(const char* name, ffi::AnyBuffer::Dimensions dims) {
-  if (dims.size() != 3) {
-    return ffi::Error::InvalidArgument(std::string("jax_cake: ") + name + " must have rank 3 [B, rows, cols], got rank " +
-                                       std::to_string(dims.size()));
-  }
-  for (auto d : dims) {
-    if (d <= 0) return ffi::Error::InvalidArgument(std::string("jax_cake: ") + name + " has an empty dimension");
-  }
-  return ffi::Error::Success();
+// A [B, rows, cols] operand with no empty dimension.
+ffi::Error CheckRank3(const char* target, const char* name, ffi::AnyBuffer::Dimensions dims) {
+  JC_RETURN_IF_ERROR(CheckRank(target, name, dims, 3, "[B, rows, cols]"));
+  return CheckMinDim(target, name, dims, 1);
 }
 
 ffi::Error CheckCommonAttrs(const char* target, const Attrs& at) {
-  const std::string who = std::string("jax_cake: ") + target;
   if (at.schedule < 0 || at.schedule >= kNumSchedules)
-    return ffi::Error::InvalidArgument(who + ": schedule must be " + kScheduleChoices);
+    return Invalid(target,
+                   std::string("schedule must be ") + kScheduleChoices + ", got " + std::to_string(at.schedule));
   if (at.raster < 0 || at.raster > kRasterBandMax)
-    return ffi::Error::InvalidArgument(who + ": raster must be " + kRasterChoices + " or a band of 2 to " +
-                                       std::to_string(kRasterBandMax) + " rows");
-  if (at.splits < 1 || at.splits > 65535) return ffi::Error::InvalidArgument(who + ": splits must be in [1, 65535]");
+    return Invalid(target, std::string("raster must be ") + kRasterChoices + " or a band of 2 to " +
+                               std::to_string(kRasterBandMax) + " rows, got " + std::to_string(at.raster));
+  JC_RETURN_IF_ERROR(CheckSplitsRange(target, at.splits));
   if (at.reduction < 0 || at.reduction >= kNumReductions)
-    return ffi::Error::InvalidArgument(who + ": reduction must be " + kReductionChoices);
+    return Invalid(target,
+                   std::string("reduction must be ") + kReductionChoices + ", got " + std::to_string(at.reduction));
   return ffi::Error::Success();
 }
 
 // fwd and dgrad: one pass over K, no split tail.
 ffi::Error CheckOnePass(const char* target, const Attrs& at) {
   if (at.schedule == kScheduleSplitTail)
-    return ffi::Error::InvalidArgument(std::string(target) + ": schedule must be " + std::to_string(kScheduleTiles) +
-                                       " or " + std::to_string(kSchedulePingpong));
-  if (at.splits != 1 || at.reduction != kReductionNone)
-    return ffi::Error::InvalidArgument(std::string(target) + ": splits must be 1 and reduction " +
-                                       std::to_string(kReductionNone));
-  return ffi::Error::Success();
+    return Invalid(target, "schedule must be " + std::to_string(kScheduleTiles) + " or " +
+                               std::to_string(kSchedulePingpong) + ", got " + std::to_string(at.schedule));
+  return CheckNoSplit(target, at.splits, at.reduction);
 }
 
 // What every dense handler does first: load the kernel modules (once) and check the
 // attributes every target shares.
 ffi::Error Begin(const char* target, const Attrs& at) {
-  JC_RETURN_IF_ERROR(EnsureLoaded("jax_cake", kVariants, kNumVariants, &g_modules));
+  JC_RETURN_IF_ERROR(EnsureLoaded(target, kVariants, kNumVariants, &g_modules));
   return CheckCommonAttrs(target, at);
 }
 
@@ -171,22 +169,30 @@ ffi::Error BeginOnePass(const char* target, const Attrs& at) {
 
 // Launches the bf16 variant of `program` and `store` the attributes name (one pass over
 // K, their schedule) on the operands of g.
-ffi::Error LaunchOnePass(const Attrs& at, const char* program, int64_t store, GemmArgs g, cudaStream_t stream) {
+ffi::Error LaunchOnePass(const char* target, const Attrs& at, const char* program, int64_t store, GemmArgs g,
+                         cudaStream_t stream) {
   const VariantKey key = at.Key(program, kBf16, store, at.schedule);
   const Variant* v = FindVariant(key);
-  if (!v) return NoVariant(key);
+  if (!v) return NoVariant(target, key);
   g.splits = 1;
   g.raster = static_cast<int32_t>(at.raster);
-  return Launch(v, g, stream);
+  return Launch(target, v, g, stream);
 }
 
-// TMA strides must be multiples of 16 bytes: the row widths d_in and d_out (bf16) must be
-// multiples of 8 elements, else the copies read and write the wrong rows.
-ffi::Error CheckWidths(const char* target, int64_t d_in, int64_t d_out) {
-  if (d_in % 8 != 0 || d_out % 8 != 0)
-    return ffi::Error::InvalidArgument(std::string("jax_cake: ") + target + ": d_in and d_out must be multiples of 8, got " +
-                                       std::to_string(d_in) + " and " + std::to_string(d_out));
-  return ffi::Error::Success();
+// A dtype as jnp names it, for error messages.
+std::string DtypeText(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32:
+      return "float32";
+    case ffi::DataType::BF16:
+      return "bfloat16";
+    case ffi::DataType::F16:
+      return "float16";
+    case ffi::DataType::F64:
+      return "float64";
+    default:
+      return "XLA data type " + std::to_string(static_cast<int>(t));
+  }
 }
 
 // Size letters of the dense targets: B batch, T tokens, I d_in, O d_out.
@@ -194,67 +200,72 @@ ffi::Error CheckWidths(const char* target, int64_t d_in, int64_t d_out) {
 // y[B, T, d_out] = x[B, T, d_in] . w[B, d_out, d_in]^T       (M = T, N = d_out, K = d_in)
 ffi::Error FwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                    ffi::Result<ffi::Buffer<ffi::BF16>> y, Attrs at) {
-  JC_RETURN_IF_ERROR(BeginOnePass(kFwdTarget, at));
-  JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
+  const char* target = kFwdTarget;
+  JC_RETURN_IF_ERROR(BeginOnePass(target, at));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "x", x.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "w", w.dimensions()));
   Shapes s;
-  if (!s.Bind(x.dimensions(), "BTI") || !s.Bind(w.dimensions(), "BOI") || !s.Bind(y->dimensions(), "BTO"))
-    return ffi::Error::InvalidArgument(std::string(kFwdTarget) +
-                                       ": shapes must be x[B,T,d_in], w[B,d_out,d_in], y[B,T,d_out]");
+  if (!s.Bind("x", x.dimensions(), "BTI") || !s.Bind("w", w.dimensions(), "BOI") ||
+      !s.Bind("y", y->dimensions(), "BTO"))
+    return s.Mismatch(target, "x[B,T,d_in], w[B,d_out,d_in], y[B,T,d_out]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
-  JC_RETURN_IF_ERROR(CheckWidths(kFwdTarget, d_in, d_out));
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "d_out", d_out));
   GemmArgs g;
   g.a = KMajor(x.untyped_data(), T, d_in, B);
   g.b = KMajor(w.untyped_data(), d_out, d_in, B);
   g.c = KMajor(y->untyped_data(), T, d_out, B);
-  return LaunchOnePass(at, "fwd", kStorePlain, g, stream);
+  return LaunchOnePass(target, at, "fwd", kStorePlain, g, stream);
 }
 
 // dx[B, T, d_in] = dy[B, T, d_out] . w[B, d_out, d_in]       (M = T, N = d_in, K = d_out)
 ffi::Error DgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w,
                      ffi::Result<ffi::Buffer<ffi::BF16>> dx, Attrs at) {
-  JC_RETURN_IF_ERROR(BeginOnePass(kDgradTarget, at));
-  JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
+  const char* target = kDgradTarget;
+  JC_RETURN_IF_ERROR(BeginOnePass(target, at));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "dy", dy.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "w", w.dimensions()));
   Shapes s;
-  if (!s.Bind(dy.dimensions(), "BTO") || !s.Bind(w.dimensions(), "BOI") || !s.Bind(dx->dimensions(), "BTI"))
-    return ffi::Error::InvalidArgument(std::string(kDgradTarget) +
-                                       ": shapes must be dy[B,T,d_out], w[B,d_out,d_in], dx[B,T,d_in]");
+  if (!s.Bind("dy", dy.dimensions(), "BTO") || !s.Bind("w", w.dimensions(), "BOI") ||
+      !s.Bind("dx", dx->dimensions(), "BTI"))
+    return s.Mismatch(target, "dy[B,T,d_out], w[B,d_out,d_in], dx[B,T,d_in]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
-  JC_RETURN_IF_ERROR(CheckWidths(kDgradTarget, d_in, d_out));
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "d_out", d_out));
   GemmArgs g;
   g.a = KMajor(dy.untyped_data(), T, d_out, B);
   g.b = MnMajor(w.untyped_data(), d_in, d_out, B);  // N-major: stride(N) = 1
   g.c = KMajor(dx->untyped_data(), T, d_in, B);
-  return LaunchOnePass(at, "dgrad", kStorePlain, g, stream);
+  return LaunchOnePass(target, at, "dgrad", kStorePlain, g, stream);
 }
 
 // dw[B, d_out, d_in] = dy[B, T, d_out]^T . x[B, T, d_in]     (M = d_out, N = d_in, K = T split `splits` ways)
 ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> x,
                      ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::Buffer<ffi::U8>> workspace, Attrs at) {
-  const std::string who = kWgradTarget;
-  JC_RETURN_IF_ERROR(Begin(kWgradTarget, at));
+  const char* target = kWgradTarget;
+  JC_RETURN_IF_ERROR(Begin(target, at));
   if ((at.reduction == kReductionSplitTail) != (at.schedule == kScheduleSplitTail))
-    return ffi::Error::InvalidArgument(who + ": schedule must be " + std::to_string(kScheduleSplitTail) +
-                                       " exactly when reduction == " + std::to_string(kReductionSplitTail));
+    return Invalid(target, "schedule must be " + std::to_string(kScheduleSplitTail) + " exactly when reduction is " +
+                               std::to_string(kReductionSplitTail) + ", got schedule " + std::to_string(at.schedule) +
+                               " and reduction " + std::to_string(at.reduction));
   if (at.reduction != kReductionSplitTail && (at.splits == 1) != (at.reduction == kReductionNone))
-    return ffi::Error::InvalidArgument(who + ": reduction must be " + std::to_string(kReductionNone) +
-                                       " exactly when splits == 1 (or " + std::to_string(kReductionSplitTail) + ")");
-  JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
+    return Invalid(target, "reduction must be " + std::to_string(kReductionNone) + " exactly when splits is 1 (or " +
+                               std::to_string(kReductionSplitTail) + "), got splits " + std::to_string(at.splits) +
+                               " and reduction " + std::to_string(at.reduction));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "dy", dy.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "x", x.dimensions()));
   int out_dtype;
   if (dw->element_type() == ffi::DataType::F32) {
     out_dtype = kF32;
   } else if (dw->element_type() == ffi::DataType::BF16) {
     out_dtype = kBf16;
   } else {
-    return ffi::Error::InvalidArgument(who + ": dw must be float32 or bfloat16");
+    return Invalid(target, "dw must be float32 or bfloat16, got " + DtypeText(dw->element_type()));
   }
   Shapes s;
-  if (!s.Bind(dy.dimensions(), "BTO") || !s.Bind(x.dimensions(), "BTI") || !s.Bind(dw->dimensions(), "BOI"))
-    return ffi::Error::InvalidArgument(who + ": shapes must be dy[B,T,d_out], x[B,T,d_in], dw[B,d_out,d_in]");
+  if (!s.Bind("dy", dy.dimensions(), "BTO") || !s.Bind("x", x.dimensions(), "BTI") ||
+      !s.Bind("dw", dw->dimensions(), "BOI"))
+    return s.Mismatch(target, "dy[B,T,d_out], x[B,T,d_in], dw[B,d_out,d_in]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
-  JC_RETURN_IF_ERROR(CheckWidths(kWgradTarget, d_in, d_out));
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "d_out", d_out));
   const int64_t count = B * d_out * d_in;
   const int64_t ws_bytes = static_cast<int64_t>(workspace->size_bytes());
   void* ws = workspace->untyped_data();
@@ -268,9 +279,9 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
   if (at.reduction == kReductionNone) {
     const VariantKey key = at.Key("wgrad", out_dtype, kStorePlain, kScheduleTiles);
     const Variant* v = FindVariant(key);
-    if (!v) return NoVariant(key);
+    if (!v) return NoVariant(target, key);
     g.c = KMajor(dw->untyped_data(), d_out, d_in, B);
-    return Launch(v, g, stream);
+    return Launch(target, v, g, stream);
   }
 
   if (at.reduction == kReductionSplitTail) {
@@ -283,65 +294,58 @@ ffi::Error WgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer
     const int64_t slots = (tiles % grid) * (at.splits - 1);
     const int64_t flag_words = (slots + 31) / 32 * 32;
     const int64_t need = (flag_words + slots * at.tile_m * at.tile_n) * 4;
-    if (ws_bytes < need)
-      return ffi::Error::InvalidArgument(who + ": workspace has " + std::to_string(ws_bytes) +
-                                         " bytes, the split tail needs " + std::to_string(need));
+    JC_RETURN_IF_ERROR(CheckWorkspace(target, ws_bytes, need, "the split tail's flags and partial tiles"));
     const VariantKey key = at.Key("wgrad", out_dtype, kStorePlain, kScheduleSplitTail);
     const Variant* v = FindVariant(key);
-    if (!v) return NoVariant(key);
+    if (!v) return NoVariant(target, key);
     // A cut tile's pieces keep their whole share of K in one chain (they cannot write dw
     // before the sum): no longer than the variant's promotion interval.
     const int64_t per_piece = ((T + at.tile_k - 1) / at.tile_k + at.splits - 1) / at.splits;
     if (v->promote_every > 0 && per_piece > v->promote_every)
-      return ffi::Error::InvalidArgument(who + ": split-tail pieces of " + std::to_string(per_piece) +
-                                         " K tiles exceed this variant's chain of " +
-                                         std::to_string(v->promote_every) + "; use more splits");
-    JC_RETURN_IF_ERROR(ZeroFill(ws, flag_words * 4, stream));
+      return Invalid(target, "split-tail pieces must not exceed this variant's chain of " +
+                                 std::to_string(v->promote_every) + " K tiles (use more splits), got pieces of " +
+                                 std::to_string(per_piece));
+    JC_RETURN_IF_ERROR(ZeroFill(target, ws, flag_words * 4, stream));
     const int64_t words = std::max<int64_t>(need / 4, 1), pitch = (words + 7) / 8 * 8;
     g.c = KMajor(dw->untyped_data(), d_out, d_in, B);
     g.aux = {ws, {words, 1, 1}, {pitch, pitch}};
-    return Launch(v, g, stream);
+    return Launch(target, v, g, stream);
   }
 
   if (at.reduction == kReductionOrdered) {
     // Ordered: partials [splits, B, d_out, d_in] fp32, then the reduce pass in split order.
-    const int64_t need = at.splits * count * 4;
-    if (ws_bytes < need)
-      return ffi::Error::InvalidArgument(who + ": workspace has " + std::to_string(ws_bytes) +
-                                         " bytes, ordered split-K needs " + std::to_string(need));
+    JC_RETURN_IF_ERROR(
+        CheckWorkspace(target, ws_bytes, at.splits * count * 4, "ordered split-K: splits * B * d_out * d_in * 4"));
     const VariantKey key = at.Key("wgrad", kF32, kStorePlain, kScheduleTiles);
     const Variant* v = FindVariant(key);
     // Ordered partials need the variant that keeps its total in registers.
-    if (!v || v->promote_every > 0) return NoVariant(key);
+    if (!v || v->promote_every > 0) return NoVariant(target, key);
     // C viewed as [M, N, splits * B]: batch z = split * B + l.
     g.c = KMajor(ws, d_out, d_in, at.splits * B);
-    JC_RETURN_IF_ERROR(Launch(v, g, stream));
-    cudaError_t err = jax_cake_splitk_reduce(static_cast<const float*>(ws), dw->untyped_data(), out_dtype == kBf16,
-                                             at.splits, count, g_modules.num_sms, stream);
-    if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("jax_cake_splitk_reduce launch", err));
-    return ffi::Error::Success();
+    JC_RETURN_IF_ERROR(Launch(target, v, g, stream));
+    return CudaCheck(target, "jax_cake_splitk_reduce launch",
+                     jax_cake_splitk_reduce(static_cast<const float*>(ws), dw->untyped_data(), out_dtype == kBf16,
+                                            at.splits, count, g_modules.num_sms, stream));
   }
 
   // kReductionArrival: every split reduce-adds (TMA, fp32) its tile into an fp32
   // accumulator: dw itself when fp32, else the workspace, then converted to bf16.
   const VariantKey key = at.Key("wgrad", kF32, kStoreAdd, kScheduleTiles);
   const Variant* v = FindVariant(key);
-  if (!v) return NoVariant(key);
+  if (!v) return NoVariant(target, key);
   void* acc = dw->untyped_data();
   if (out_dtype == kBf16) {
-    if (ws_bytes < count * 4)
-      return ffi::Error::InvalidArgument(who + ": workspace has " + std::to_string(ws_bytes) +
-                                         " bytes, arrival-order split-K with bf16 dw needs " +
-                                         std::to_string(count * 4));
+    JC_RETURN_IF_ERROR(
+        CheckWorkspace(target, ws_bytes, count * 4, "arrival-order split-K with bf16 dw: B * d_out * d_in * 4"));
     acc = ws;
   }
-  JC_RETURN_IF_ERROR(ZeroFill(acc, count * 4, stream));
+  JC_RETURN_IF_ERROR(ZeroFill(target, acc, count * 4, stream));
   g.c = KMajor(acc, d_out, d_in, B);
-  JC_RETURN_IF_ERROR(Launch(v, g, stream));
+  JC_RETURN_IF_ERROR(Launch(target, v, g, stream));
   if (out_dtype == kBf16) {
-    cudaError_t err =
-        jax_cake_splitk_reduce(static_cast<const float*>(acc), dw->untyped_data(), 1, 1, count, g_modules.num_sms, stream);
-    if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("jax_cake_splitk_reduce launch", err));
+    JC_RETURN_IF_ERROR(CudaCheck(target, "jax_cake_splitk_reduce launch",
+                                 jax_cake_splitk_reduce(static_cast<const float*>(acc), dw->untyped_data(), 1, 1, count,
+                                                        g_modules.num_sms, stream)));
   }
   return ffi::Error::Success();
 }
@@ -361,36 +365,35 @@ extern "C" cudaError_t jax_cake_splitk_reduce_accumulate(const float* ws, float*
 ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> x,
                                ffi::Buffer<ffi::F32> acc, ffi::Result<ffi::Buffer<ffi::F32>> dw,
                                ffi::Result<ffi::Buffer<ffi::U8>> workspace, Attrs at) {
-  const std::string who = kWgradAccumulateTarget;
-  JC_RETURN_IF_ERROR(Begin(kWgradAccumulateTarget, at));
+  const char* target = kWgradAccumulateTarget;
+  JC_RETURN_IF_ERROR(Begin(target, at));
   const bool ordered = at.reduction == kReductionOrdered;
   if (at.schedule != kScheduleTiles || !((at.reduction == kReductionNone && at.splits == 1) || (ordered && at.splits > 1)))
-    return ffi::Error::InvalidArgument(who + ": schedule must be " + std::to_string(kScheduleTiles) +
-                                       ", and reduction " + std::to_string(kReductionNone) + " with splits 1 or " +
-                                       std::to_string(kReductionOrdered) + " with splits > 1");
-  JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank3("acc", acc.dimensions()));
+    return Invalid(target, "schedule must be " + std::to_string(kScheduleTiles) + ", and reduction " +
+                               std::to_string(kReductionNone) + " with splits 1 or " +
+                               std::to_string(kReductionOrdered) + " with splits > 1, got schedule " +
+                               std::to_string(at.schedule) + ", reduction " + std::to_string(at.reduction) +
+                               " and splits " + std::to_string(at.splits));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "dy", dy.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "x", x.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "acc", acc.dimensions()));
   Shapes s;
-  if (!s.Bind(dy.dimensions(), "BTO") || !s.Bind(x.dimensions(), "BTI") || !s.Bind(acc.dimensions(), "BOI") ||
-      !s.Bind(dw->dimensions(), "BOI"))
-    return ffi::Error::InvalidArgument(who + ": shapes must be dy[B,T,d_out], x[B,T,d_in], acc and dw[B,d_out,d_in]");
+  if (!s.Bind("dy", dy.dimensions(), "BTO") || !s.Bind("x", x.dimensions(), "BTI") ||
+      !s.Bind("acc", acc.dimensions(), "BOI") || !s.Bind("dw", dw->dimensions(), "BOI"))
+    return s.Mismatch(target, "dy[B,T,d_out], x[B,T,d_in], acc and dw[B,d_out,d_in]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
-  JC_RETURN_IF_ERROR(CheckWidths(kWgradAccumulateTarget, d_in, d_out));
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "d_out", d_out));
   const int64_t count = B * d_out * d_in;
   // splits 1: the reduce-add variant; ordered partials: the variant that keeps its total in registers.
   const VariantKey key = at.Key("wgrad", kF32, ordered ? kStorePlain : kStoreAdd, kScheduleTiles);
   const Variant* v = FindVariant(key);
-  if (!v || v->promote_every > 0) return NoVariant(key);
+  if (!v || v->promote_every > 0) return NoVariant(target, key);
   const int64_t ws_bytes = static_cast<int64_t>(workspace->size_bytes());
-  if (ordered && ws_bytes < at.splits * count * 4)
-    return ffi::Error::InvalidArgument(who + ": workspace has " + std::to_string(ws_bytes) +
-                                       " bytes, ordered split-K needs " + std::to_string(at.splits * count * 4));
-  if (dw->untyped_data() != acc.untyped_data()) {
-    cudaError_t err = cudaMemcpyAsync(dw->untyped_data(), acc.untyped_data(), acc.size_bytes(),
-                                      cudaMemcpyDeviceToDevice, stream);
-    if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("cudaMemcpyAsync", err));
+  if (ordered) {
+    JC_RETURN_IF_ERROR(
+        CheckWorkspace(target, ws_bytes, at.splits * count * 4, "ordered split-K: splits * B * d_out * d_in * 4"));
   }
+  JC_RETURN_IF_ERROR(CopyUnlessAliased(target, dw->untyped_data(), acc.untyped_data(), acc.size_bytes(), stream));
   GemmArgs g;
   g.a = MnMajor(dy.untyped_data(), d_out, T, B);  // M-major: stride(M) = 1
   g.b = MnMajor(x.untyped_data(), d_in, T, B);    // N-major: stride(N) = 1
@@ -398,15 +401,14 @@ ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, f
   g.raster = static_cast<int32_t>(at.raster);
   if (!ordered) {
     g.c = KMajor(dw->untyped_data(), d_out, d_in, B);
-    return Launch(v, g, stream);
+    return Launch(target, v, g, stream);
   }
   void* ws = workspace->untyped_data();
   g.c = KMajor(ws, d_out, d_in, at.splits * B);  // C viewed as [M, N, splits * B]: batch z = split * B + l
-  JC_RETURN_IF_ERROR(Launch(v, g, stream));
-  cudaError_t err = jax_cake_splitk_reduce_accumulate(static_cast<const float*>(ws), dw->typed_data(), at.splits, count,
-                                                      g_modules.num_sms, stream);
-  if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("jax_cake_splitk_reduce_accumulate launch", err));
-  return ffi::Error::Success();
+  JC_RETURN_IF_ERROR(Launch(target, v, g, stream));
+  return CudaCheck(target, "jax_cake_splitk_reduce_accumulate launch",
+                   jax_cake_splitk_reduce_accumulate(static_cast<const float*>(ws), dw->typed_data(), at.splits, count,
+                                                     g_modules.num_sms, stream));
 }
 
 // ------------------------------------------------------------------ residual add
@@ -417,64 +419,61 @@ ffi::Error WgradAccumulateImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, f
 // y = bf16(r + bf16(acc)), one add per element (bitwise reproducible). No memset.
 ffi::Error FwdResidualImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                            ffi::Buffer<ffi::BF16> r, ffi::Result<ffi::Buffer<ffi::BF16>> y, Attrs at) {
-  const std::string who = kFwdResidualTarget;
-  JC_RETURN_IF_ERROR(BeginOnePass(kFwdResidualTarget, at));
+  const char* target = kFwdResidualTarget;
+  JC_RETURN_IF_ERROR(BeginOnePass(target, at));
   if (at.schedule != kScheduleTiles)  // the add store is compiled for the cooperative tiles only
-    return ffi::Error::InvalidArgument(who + ": schedule must be " + std::to_string(kScheduleTiles));
-  JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank3("r", r.dimensions()));
+    return Invalid(target, "schedule must be " + std::to_string(kScheduleTiles) + ", got " +
+                               std::to_string(at.schedule));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "x", x.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "w", w.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "r", r.dimensions()));
   Shapes s;
-  if (!s.Bind(x.dimensions(), "BTI") || !s.Bind(w.dimensions(), "BOI") || !s.Bind(r.dimensions(), "BTO") ||
-      !s.Bind(y->dimensions(), "BTO"))
-    return ffi::Error::InvalidArgument(who + ": shapes must be x[B,T,d_in], w[B,d_out,d_in], r and y[B,T,d_out]");
+  if (!s.Bind("x", x.dimensions(), "BTI") || !s.Bind("w", w.dimensions(), "BOI") ||
+      !s.Bind("r", r.dimensions(), "BTO") || !s.Bind("y", y->dimensions(), "BTO"))
+    return s.Mismatch(target, "x[B,T,d_in], w[B,d_out,d_in], r and y[B,T,d_out]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'];
-  JC_RETURN_IF_ERROR(CheckWidths(kFwdResidualTarget, d_in, d_out));
-  if (y->untyped_data() != r.untyped_data()) {
-    cudaError_t err =
-        cudaMemcpyAsync(y->untyped_data(), r.untyped_data(), r.size_bytes(), cudaMemcpyDeviceToDevice, stream);
-    if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("cudaMemcpyAsync", err));
-  }
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "d_out", d_out));
+  JC_RETURN_IF_ERROR(CopyUnlessAliased(target, y->untyped_data(), r.untyped_data(), r.size_bytes(), stream));
   GemmArgs g;
   g.a = KMajor(x.untyped_data(), T, d_in, B);
   g.b = KMajor(w.untyped_data(), d_out, d_in, B);
   g.c = KMajor(y->untyped_data(), T, d_out, B);
-  return LaunchOnePass(at, "fwd", kStoreAdd, g, stream);
+  return LaunchOnePass(target, at, "fwd", kStoreAdd, g, stream);
 }
 
 // ------------------------------------------------------------------ gated epilogue
 // gu[B, T, 2F] = x[B, T, d_in] . w[B, 2F, d_in]^T and h[B, T, F] = bf16(act(g) * u)
 // (M = T, N = 2F, K = d_in). w holds the gate and up rows interleaved in blocks of
 // kGateBlock = 16 (rows 32j .. 32j + 15: gate rows 16j .. 16j + 15; the next 16: the same
-// up rows), so gu
-// has that column order and each 32-column sub-tile of the accumulator makes 16 columns
-// of h in the epilogue. One pass over K: bitwise reproducible.
+// up rows), so gu has that column order and each 32-column sub-tile of the accumulator
+// makes 16 columns of h in the epilogue. One pass over K: bitwise reproducible.
 ffi::Error FwdGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                         ffi::Result<ffi::Buffer<ffi::BF16>> gu, ffi::Result<ffi::Buffer<ffi::BF16>> h, GatedAttrs attrs) {
   const Attrs at = attrs.gemm;
   const int64_t activation = attrs.activation;
-  const std::string who = kFwdGatedTarget;
-  JC_RETURN_IF_ERROR(BeginOnePass(kFwdGatedTarget, at));
+  const char* target = kFwdGatedTarget;
+  JC_RETURN_IF_ERROR(BeginOnePass(target, at));
   if (activation < 0 || activation >= kNumActivations)
-    return ffi::Error::InvalidArgument(who + ": activation must be " + kActivationChoices);
-  JC_RETURN_IF_ERROR(CheckRank3("x", x.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
+    return Invalid(target,
+                   std::string("activation must be ") + kActivationChoices + ", got " + std::to_string(activation));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "x", x.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "w", w.dimensions()));
   Shapes s;
-  if (!s.Bind(x.dimensions(), "BTI") || !s.Bind(w.dimensions(), "BOI") || !s.Bind(gu->dimensions(), "BTO") ||
-      !s.Bind(h->dimensions(), "BTF"))
-    return ffi::Error::InvalidArgument(who + ": shapes must be x[B,T,d_in], w[B,2F,d_in], gu[B,T,2F], h[B,T,F]");
+  if (!s.Bind("x", x.dimensions(), "BTI") || !s.Bind("w", w.dimensions(), "BOI") ||
+      !s.Bind("gu", gu->dimensions(), "BTO") || !s.Bind("h", h->dimensions(), "BTF"))
+    return s.Mismatch(target, "x[B,T,d_in], w[B,2F,d_in], gu[B,T,2F], h[B,T,F]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], d_out = s['O'], F = s['F'];
   if (d_out != 2 * F || F % kGateBlock != 0)
-    return ffi::Error::InvalidArgument(who + ": w must have 2F rows with F a multiple of " +
-                                       std::to_string(kGateBlock) + ", got " +
-                                       std::to_string(d_out) + " rows and h width " + std::to_string(F));
-  JC_RETURN_IF_ERROR(CheckWidths(kFwdGatedTarget, d_in, d_out));
+    return Invalid(target, "w must have 2F rows with F (h's width) a multiple of " + std::to_string(kGateBlock) +
+                               ", got " + std::to_string(d_out) + " rows and F " + std::to_string(F));
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "2F", d_out));
   GemmArgs g;
   g.a = KMajor(x.untyped_data(), T, d_in, B);
   g.b = KMajor(w.untyped_data(), d_out, d_in, B);
   g.c = KMajor(gu->untyped_data(), T, d_out, B);
   g.aux = KMajor(h->untyped_data(), T, F, B);
-  return LaunchOnePass(at, "fwd", activation == kActivationSilu ? kStoreGatedSilu : kStoreGatedGelu, g, stream);
+  return LaunchOnePass(target, at, "fwd", activation == kActivationSilu ? kStoreGatedSilu : kStoreGatedGelu, g,
+                       stream);
 }
 
 // d_gu[2, B, T, F] from dh = dy[B, T, d_out] . w[B, d_out, F] (M = T, N = F, K = d_out) and
@@ -487,29 +486,29 @@ ffi::Error DgradGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::B
                           ffi::Buffer<ffi::BF16> gu, ffi::Result<ffi::Buffer<ffi::BF16>> d_gu, GatedAttrs attrs) {
   const Attrs at = attrs.gemm;
   const int64_t activation = attrs.activation;
-  const std::string who = kDgradGatedTarget;
-  JC_RETURN_IF_ERROR(BeginOnePass(kDgradGatedTarget, at));
-  if (activation != kActivationSilu) return ffi::Error::InvalidArgument(who + ": activation must be silu (" +
-                                                                        std::to_string(kActivationSilu) + ")");
-  JC_RETURN_IF_ERROR(CheckRank3("dy", dy.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank3("gu", gu.dimensions()));
+  const char* target = kDgradGatedTarget;
+  JC_RETURN_IF_ERROR(BeginOnePass(target, at));
+  if (activation != kActivationSilu)
+    return Invalid(target, "activation must be silu (" + std::to_string(kActivationSilu) + "), got " +
+                               std::to_string(activation));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "dy", dy.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "w", w.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "gu", gu.dimensions()));
   Shapes s;
-  if (!s.Bind(dy.dimensions(), "BTO") || !s.Bind(w.dimensions(), "BOF") || !s.Bind(gu.dimensions(), "BTG") ||
-      !s.Bind(d_gu->dimensions(), "PBTF") || s['P'] != 2)
-    return ffi::Error::InvalidArgument(who +
-                                       ": shapes must be dy[B,T,d_out], w[B,d_out,F], gu[B,T,2F] and d_gu[2,B,T,F]");
+  if (!s.Bind("dy", dy.dimensions(), "BTO") || !s.Bind("w", w.dimensions(), "BOF") ||
+      !s.Bind("gu", gu.dimensions(), "BTG") || !s.Bind("d_gu", d_gu->dimensions(), "PBTF") || s['P'] != 2)
+    return s.Mismatch(target, "dy[B,T,d_out], w[B,d_out,F], gu[B,T,2F] and d_gu[2,B,T,F]");
   const int64_t B = s['B'], T = s['T'], d_out = s['O'], F = s['F'];
   if (s['G'] != 2 * F || F % kGateBlock != 0)
-    return ffi::Error::InvalidArgument(who + ": gu must be 2F wide with F a multiple of " + std::to_string(kGateBlock) +
-                                       ", got width " + std::to_string(s['G']) + " and F " + std::to_string(F));
-  JC_RETURN_IF_ERROR(CheckWidths(kDgradGatedTarget, F, d_out));
+    return Invalid(target, "gu must be 2F wide with F a multiple of " + std::to_string(kGateBlock) + ", got width " +
+                               std::to_string(s['G']) + " and F " + std::to_string(F));
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "F", F, "d_out", d_out));
   GemmArgs g;
   g.a = KMajor(dy.untyped_data(), T, d_out, B);
-  g.b = MnMajor(w.untyped_data(), F, d_out, B);  // N-major: stride(N) = 1
+  g.b = MnMajor(w.untyped_data(), F, d_out, B);     // N-major: stride(N) = 1
   g.c = KMajor(d_gu->untyped_data(), T, F, 2 * B);  // the kernel views its 2B batches as (plane, B)
   g.aux = KMajor(gu.untyped_data(), T, 2 * F, B);
-  return LaunchOnePass(at, "dgrad", kStoreGateGradSilu, g, stream);
+  return LaunchOnePass(target, at, "dgrad", kStoreGateGradSilu, g, stream);
 }
 
 // dx[B, T, d_in] = dg[B, T, F] . Wg + du[B, T, F] . Wu   (M = T, N = d_in, K = 2F)
@@ -519,32 +518,30 @@ ffi::Error DgradGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::B
 // reproducible.
 ffi::Error DgradGateUpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dg, ffi::Buffer<ffi::BF16> du,
                            ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::Buffer<ffi::BF16>> dx, Attrs at) {
-  const std::string who = kDgradGateUpTarget;
-  JC_RETURN_IF_ERROR(BeginOnePass(kDgradGateUpTarget, at));
-  JC_RETURN_IF_ERROR(CheckRank3("dg", dg.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank3("du", du.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank3("w", w.dimensions()));
+  const char* target = kDgradGateUpTarget;
+  JC_RETURN_IF_ERROR(BeginOnePass(target, at));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "dg", dg.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "du", du.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank3(target, "w", w.dimensions()));
   Shapes s;
-  if (!s.Bind(dg.dimensions(), "BTF") || !s.Bind(du.dimensions(), "BTF") || !s.Bind(w.dimensions(), "BGI") ||
-      !s.Bind(dx->dimensions(), "BTI"))
-    return ffi::Error::InvalidArgument(who + ": shapes must be dg and du[B,T,F], w[B,2F,d_in], dx[B,T,d_in]");
+  if (!s.Bind("dg", dg.dimensions(), "BTF") || !s.Bind("du", du.dimensions(), "BTF") ||
+      !s.Bind("w", w.dimensions(), "BGI") || !s.Bind("dx", dx->dimensions(), "BTI"))
+    return s.Mismatch(target, "dg and du[B,T,F], w[B,2F,d_in], dx[B,T,d_in]");
   const int64_t B = s['B'], T = s['T'], d_in = s['I'], F = s['F'];
   if (s['G'] != 2 * F || F % kGateBlock != 0)
-    return ffi::Error::InvalidArgument(who + ": w must have 2F rows with F a multiple of " +
-                                       std::to_string(kGateBlock) + ", got " + std::to_string(s['G']) +
-                                       " rows and F " + std::to_string(F));
-  JC_RETURN_IF_ERROR(CheckWidths(kDgradGateUpTarget, d_in, F));
+    return Invalid(target, "w must have 2F rows with F a multiple of " + std::to_string(kGateBlock) + ", got " +
+                               std::to_string(s['G']) + " rows and F " + std::to_string(F));
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "F", F));
   GemmArgs g;
   g.a = KMajor(dg.untyped_data(), T, F, B);
   g.b = MnMajor(w.untyped_data(), d_in, 2 * F, B);  // N-major; the kernel splits its K into the gate and up rows
   g.c = KMajor(dx->untyped_data(), T, d_in, B);
   g.aux = KMajor(du.untyped_data(), T, F, B);
-  return LaunchOnePass(at, "dgrad", kStoreGateUpHalves, g, stream);
+  return LaunchOnePass(target, at, "dgrad", kStoreGateUpHalves, g, stream);
 }
 
 }  // namespace
 }  // namespace jax_cake
-
 
 // Both attribute structs are decoded by name from the call's attribute dictionary (which
 // must hold exactly these names: an extra or missing one fails the call).
@@ -555,84 +552,98 @@ ffi::Error DgradGateUpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dg, ffi::
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_cake::Attrs, JC_GEMM_ATTR_MEMBERS);
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_cake::GatedAttrs, JC_GEMM_ATTR_MEMBERS, StructMember<int64_t>("activation"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_FWD_HANDLER, jax_cake::FwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attrs<jax_cake::Attrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// The handlers, each bound as gemm_handler.h describes: XLA's stream, then the operands
+// (.Arg) and results (.Ret) in call order, then the attributes (.Attrs). Sizes: B batch
+// (1 for the dense ops), T tokens, d_in, d_out, F the gated width. "A" / "B" say which
+// GEMM operand a buffer is (C[M, N] = sum_k A[m, k] B[n, k]) and which extent is
+// contiguous in memory.
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_HANDLER, jax_cake::DgradImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attrs<jax_cake::Attrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// jax_cake_fwd: y = x w^T (M = T, N = d_out, K = d_in).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_FWD_HANDLER, jax_cake::FwdImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()  // x  bf16 [B, T, d_in]: the activations (A, K-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()  // w  bf16 [B, d_out, d_in]: the weight (B, K-major)
+        .Ret<ffi::Buffer<ffi::BF16>>()  // y  bf16 [B, T, d_out]: x w^T, rounded once from the FP32 accumulator
+        .Attrs<jax_cake::Attrs>(),      // the nine GEMM attributes (splits 1, reduction 0)
+    jax_cake::kGraphSafe);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_WGRAD_HANDLER, jax_cake::WgradImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attrs<jax_cake::Attrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// jax_cake_dgrad: dx = dy w (M = T, N = d_in, K = d_out).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_DGRAD_HANDLER, jax_cake::DgradImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()  // dy bf16 [B, T, d_out]: y's cotangent (A, K-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()  // w  bf16 [B, d_out, d_in]: the weight (B, N-major)
+        .Ret<ffi::Buffer<ffi::BF16>>()  // dx bf16 [B, T, d_in]: x's gradient
+        .Attrs<jax_cake::Attrs>(),      // the nine GEMM attributes (splits 1, reduction 0)
+    jax_cake::kGraphSafe);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_WGRAD_ACCUMULATE_HANDLER, jax_cake::WgradAccumulateImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attrs<jax_cake::Attrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// jax_cake_wgrad: dw = dy^T x (M = d_out, N = d_in, K = T split `splits` ways).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_WGRAD_HANDLER, jax_cake::WgradImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()  // dy bf16 [B, T, d_out]: y's cotangent (A, M-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()  // x  bf16 [B, T, d_in]: the activations (B, N-major)
+        .Ret<ffi::AnyBuffer>()          // dw f32 or bf16 [B, d_out, d_in]: w's gradient, in w's dtype
+        .Ret<ffi::Buffer<ffi::U8>>()    // workspace u8 [workspace_bytes]: split-K partials or flags
+        .Attrs<jax_cake::Attrs>(),      // the nine GEMM attributes
+    jax_cake::kGraphSafe);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_FWD_RESIDUAL_HANDLER, jax_cake::FwdResidualImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attrs<jax_cake::Attrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// jax_cake_wgrad_accumulate: dw = acc + dy^T x, in place (dw is acc's buffer).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_WGRAD_ACCUMULATE_HANDLER, jax_cake::WgradAccumulateImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()  // dy  bf16 [B, T, d_out]: y's cotangent (A, M-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()  // x   bf16 [B, T, d_in]: the activations (B, N-major)
+        .Arg<ffi::Buffer<ffi::F32>>()   // acc f32 [B, d_out, d_in]: the running gradient sum
+        .Ret<ffi::Buffer<ffi::F32>>()   // dw  f32 [B, d_out, d_in]: acc + dy^T x (aliased to acc)
+        .Ret<ffi::Buffer<ffi::U8>>()    // workspace u8 [workspace_bytes]: ordered split-K partials
+        .Attrs<jax_cake::Attrs>(),      // the nine GEMM attributes (schedule 0)
+    jax_cake::kGraphSafe);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_FWD_GATED_HANDLER, jax_cake::FwdGatedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attrs<jax_cake::GatedAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// jax_cake_fwd_residual: y = r + x w^T, in place (y is r's buffer).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_FWD_RESIDUAL_HANDLER, jax_cake::FwdResidualImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()  // x bf16 [B, T, d_in]: the activations (A, K-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()  // w bf16 [B, d_out, d_in]: the weight (B, K-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()  // r bf16 [B, T, d_out]: the residual
+        .Ret<ffi::Buffer<ffi::BF16>>()  // y bf16 [B, T, d_out]: bf16(r + bf16(x w^T)) (aliased to r)
+        .Attrs<jax_cake::Attrs>(),      // the nine GEMM attributes (schedule 0, splits 1, reduction 0)
+    jax_cake::kGraphSafe);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_GATED_HANDLER, jax_cake::DgradGatedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attrs<jax_cake::GatedAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// jax_cake_fwd_gated: gu = x w^T, and h = act(gate) * up in the epilogue (M = T, N = 2F, K = d_in).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_FWD_GATED_HANDLER, jax_cake::FwdGatedImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()   // x  bf16 [B, T, d_in]: the activations (A, K-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()   // w  bf16 [B, 2F, d_in]: gate and up rows in blocks of 16 (B, K-major)
+        .Ret<ffi::Buffer<ffi::BF16>>()   // gu bf16 [B, T, 2F]: the pre-activation, in w's row order
+        .Ret<ffi::Buffer<ffi::BF16>>()   // h  bf16 [B, T, F]: act(gate) * up
+        .Attrs<jax_cake::GatedAttrs>(),  // the nine GEMM attributes (splits 1, reduction 0) and `activation`
+    jax_cake::kGraphSafe);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_GATE_UP_HANDLER, jax_cake::DgradGateUpImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attrs<jax_cake::Attrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// jax_cake_dgrad_gated: dh = dy w, then dg and du from gu in the epilogue (M = T, N = F, K = d_out).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_DGRAD_GATED_HANDLER, jax_cake::DgradGatedImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()   // dy   bf16 [B, T, d_out]: the down projection's output cotangent (A)
+        .Arg<ffi::Buffer<ffi::BF16>>()   // w    bf16 [B, d_out, F]: the down weight (B, N-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()   // gu   bf16 [B, T, 2F]: the pre-activation jax_cake_fwd_gated wrote
+        .Ret<ffi::Buffer<ffi::BF16>>()   // d_gu bf16 [2, B, T, F]: plane 0 dg, plane 1 du
+        .Attrs<jax_cake::GatedAttrs>(),  // the nine GEMM attributes (splits 1, reduction 0) and `activation` (silu)
+    jax_cake::kGraphSafe);
+
+// jax_cake_dgrad_gate_up: dx = dg Wg + du Wu, one sum over K = 2F (M = T, N = d_in).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_DGRAD_GATE_UP_HANDLER, jax_cake::DgradGateUpImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()  // dg bf16 [B, T, F]: the gate's gradient (A of the first F of K)
+        .Arg<ffi::Buffer<ffi::BF16>>()  // du bf16 [B, T, F]: the up part's gradient (A of the last F of K)
+        .Arg<ffi::Buffer<ffi::BF16>>()  // w  bf16 [B, 2F, d_in]: jax_cake_fwd_gated's weight (B, N-major)
+        .Ret<ffi::Buffer<ffi::BF16>>()  // dx bf16 [B, T, d_in]: x's gradient
+        .Attrs<jax_cake::Attrs>(),      // the nine GEMM attributes (splits 1, reduction 0)
+    jax_cake::kGraphSafe);
 
 // ---------------------------------------------------------------- plain C entry points
 // Used by jax_cake/native.py through ctypes.
@@ -640,10 +651,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_DGRAD_GATE_UP_HANDLER, jax_cake::DgradGat
 extern "C" __attribute__((visibility("default"))) int jax_cake_load_modules(char* error, int error_len) {
   std::string msg;
   if (jax_cake::LoadModules(&msg)) return 0;
-  if (error && error_len > 0) {
-    std::snprintf(error, static_cast<size_t>(error_len), "%s", msg.c_str());
-  }
-  return 1;
+  return jax_cake::ReportError(msg, error, error_len);
 }
 
 extern "C" __attribute__((visibility("default"))) int jax_cake_num_variants() { return jax_cake::kNumVariants; }

@@ -9,8 +9,10 @@
 
 namespace jax_cake {
 
+// "<call> failed: <error name> (<code>: <text>)", the text of every failed CUDA call.
 inline std::string CudaErr(const std::string& call, cudaError_t err) {
-  return call + " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
+  return call + " failed: " + cudaGetErrorName(err) + " (" + std::to_string(static_cast<int>(err)) + ": " +
+         cudaGetErrorString(err) + ")";
 }
 
 // The load state of one table: loaded once, then the SM count the launches cap CTAs at.
@@ -37,7 +39,8 @@ bool LoadModuleTable(const Entry* entries, int count, ModuleTableState* state, s
     err = entries[i].load();
     if (err != cudaSuccess) {
       *error = CudaErr(std::string("module load of ") + entries[i].name, err);
-      cudaSetDevice(current);
+      const cudaError_t restore = cudaSetDevice(current);
+      if (restore != cudaSuccess) *error += "; then " + CudaErr("cudaSetDevice", restore);
       return false;
     }
   }

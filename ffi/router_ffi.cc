@@ -13,8 +13,9 @@
 // Each handler maps its buffers onto one GEMM C[M, N] = sum_k A[m, k] B[n, k] (see
 // router_variants.py for the majorness per program), picks the AOT-compiled CuTe DSL
 // variant and launches it on XLA's stream. Handlers are command-buffer (CUDA graph)
-// compatible: they only launch kernels and memsets on the given stream; they never
-// allocate or synchronize.
+// compatible (gemm_handler.h's kGraphSafe): they only launch kernels and memsets on the
+// given stream; they never allocate or synchronize. Errors are in gemm_handler.h's one
+// style, the dense handlers' too: the target's name, what must hold, what came instead.
 //
 // Kernel modules are loaded by jax_cake_router_load_modules(), which jax_cake/native.py
 // calls once after the CUDA backend is up (as it does jax_cake_load_modules for the
@@ -27,10 +28,8 @@
 #include <cstring>
 #include <string>
 
-#include "gemm_handler.h"  // Operand, Shapes, table lookup and launch; includes jax_cake_codes.h
+#include "gemm_handler.h"  // handler boilerplate, errors, Operand, Shapes, table lookup and launch
 #include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
 
 namespace jax_cake {
 namespace router {
@@ -70,14 +69,16 @@ ModuleTableState g_modules;
 // Loads every router variant's module on every visible device. Idempotent.
 bool LoadModules(std::string* error) { return LoadModuleTable(kRouterVariants, kNumRouterVariants, &g_modules, error); }
 
-// The router targets' attributes (this file's header), decoded by XLA from the call's
-// attribute dictionary (XLA_FFI_REGISTER_STRUCT_ATTR_DECODING below).
+// The router targets' attributes (docs/ffi_contract.md), all int64, decoded by XLA from the
+// call's attribute dictionary (XLA_FFI_REGISTER_STRUCT_ATTR_DECODING below).
 struct RouterAttrs {
-  int64_t tile_m, tile_n, tile_k, splits, reduction;
+  int64_t tile_m, tile_n, tile_k;  // the CTA tile: names a compiled variant of router_variants.py
+  int64_t splits;                  // K splits (1 = none); wgrad only
+  int64_t reduction;               // kReductionNone, or kReductionOrdered with splits > 1 (wgrad)
 };
 
-ffi::Error EnsureRouterLoaded() {
-  return EnsureLoaded("jax_cake router", kRouterVariants, kNumRouterVariants, &g_modules);
+ffi::Error EnsureRouterLoaded(const char* target) {
+  return EnsureLoaded(target, kRouterVariants, kNumRouterVariants, &g_modules);
 }
 
 const RouterVariantEntry* FindVariant(const char* program, int64_t tm, int64_t tn, int64_t tk) {
@@ -86,54 +87,28 @@ const RouterVariantEntry* FindVariant(const char* program, int64_t tm, int64_t t
   });
 }
 
-ffi::Error NoVariant(const char* program, int64_t tm, int64_t tn, int64_t tk) {
-  char buf[256];
-  std::snprintf(buf, sizeof(buf),
-                "jax_cake_router_%s: no compiled variant with tile (%lld, %lld, %lld); "
-                "rebuild with python -m jax_cake.build or fix the plan",
-                program, (long long)tm, (long long)tn, (long long)tk);
-  return ffi::Error::InvalidArgument(buf);
+ffi::Error NoVariant(const char* target, const char* program, int64_t tm, int64_t tn, int64_t tk) {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "with tile (%lld, %lld, %lld)", (long long)tm, (long long)tn, (long long)tk);
+  return NoCompiledVariant(target, program, buf);
 }
 
-ffi::Error Launch(const RouterVariantEntry* v, RouterArgs args, cudaStream_t stream) {
-  return LaunchEntry("jax_cake router", v, args, g_modules, stream);
+ffi::Error Launch(const char* target, const RouterVariantEntry* v, RouterArgs args, cudaStream_t stream) {
+  return LaunchEntry(target, v, args, g_modules, stream);
 }
 
+// A [rows, cols] operand with no negative dimension (empty ones are allowed: an empty
+// GEMM writes nothing, an empty K zeroes the output).
 ffi::Error CheckRank2(const char* target, const char* name, ffi::Span<const int64_t> dims) {
-  if (dims.size() != 2) {
-    return ffi::Error::InvalidArgument(std::string(target) + ": " + name + " must have rank 2, got rank " +
-                                       std::to_string(dims.size()));
-  }
-  if (dims[0] < 0 || dims[1] < 0) {
-    return ffi::Error::InvalidArgument(std::string(target) + ": " + name + " has a negative dimension");
-  }
-  return ffi::Error::Success();
-}
-
-// TMA needs 16-byte row strides: the contiguous extent of every operand is a multiple of 8
-// elements (bf16 hi/lo arrays; fp32 then needs nothing more).
-ffi::Error CheckMultipleOf8(const char* target, const char* what, int64_t v) {
-  if (v % 8 != 0) {
-    return ffi::Error::InvalidArgument(std::string(target) + ": " + what + " = " + std::to_string(v) +
-                                       " must be a multiple of 8 (16-byte TMA strides for the bfloat16 hi/lo parts)");
-  }
-  return ffi::Error::Success();
+  JC_RETURN_IF_ERROR(CheckRank(target, name, dims, 2, "[rows, cols]"));
+  return CheckMinDim(target, name, dims, 0);
 }
 
 // hi and lo parts of one pre-split operand: same shape.
 ffi::Error CheckPair(const char* target, const char* name, ffi::Span<const int64_t> hi, ffi::Span<const int64_t> lo) {
   if (hi.size() != lo.size() || (hi.size() == 2 && (hi[0] != lo[0] || hi[1] != lo[1]))) {
-    return ffi::Error::InvalidArgument(std::string(target) + ": " + name + "_hi and " + name +
-                                       "_lo must have the same shape");
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error CheckNoSplit(const char* target, int64_t splits, int64_t reduction) {
-  if (splits != 1 || reduction != kReductionNone) {
-    return ffi::Error::InvalidArgument(std::string(target) + ": splits must be 1 and reduction " +
-                                       std::to_string(kReductionNone) + ", got splits " + std::to_string(splits) +
-                                       ", reduction " + std::to_string(reduction));
+    return Invalid(target, std::string(name) + "_hi and " + name + "_lo must have the same shape, got " +
+                               DimsText(hi) + " and " + DimsText(lo));
   }
   return ffi::Error::Success();
 }
@@ -143,23 +118,23 @@ ffi::Error CheckNoSplit(const char* target, int64_t splits, int64_t reduction) {
 // logits[T, E] = x[T, d] . w[E, d]^T        (M = T, N = E, K = d)
 ffi::Error RouterFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
                          ffi::Buffer<ffi::BF16> w_lo, ffi::Result<ffi::Buffer<ffi::F32>> logits, RouterAttrs at) {
-  const char* kTarget = kRouterFwdTarget;
-  JC_RETURN_IF_ERROR(CheckNoSplit(kTarget, at.splits, at.reduction));
-  JC_RETURN_IF_ERROR(CheckRank2(kTarget, "x", x.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank2(kTarget, "w_hi", w.dimensions()));
-  JC_RETURN_IF_ERROR(CheckPair(kTarget, "w", w.dimensions(), w_lo.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank2(kTarget, "logits", logits->dimensions()));
+  const char* target = kRouterFwdTarget;
+  JC_RETURN_IF_ERROR(CheckNoSplit(target, at.splits, at.reduction));
+  JC_RETURN_IF_ERROR(CheckRank2(target, "x", x.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank2(target, "w_hi", w.dimensions()));
+  JC_RETURN_IF_ERROR(CheckPair(target, "w", w.dimensions(), w_lo.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank2(target, "logits", logits->dimensions()));
   Shapes s;
-  if (!s.Bind(x.dimensions(), "Td") || !s.Bind(w.dimensions(), "Ed") || !s.Bind(logits->dimensions(), "TE"))
-    return ffi::Error::InvalidArgument(std::string(kTarget) + ": shapes must be x[T,d], w_hi/w_lo[E,d], logits[T,E]");
+  if (!s.Bind("x", x.dimensions(), "Td") || !s.Bind("w_hi", w.dimensions(), "Ed") ||
+      !s.Bind("logits", logits->dimensions(), "TE"))
+    return s.Mismatch(target, "x[T,d], w_hi/w_lo[E,d], logits[T,E]");
   const int64_t T = s['T'], d = s['d'], E = s['E'];
   const RouterVariantEntry* v = FindVariant("fwd", at.tile_m, at.tile_n, at.tile_k);
-  if (!v) return NoVariant("fwd", at.tile_m, at.tile_n, at.tile_k);
+  if (!v) return NoVariant(target, "fwd", at.tile_m, at.tile_n, at.tile_k);
   if (T == 0 || E == 0) return ffi::Error::Success();
-  if (d == 0) return ZeroFill(logits->untyped_data(), T * E * 4, stream);
-  JC_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "d", d));
-  JC_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "E", E));
-  JC_RETURN_IF_ERROR(EnsureRouterLoaded());
+  if (d == 0) return ZeroFill(target, logits->untyped_data(), T * E * 4, stream);
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d", d, "E", E));
+  JC_RETURN_IF_ERROR(EnsureRouterLoaded(target));
   RouterArgs g;
   g.a = KMajor(x.untyped_data(), T, d, 1);  // split on chip
   g.a_lo = g.a;
@@ -167,32 +142,31 @@ ffi::Error RouterFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buff
   g.b_lo = KMajor(w_lo.untyped_data(), E, d, 1);
   g.c = KMajor(logits->untyped_data(), T, E, 1);
   g.splits = 1;
-  return Launch(v, g, stream);
+  return Launch(target, v, g, stream);
 }
 
 // dx[T, d] = g[T, E] . w[E, d]              (M = T, N = d, K = E)
 ffi::Error RouterDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi::Buffer<ffi::BF16> g_lo,
                            ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::BF16> w_lo, ffi::Result<ffi::Buffer<ffi::F32>> dx,
                            RouterAttrs at) {
-  const char* kTarget = kRouterDgradTarget;
-  JC_RETURN_IF_ERROR(CheckNoSplit(kTarget, at.splits, at.reduction));
-  JC_RETURN_IF_ERROR(CheckRank2(kTarget, "g_hi", g_in.dimensions()));
-  JC_RETURN_IF_ERROR(CheckPair(kTarget, "g", g_in.dimensions(), g_lo.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank2(kTarget, "w_hi", w.dimensions()));
-  JC_RETURN_IF_ERROR(CheckPair(kTarget, "w", w.dimensions(), w_lo.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank2(kTarget, "dx", dx->dimensions()));
+  const char* target = kRouterDgradTarget;
+  JC_RETURN_IF_ERROR(CheckNoSplit(target, at.splits, at.reduction));
+  JC_RETURN_IF_ERROR(CheckRank2(target, "g_hi", g_in.dimensions()));
+  JC_RETURN_IF_ERROR(CheckPair(target, "g", g_in.dimensions(), g_lo.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank2(target, "w_hi", w.dimensions()));
+  JC_RETURN_IF_ERROR(CheckPair(target, "w", w.dimensions(), w_lo.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank2(target, "dx", dx->dimensions()));
   Shapes s;
-  if (!s.Bind(g_in.dimensions(), "TE") || !s.Bind(w.dimensions(), "Ed") || !s.Bind(dx->dimensions(), "Td"))
-    return ffi::Error::InvalidArgument(std::string(kTarget) +
-                                       ": shapes must be g_hi/g_lo[T,E], w_hi/w_lo[E,d], dx[T,d]");
+  if (!s.Bind("g_hi", g_in.dimensions(), "TE") || !s.Bind("w_hi", w.dimensions(), "Ed") ||
+      !s.Bind("dx", dx->dimensions(), "Td"))
+    return s.Mismatch(target, "g_hi/g_lo[T,E], w_hi/w_lo[E,d], dx[T,d]");
   const int64_t T = s['T'], d = s['d'], E = s['E'];
   const RouterVariantEntry* v = FindVariant("dgrad", at.tile_m, at.tile_n, at.tile_k);
-  if (!v) return NoVariant("dgrad", at.tile_m, at.tile_n, at.tile_k);
+  if (!v) return NoVariant(target, "dgrad", at.tile_m, at.tile_n, at.tile_k);
   if (T == 0 || d == 0) return ffi::Error::Success();
-  if (E == 0) return ZeroFill(dx->untyped_data(), T * d * 4, stream);
-  JC_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "d", d));
-  JC_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "E", E));
-  JC_RETURN_IF_ERROR(EnsureRouterLoaded());
+  if (E == 0) return ZeroFill(target, dx->untyped_data(), T * d * 4, stream);
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d", d, "E", E));
+  JC_RETURN_IF_ERROR(EnsureRouterLoaded(target));
   RouterArgs a;
   a.a = KMajor(g_in.untyped_data(), T, E, 1);
   a.a_lo = KMajor(g_lo.untyped_data(), T, E, 1);
@@ -200,45 +174,42 @@ ffi::Error RouterDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi
   a.b_lo = MnMajor(w_lo.untyped_data(), d, E, 1);
   a.c = KMajor(dx->untyped_data(), T, d, 1);
   a.splits = 1;
-  return Launch(v, a, stream);
+  return Launch(target, v, a, stream);
 }
 
 // dw[E, d] = g[T, E]^T . x[T, d]            (M = E, N = d, K = T), K split `splits` ways.
 ffi::Error RouterWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi::Buffer<ffi::BF16> g_lo,
                            ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> dw,
                            ffi::Result<ffi::Buffer<ffi::U8>> workspace, RouterAttrs at) {
-  const char* kTarget = kRouterWgradTarget;
-  const std::string who = kTarget;
-  if (at.splits < 1 || at.splits > 65535)
-    return ffi::Error::InvalidArgument(who + ": splits must be in [1, 65535], got " + std::to_string(at.splits));
+  const char* target = kRouterWgradTarget;
+  JC_RETURN_IF_ERROR(CheckSplitsRange(target, at.splits));
   if (at.reduction != kReductionNone && at.reduction != kReductionOrdered)
-    return ffi::Error::InvalidArgument(who + ": reduction must be " + std::to_string(kReductionNone) + " (none) or " +
-                                       std::to_string(kReductionOrdered) + " (ordered), got " +
-                                       std::to_string(at.reduction));
+    return Invalid(target, "reduction must be " + std::to_string(kReductionNone) + " (none) or " +
+                               std::to_string(kReductionOrdered) + " (ordered), got " + std::to_string(at.reduction));
   if ((at.splits == 1) != (at.reduction == kReductionNone))
-    return ffi::Error::InvalidArgument(who + ": reduction must be " + std::to_string(kReductionNone) +
-                                       " exactly when splits == 1");
-  JC_RETURN_IF_ERROR(CheckRank2(kTarget, "g_hi", g_in.dimensions()));
-  JC_RETURN_IF_ERROR(CheckPair(kTarget, "g", g_in.dimensions(), g_lo.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank2(kTarget, "x", x.dimensions()));
-  JC_RETURN_IF_ERROR(CheckRank2(kTarget, "dw", dw->dimensions()));
+    return Invalid(target, "reduction must be " + std::to_string(kReductionNone) +
+                               " exactly when splits is 1, got splits " + std::to_string(at.splits) +
+                               " and reduction " + std::to_string(at.reduction));
+  JC_RETURN_IF_ERROR(CheckRank2(target, "g_hi", g_in.dimensions()));
+  JC_RETURN_IF_ERROR(CheckPair(target, "g", g_in.dimensions(), g_lo.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank2(target, "x", x.dimensions()));
+  JC_RETURN_IF_ERROR(CheckRank2(target, "dw", dw->dimensions()));
   Shapes s;
-  if (!s.Bind(g_in.dimensions(), "TE") || !s.Bind(x.dimensions(), "Td") || !s.Bind(dw->dimensions(), "Ed"))
-    return ffi::Error::InvalidArgument(who + ": shapes must be g_hi/g_lo[T,E], x[T,d], dw[E,d]");
+  if (!s.Bind("g_hi", g_in.dimensions(), "TE") || !s.Bind("x", x.dimensions(), "Td") ||
+      !s.Bind("dw", dw->dimensions(), "Ed"))
+    return s.Mismatch(target, "g_hi/g_lo[T,E], x[T,d], dw[E,d]");
   const int64_t T = s['T'], d = s['d'], E = s['E'];
   const RouterVariantEntry* v = FindVariant("wgrad", at.tile_m, at.tile_n, at.tile_k);
-  if (!v) return NoVariant("wgrad", at.tile_m, at.tile_n, at.tile_k);
+  if (!v) return NoVariant(target, "wgrad", at.tile_m, at.tile_n, at.tile_k);
   const int64_t count = E * d;
   const int64_t ws_bytes = static_cast<int64_t>(workspace->size_bytes());
-  if (at.reduction == kReductionOrdered && ws_bytes < at.splits * count * 4)
-    return ffi::Error::InvalidArgument(who + ": workspace has " + std::to_string(ws_bytes) +
-                                       " bytes, ordered split-K needs splits * E * d * 4 = " +
-                                       std::to_string(at.splits * count * 4));
+  if (at.reduction == kReductionOrdered) {
+    JC_RETURN_IF_ERROR(CheckWorkspace(target, ws_bytes, at.splits * count * 4, "ordered split-K: splits * E * d * 4"));
+  }
   if (E == 0 || d == 0) return ffi::Error::Success();
-  if (T == 0) return ZeroFill(dw->untyped_data(), count * 4, stream);
-  JC_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "d", d));
-  JC_RETURN_IF_ERROR(CheckMultipleOf8(kTarget, "E", E));
-  JC_RETURN_IF_ERROR(EnsureRouterLoaded());
+  if (T == 0) return ZeroFill(target, dw->untyped_data(), count * 4, stream);
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d", d, "E", E));
+  JC_RETURN_IF_ERROR(EnsureRouterLoaded(target));
 
   // Transposed (router_variants.TRANSPOSED): dw^T[d, E] = x^T g, so x (split on chip) is
   // the kernel's A and can feed wgmma from registers; C = dw^T is M-major.
@@ -250,17 +221,16 @@ ffi::Error RouterWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> g_in, ffi
   a.splits = static_cast<int32_t>(at.splits);
   if (at.reduction == kReductionNone) {
     a.c = MnMajor(dw->untyped_data(), d, E, 1);  // M-major: stride(M) = 1
-    return Launch(v, a, stream);
+    return Launch(target, v, a, stream);
   }
   // Ordered: partials [splits, E, d] fp32 (C viewed as [M = d, N = E, splits]), then the
   // reduce pass sums them in split order into dw: bitwise reproducible.
   void* ws = workspace->untyped_data();
   a.c = MnMajor(ws, d, E, at.splits);
-  JC_RETURN_IF_ERROR(Launch(v, a, stream));
-  cudaError_t err = jax_cake_splitk_reduce(static_cast<const float*>(ws), dw->untyped_data(), /*out_is_bf16=*/0,
-                                           at.splits, count, g_modules.num_sms, stream);
-  if (err != cudaSuccess) return ffi::Error::Internal(CudaErr("jax_cake_splitk_reduce launch", err));
-  return ffi::Error::Success();
+  JC_RETURN_IF_ERROR(Launch(target, v, a, stream));
+  return CudaCheck(target, "jax_cake_splitk_reduce launch",
+                   jax_cake_splitk_reduce(static_cast<const float*>(ws), dw->untyped_data(), /*out_is_bf16=*/0,
+                                          at.splits, count, g_modules.num_sms, stream));
 }
 
 }  // namespace
@@ -271,37 +241,48 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_cake::router::RouterAttrs, StructMembe
                                       StructMember<int64_t>("tile_n"), StructMember<int64_t>("tile_k"),
                                       StructMember<int64_t>("splits"), StructMember<int64_t>("reduction"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_ROUTER_FWD_HANDLER, jax_cake::router::RouterFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attrs<jax_cake::router::RouterAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// The handlers, each bound as gemm_handler.h describes: XLA's stream, then the operands
+// (.Arg) and results (.Ret) in call order, then the attributes (.Attrs). Sizes: T tokens,
+// d the model width, E the experts. A (hi, lo) pair is one FP32 operand split into two
+// bf16 arrays by the caller (hi = bf16_rn(v), lo = bf16_rn(v - hi)). "A" / "B" say which
+// GEMM operand a buffer is (C[M, N] = sum_k A[m, k] B[n, k]) and which extent is
+// contiguous in memory.
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_ROUTER_DGRAD_HANDLER, jax_cake::router::RouterDgradImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attrs<jax_cake::router::RouterAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// jax_cake_router_fwd: logits = x w^T in FP32 by BF16x3 (M = T, N = E, K = d).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_ROUTER_FWD_HANDLER, jax_cake::router::RouterFwdImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::F32>>()               // x      f32 [T, d]: the activations (A, K-major; split on chip)
+        .Arg<ffi::Buffer<ffi::BF16>>()              // w_hi   bf16 [E, d]: the router weight's hi part (B, K-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()              // w_lo   bf16 [E, d]: its lo part
+        .Ret<ffi::Buffer<ffi::F32>>()               // logits f32 [T, E]: the router logits
+        .Attrs<jax_cake::router::RouterAttrs>(),    // tile_m/n/k, splits 1, reduction 0
+    jax_cake::kGraphSafe);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_ROUTER_WGRAD_HANDLER, jax_cake::router::RouterWgradImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attrs<jax_cake::router::RouterAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// jax_cake_router_dgrad: dx = g w in FP32 by BF16x3 (M = T, N = d, K = E).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_ROUTER_DGRAD_HANDLER, jax_cake::router::RouterDgradImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()              // g_hi bf16 [T, E]: the logits' cotangent, hi part (A, K-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()              // g_lo bf16 [T, E]: its lo part
+        .Arg<ffi::Buffer<ffi::BF16>>()              // w_hi bf16 [E, d]: the router weight's hi part (B, N-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()              // w_lo bf16 [E, d]: its lo part
+        .Ret<ffi::Buffer<ffi::F32>>()               // dx   f32 [T, d]: x's gradient
+        .Attrs<jax_cake::router::RouterAttrs>(),    // tile_m/n/k, splits 1, reduction 0
+    jax_cake::kGraphSafe);
+
+// jax_cake_router_wgrad: dw = g^T x in FP32 by BF16x3 (M = E, N = d, K = T split `splits`
+// ways; run transposed inside, dw^T = x^T g).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_ROUTER_WGRAD_HANDLER, jax_cake::router::RouterWgradImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()              // g_hi bf16 [T, E]: the logits' cotangent, hi part
+        .Arg<ffi::Buffer<ffi::BF16>>()              // g_lo bf16 [T, E]: its lo part
+        .Arg<ffi::Buffer<ffi::F32>>()               // x    f32 [T, d]: the activations (split on chip)
+        .Ret<ffi::Buffer<ffi::F32>>()               // dw   f32 [E, d]: the router weight's gradient
+        .Ret<ffi::Buffer<ffi::U8>>()                // workspace u8 [workspace_bytes]: ordered split-K partials
+        .Attrs<jax_cake::router::RouterAttrs>(),    // tile_m/n/k, splits, reduction 0 or 1
+    jax_cake::kGraphSafe);
 
 // ---------------------------------------------------------------- plain C entry points
 // Used by jax_cake/native.py through ctypes.
@@ -309,8 +290,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAX_CAKE_ROUTER_WGRAD_HANDLER, jax_cake::router::R
 extern "C" __attribute__((visibility("default"))) int jax_cake_router_load_modules(char* error, int error_len) {
   std::string msg;
   if (jax_cake::router::LoadModules(&msg)) return 0;
-  if (error && error_len > 0) std::snprintf(error, static_cast<size_t>(error_len), "%s", msg.c_str());
-  return 1;
+  return jax_cake::ReportError(msg, error, error_len);
 }
 
 extern "C" __attribute__((visibility("default"))) int jax_cake_router_num_variants() {
