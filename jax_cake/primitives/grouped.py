@@ -113,11 +113,23 @@ def result_spec(op: str, a, b) -> P:
     return partitioning.to_pspec(tuple(out))
 
 
+def _explicit_mesh(*arrays):
+    """The mesh whose Explicit axes the GEMM runs under: the operands' types', else the
+    context's (jax.set_mesh or an abstract mesh with Explicit axes), else None."""
+    mesh = partitioning.explicit_mesh(*arrays)
+    if mesh is not None:
+        return mesh
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and any(t == jax.sharding.AxisType.Explicit for t in context.axis_types):
+        return context
+    return None
+
+
 def _xla(op: str, out_dtype, out_spec, a, b, group_sizes):
-    """reference's grouped GEMM; under Explicit axes in Auto mode, typed out_spec (or the
-    rule's)."""
+    """reference's grouped GEMM; under Explicit axes in Auto mode (lax's ragged dot has no
+    Explicit sharding rule), typed out_spec (or the rule's)."""
     ref = functools.partial(_REFERENCE[op], out_dtype=out_dtype)
-    mesh = partitioning.explicit_mesh(a, b, group_sizes)
+    mesh = _explicit_mesh(a, b, group_sizes)
     if mesh is None:
         return ref(a, b, group_sizes)
     spec = out_spec if out_spec is not None else result_spec(op, a, b)
