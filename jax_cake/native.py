@@ -237,9 +237,8 @@ _other_builds: dict[str, ctypes.CDLL] = {}
 def register_build(path, prefix: str) -> None:
     """Loads another build of the library beside the default one and registers its
     handlers as `<prefix><target>`; custom calls traced under
-    `jax_cake.primitives.targets_from(prefix)` then run that build
-    (`python -m jax_cake.tools.compare_builds` times builds side by side this way). Needs a
-    CUDA GPU; a prefix is registered once."""
+    `jax_cake.primitives.targets_from(prefix)` then run that build (two builds timed side
+    by side in one process). Needs a CUDA GPU; a prefix is registered once."""
     import jax
 
     if not prefix:

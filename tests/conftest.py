@@ -1,4 +1,6 @@
-"""Test set-up: 8 fake CPU devices for the shard_map tests, and the `gpu` marker.
+"""Test set-up: 8 fake CPU devices for the shard_map tests, the `gpu` marker, and the
+repository root on sys.path (the tests of the benchmark and the tuners import
+`benchmarks`, which lies beside the package and is not installed).
 
 XLA_FLAGS must be set before jax starts its backends, so it is set here, at import.
 GPU tests (`@pytest.mark.gpu`) run with `pytest -m gpu` on a machine with an NVIDIA GPU
@@ -7,6 +9,12 @@ and are skipped elsewhere.
 """
 
 import os
+import pathlib
+import sys
+
+_REPO = str(pathlib.Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()

@@ -1,6 +1,7 @@
 """Shared test utilities: random inputs, float64 references, the faked H200."""
 
 import contextlib
+import os
 import pathlib
 
 import jax
@@ -9,18 +10,15 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from jax_cake.tools import bench
-
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def child_env(drop=(), **overrides) -> dict:
-    """The environment of a child Python process that runs a script of this checkout
-    (bench.child_env: the checkout first on PYTHONPATH, as a script run by path does not
-    see the repository and jax_cake need not be installed), `overrides` set and the
-    variables in `drop` removed."""
-    env = bench.child_env(**overrides)
+    """The environment of a child Python process that runs a script of this checkout: the
+    checkout first on PYTHONPATH (a script run by path does not see the repository, and
+    jax_cake need not be installed), `overrides` set and the variables in `drop` removed."""
+    env = dict(os.environ, **overrides)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     for name in drop:
         env.pop(name, None)
     return env

@@ -233,17 +233,6 @@ def test_example_runs_on_cpu():
     assert len(losses) >= 2 and losses[-1] < 0.9 * losses[0], proc.stdout
 
 
-def test_bench_runs_on_cpu():
-    env = child_env(drop=("XLA_FLAGS",), JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-m", "jax_cake.tools.accumulate_bench", "--tokens=64", "--d_in=128", "--d_out=128",
-         "--runs=1", "--groups=2", "--steps=2", "--flush_mb=1", "--modes=g"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| 128 -> 128 | 64 | 4 | g |" in proc.stdout and "separate/fused" in proc.stdout, proc.stdout
-
-
 # --- out_sharding, sharded operands, vmap --------------------------------------------------
 
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402

@@ -13,14 +13,13 @@ import shutil
 import subprocess
 import sys
 
+import kernel_resources
 import pytest
 from helpers import REPO
 
-from jax_cake.tools import kernel_resources
-
 HANDLERS = ("JaxCakeFwd", "JaxCakeDgrad", "JaxCakeWgrad")
 # Stack bytes (spilled registers) of the kernels that have any, as compiled by
-# nvidia-cutlass-dsl 4.8.1 for sm_90a (jax_cake.tools.kernel_resources, 2026-12-05): one of
+# nvidia-cutlass-dsl 4.8.1 for sm_90a (tests/kernel_resources.py, 2026-12-05): one of
 # each gated c1x1 tile's (silu, gelu); every other kernel has none. A kernel change that
 # spills more turns the export test red.
 STACK_BYTES = {

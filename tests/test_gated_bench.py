@@ -1,4 +1,4 @@
-"""jax_cake.tools.gated_bench on CPU: each arm's plan and its CUDA lowering (on a faked
+"""benchmarks.bench --family=gated on CPU: each arm's plan and its CUDA lowering (on a faked
 H200), and a whole run of the XLA arm."""
 
 import contextlib
@@ -15,9 +15,10 @@ import jax_cake as jc
 
 from helpers import custom_call_lines, faked_device
 from jax_cake import contract
-from jax_cake.tools import bench, gated_bench
+from benchmarks import harness
+from benchmarks.families import gated as gated_bench
 
-POINT = bench.Point(8192, 4096, 28672, "bfloat16")
+POINT = harness.Point(8192, 4096, 28672, "bfloat16")
 ARGS = (jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((28672, 4096), jnp.bfloat16))
 # arm -> (custom call, tile_n, cluster_m, schedule)
 EXPECTED = {
@@ -65,7 +66,7 @@ def test_gelu_arms_lower_to_the_gelu_epilogue(arm):
 def test_xla_arm_is_the_reference_composition():
     x = jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16)
     w = (jax.random.normal(jax.random.key(1), (96, 128)) * 0.1).astype(jnp.bfloat16)
-    h, gu = gated_bench.step_fn("xla", bench.Point(64, 128, 96, "bfloat16"))(x, w)
+    h, gu = gated_bench.step_fn("xla", harness.Point(64, 128, 96, "bfloat16"))(x, w)
     g, u = jnp.asarray(gu, jnp.float32).reshape(64, 3, 2, 16).transpose(2, 0, 1, 3).reshape(2, 64, 48)
     g, u = g.astype(jnp.bfloat16).astype(jnp.float32), u.astype(jnp.bfloat16).astype(jnp.float32)
     want = (jax.nn.silu(g) * u).astype(jnp.bfloat16)
@@ -79,7 +80,7 @@ def test_bench_runs_on_cpu():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "jax_cake.tools.gated_bench", "--tokens=64", "--d_in=128", "--d_out=128",
+        [sys.executable, "-m", "benchmarks.bench", "--family=gated", "--tokens=64", "--d_in=128", "--d_out=128",
          "--arms=xla", "--runs=1", "--groups=2", "--steps=2", "--flush_mb=1", "--modes=g"],
         cwd=pathlib.Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=300,
         check=False,

@@ -1,12 +1,11 @@
-"""jax_cake.tools.kernel_resources on synthetic objects: the device ELF found inside a host
+"""tests/kernel_resources.py on synthetic objects: the device ELF found inside a host
 object, its .nv.info records read, the kernel's registers and stack. (The real kernels'
 resources are checked where CI compiles them: test_build.test_kernels_compile_and_export.)"""
 
 import struct
 
+import kernel_resources as kr
 import pytest
-
-from jax_cake.tools import kernel_resources as kr
 
 
 def _nv_info(records) -> bytes:

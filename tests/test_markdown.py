@@ -1,6 +1,6 @@
-"""The tools' one markdown table writer: the number rule and the table's lines."""
+"""The benchmarks' one markdown table writer: the number rule and the table's lines."""
 
-from jax_cake.tools import markdown as md
+from benchmarks import markdown as md
 
 
 def test_number_keeps_significant_figures_and_marks_missing_values():

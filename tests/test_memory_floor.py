@@ -1,4 +1,4 @@
-"""jax_cake.tools.memory_floor on CPU: the cases it parses, the bytes it claims, its table, and a clear
+"""benchmarks.memory_floor on CPU: the cases it parses, the bytes it claims, its table, and a clear
 exit where there is no GPU (the timing itself runs on the GPU machine)."""
 
 import ctypes
@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 from absl.testing import absltest
+from helpers import REPO
 
-from jax_cake.tools import memory_floor
+from benchmarks import memory_floor
 
 
 class CaseTest(absltest.TestCase):
@@ -45,7 +46,8 @@ class NoGpuTest(absltest.TestCase):
         except OSError:
             pass
         proc = subprocess.run(
-            [sys.executable, "-m", "jax_cake.tools.memory_floor", "--cases=256:128:512"],
+            [sys.executable, "-m", "benchmarks.memory_floor", "--cases=256:128:512"],
+            cwd=REPO,
             capture_output=True,
             text=True,
             timeout=120,

@@ -1,4 +1,4 @@
-"""jax_cake.tools.model_bench on CPU at tiny sizes: every case runs both arms and reports
+"""benchmarks.bench --family=model on CPU at tiny sizes: every case runs both arms and reports
 matching losses; the table, CSV and header; the CLI end to end with the cold row."""
 
 import csv
@@ -11,7 +11,8 @@ import tempfile
 import jax
 import pytest
 
-from jax_cake.tools import bench, model_bench as mb
+from benchmarks import harness
+from benchmarks.families import model as mb
 from helpers import REPO, rel_err
 
 
@@ -28,7 +29,7 @@ TINY = mb.Sizes(
     mlp_tokens=32,
     router_tokens=64,
     router_d=64,
-    experts=16,
+    router_experts=16,
     top_k=4,
 )
 TINY_FLAGS = [
@@ -102,11 +103,11 @@ def test_rows_are_medians_over_runs_of_group_medians():
     assert cold_row["step"] == "cold first step, fresh process: MLP"
     assert (cold_row["XLA ms"], cold_row["jax_cake ms"]) == (11000.0, 9000.0)
 
-    header = dict(gpu="H200", sms=132, driver="1", jax="0.0", date="2026-01-01", timer=bench.DEVICE_LABEL)
+    header = dict(gpu="H200", sms=132, driver="1", jax="0.0", date="2026-01-01", timer=harness.DEVICE_LABEL)
     protocol = dict(runs=2, groups=3, steps=1, deterministic=True, cold_runs=2)
-    text = mb.markdown(mb.header_line(header, "python -m jax_cake.tools.model_bench --cases=mlp", protocol), [mlp])
+    text = mb.markdown(mb.header_line(header, "python -m benchmarks.bench --family=model --cases=mlp", protocol), [mlp])
     first = text.splitlines()[0]
-    for words in ("GPU H200, 132 SMs", "jax 0.0", "2026-01-01", "`python -m jax_cake.tools.model_bench --cases=mlp`"):
+    for words in ("GPU H200, 132 SMs", "jax 0.0", "2026-01-01", "`python -m benchmarks.bench --family=model --cases=mlp`"):
         assert words in first
     assert "| mlp | g | 3.000 | 1.500 | 2.000 | 1.0e-03 | 3.000 | 1.000 |" in text
 
@@ -115,7 +116,7 @@ def test_cli_writes_markdown_and_csv_with_the_cold_row():
     with tempfile.TemporaryDirectory() as tmp:
         md, csv_path = os.path.join(tmp, "m.md"), os.path.join(tmp, "m.csv")
         subprocess.run(
-            [sys.executable, "-m", "jax_cake.tools.model_bench", "--cases=router,cold", "--cold_case=router"]
+            [sys.executable, "-m", "benchmarks.bench", "--family=model", "--cases=router,cold", "--cold_case=router"]
             + ["--runs=1", "--groups=1", "--cold_runs=1", "--flush_mb=1", f"--md={md}", f"--csv={csv_path}"]
             + TINY_FLAGS,
             cwd=REPO,
@@ -128,7 +129,7 @@ def test_cli_writes_markdown_and_csv_with_the_cold_row():
             rows = list(csv.DictReader(f))
     first = text.splitlines()[0]
     assert "host wall time (no GPU)" in first and f"jax {jax.__version__}" in first
-    assert "command: `python -m jax_cake.tools.model_bench --cases=router,cold" in first
+    assert "command: `python -m benchmarks.bench --family=model --cases=router,cold" in first
     assert "cold: host wall time from process spawn" in first
     assert [r["step"] for r in rows] == [
         mb.case_label("router", TINY),

@@ -1,6 +1,6 @@
 """The wider ping-pong fwd/dgrad variants (128 x 160, 176, 192, 208) on CPU: the variant table,
 the planner's forcing of them, their lowering, a model of the kernel's turn barriers, and
-jax_cake.tools.core_bench's case list and arms."""
+the core benchmark family's case list and arms (benchmarks/families/core.py)."""
 
 import dataclasses
 import importlib.util
@@ -223,16 +223,18 @@ def test_epilogue_turns_alternate_without_stray_arrivals(num_items, cluster_id, 
     assert [i for kind, i in log if kind == "epi"] == mine  # the epilogues in tile order too
 
 
-# ------------------------------------------------------------------ core_bench (CPU side)
+# ------------------------------------------------------------------ the core family (CPU side)
 def test_core_bench_cases_and_arms():
-    from jax_cake.tools import bench, core_bench
+    from benchmarks import harness as bench
+    from benchmarks.families import core as core_bench
 
-    pairs = core_bench.parse_pairs(core_bench.DEFAULT_PAIRS)
+    pairs = bench.parse_pairs(core_bench.DEFAULT_PAIRS)
     assert pairs == LLAMA
-    cases = core_bench.cases(8192, pairs)
+    cases = core_bench.cases([8192], pairs)
     assert len(cases) == 8 and cases[0] == ("fwd", 8192, 4096, 14336) and cases[1][0] == "dgrad"
+    assert core_bench.cases([4096, 8192], pairs[:1])[2] == ("fwd", 8192, 4096, 14336)
     with pytest.raises(ValueError, match="d_in:d_out"):
-        core_bench.parse_pairs(["4096x1024"])
+        bench.parse_pairs(["4096x1024"])
     for op in ("fwd", "dgrad"):
         arms = core_bench.variant_arms(op)
         assert arms[0].name == "xla" and arms[0].bench_arm == "xla"
@@ -252,7 +254,9 @@ def test_core_bench_cases_and_arms():
 def test_core_bench_arms_lower_to_their_variants(op):
     """Each forced arm's lowering names its tile / cluster / schedule (core_bench checks
     the same on the GPU before timing)."""
-    from jax_cake.tools import bench, core_bench
+    from benchmarks import harness as bench
+    from benchmarks.families import core as core_bench
+    from benchmarks.families import dense
 
     specs = (
         jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16),
@@ -261,24 +265,51 @@ def test_core_bench_arms_lower_to_their_variants(op):
     )
     with faked_device():
         for arm in core_bench.variant_arms(op)[1:]:
-            fn = bench.op_fn(op, bench.jax_projection(bench.parse_arm(arm.bench_arm)))
+            fn = bench.op_fn(op, dense.project(bench.parse_arm(arm.bench_arm)))
             core_bench.check_lowering(arm, op, fn, specs, platforms=("cuda",))
 
 
-def test_core_bench_csv_and_flags():
-    from jax_cake.tools import core_bench
+def test_core_bench_rows_pool_the_runs():
+    """One CSV row per (op, shape, arm): the median over runs of each run's median group,
+    every group run after run (tune_tiles pairs them by position), XLA's time over the arm's."""
+    from benchmarks import harness as bench
+    from benchmarks import tune_tiles
+    from benchmarks.families import core as core_bench
 
-    row = {c: 1 for c in core_bench.COLUMNS}
+    def sample(arm, tile, run, groups):
+        shape = dict(op="fwd", T=8192, d_in=4096, d_out=14336, arm=arm, tile=tile, raster="", mode="g")
+        kind = dict(cluster="2x1" if tile else "", schedule="pingpong" if tile else "xla")
+        return {**shape, **kind, "max_err_rel": 0.0 if not tile else 0.001, "run": run, "groups_us": groups}
+
+    samples = [
+        sample("xla", "", 0, [100.0, 102.0, 98.0]),
+        sample("128x192_pp_c2x1", "128x192x64", 0, [90.0, 91.0, 89.0]),
+        sample("xla", "", 1, [110.0, 110.0, 110.0]),
+        sample("128x192_pp_c2x1", "128x192x64", 1, [95.0, 95.0, 95.0]),
+    ]
+    header = dict(gpu="H200", sms=132, jax="0.11.2", date="2026-12-05")
+    xla, arm = core_bench.rows(header, samples)
+    assert (xla["us"], arm["us"]) == (105.0, 92.5)  # median of the runs' medians 100 and 110, 90 and 95
+    assert arm["xla_over_arm"] == round(105.0 / 92.5, 4) and arm["ok"] and arm["tflops"] > 0
+    assert arm["groups_us"] == "90.00 91.00 89.00 95.00 95.00 95.00"
+    assert (arm["gpu"], arm["sms"], arm["jax"], arm["date"], arm["mode"]) == ("H200", 132, "0.11.2", "2026-12-05", "g")
     with tempfile.TemporaryDirectory() as tmp:
-        path = core_bench.write_csv(os.path.join(tmp, "sub"), [row])
+        path = os.path.join(tmp, "core.csv")
+        bench.write_csv(path, core_bench.COLUMNS, [xla, arm])
         assert open(path).read().splitlines()[0] == ",".join(core_bench.COLUMNS)
-    assert "| op |" in core_bench.table([dict(row, op="fwd")])
+        points, xla_arms, read = tune_tiles.read_csvs([path])  # what the tile tuner reads back
+    ((point, (variant,)),) = points.items()
+    assert variant.groups_us == (90.0, 91.0, 89.0, 95.0, 95.0, 95.0)
+    assert xla_arms[point].us == 106.0  # tune_tiles: the median of the pooled groups
+    assert read == dict(gpu="H200", sms="132", jax="0.11.2", date="2026-12-05")
 
 
 def test_core_bench_raster_arms():
     """--rasters adds one arm per walk after each variant's planner-walk arm; --only keeps
     the matching variants; the lowering check compares the raster attribute too."""
-    from jax_cake.tools import bench, core_bench
+    from benchmarks import harness as bench
+    from benchmarks.families import core as core_bench
+    from benchmarks.families import dense
 
     arms = core_bench.variant_arms("fwd", rasters=("m4", "n"), only="pp_c2")
     assert arms[0].name == "xla"
@@ -296,7 +327,7 @@ def test_core_bench_raster_arms():
         jax.ShapeDtypeStruct((8192, 14336), jnp.bfloat16),
     )
     arm = by_name["128x192_pp_c2x1_rm4"]
-    fn = bench.op_fn("fwd", bench.jax_projection(bench.parse_arm(arm.bench_arm)))
+    fn = bench.op_fn("fwd", dense.project(bench.parse_arm(arm.bench_arm)))
     with faked_device():
         core_bench.check_lowering(arm, "fwd", fn, specs, platforms=("cuda",))
 
@@ -304,13 +335,15 @@ def test_core_bench_raster_arms():
 def test_core_bench_lowering_check_catches_another_walk(monkeypatch):
     """A plan that walks otherwise than the arm names (here: the force replaced by one of
     bands of 16) fails the check."""
-    from jax_cake.tools import bench, core_bench
+    from benchmarks import harness as bench
+    from benchmarks.families import core as core_bench
+    from benchmarks.families import dense
 
     arm = next(a for a in core_bench.variant_arms("fwd", rasters=("m4",)) if a.name == "128x192_pp_c2x1_rm4")
     other = dataclasses.replace(bench.parse_arm(arm.bench_arm), raster="m16")
     real = bench.planning_for
     monkeypatch.setattr(bench, "planning_for", lambda spec: real(other))
-    fn = bench.op_fn("fwd", bench.jax_projection(other))
+    fn = bench.op_fn("fwd", dense.project(other))
     specs = (
         jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16),
         jax.ShapeDtypeStruct((14336, 4096), jnp.bfloat16),

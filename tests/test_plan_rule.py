@@ -2,7 +2,7 @@
 
 from absl.testing import absltest, parameterized
 
-from jax_cake.tools import plan_rule as pr
+from benchmarks import plan_rule as pr
 
 
 def run(det, split):

@@ -173,7 +173,7 @@ def test_shipped_xla_rows_meet_the_accuracy_contract():
     FP32-output dot sums K in one level (1.86e-5 at T 16384, 4096 -> 4096 on the H200),
     where jax_cake's two-level sum gives 2-5e-6. A BF16 output is rounded once to BF16 by
     XLA as by the kernel; a recorded error must be under 1e-2."""
-    from jax_cake.tools import plan_rule
+    from benchmarks import plan_rule
 
     checked = 0
     for name, rng in _shipped():

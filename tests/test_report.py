@@ -1,4 +1,4 @@
-"""jax_cake.tools.report on CPU: the headline tables from small bench CSVs, the marker block, the pictures."""
+"""benchmarks.report on CPU: the generated tables from small benchmark CSVs, the marker block, the pictures."""
 
 import csv
 import gzip
@@ -9,10 +9,12 @@ import sys
 
 import pytest
 
-from jax_cake.tools import bench, report
+from benchmarks import report
+from benchmarks.families import dense
+from benchmarks.families import router as router_family
 from helpers import REPO
 
-DENSE_COLUMNS = list(bench.FAMILIES["dense"].columns)
+DENSE_COLUMNS = list(dense.TABLE.columns)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -66,7 +68,7 @@ def fixtures(tmp_path):
     later = [dense_row(4096, 1024, "BF16", 16172, "wgrad", "g", new=100.0, xla=160.0, cublas=100.0)]
     dense_a = write_csv(tmp_path / "dense_a.csv.gz", DENSE_COLUMNS, first, compress=True)
     dense_b = write_csv(tmp_path / "dense_b.csv", DENSE_COLUMNS, later)
-    router_columns = list(bench.FAMILIES["router"].columns)
+    router_columns = list(router_family.TABLE.columns)
     router = write_csv(
         tmp_path / "router.csv",
         router_columns,
@@ -143,7 +145,7 @@ def test_families_and_merge_order(fixtures):
     assert [r["new us"] for r in wgrad] == [100.0]
     assert len(rows["router"]) == len(rows["batched"]) == 1
     assert len(rows["floor"]) == 2
-    with pytest.raises(ValueError, match="not a bench or memory_floor CSV"):
+    with pytest.raises(ValueError, match="not a benchmark or memory_floor CSV"):
         report.family_of(["a", "b"])
 
 
@@ -176,7 +178,7 @@ def test_headline_table_values(fixtures):
     assert table_line(block, "fwd", "FP32", "1")[3:] == ["1.07-1.07", "1.28-1.28", "2.13-2.13"]
     assert table_line(block, "wgrad", "FP32", "1")[3:] == ["1.07-1.07", "1.28-1.28", "3.20-3.20"]
     # router and batched rows, ratios recomputed from the times
-    assert table_line(block, "4096 -> 256", "16384", "fwd", "g")[4:7] == ["151.6", "412.8", "2.724"]
+    assert table_line(block, "4096 -> 256", "16384", "fwd")[3:6] == ["151.6", "412.8", "2.724"]
     batched = table_line(block, "16", "128 -> 512", "4096", "fwd", "g")
     assert batched[5:] == ["27.90", "28.00", "31.00", "1.004", "1.111"]
 
@@ -213,7 +215,7 @@ def test_pictures_are_written_and_embedded(fixtures):
 
 def test_cli_writes_the_page(fixtures):
     subprocess.run(
-        [sys.executable, "-m", "jax_cake.tools.report", "--csvs=" + ",".join(fixtures["csvs"])]
+        [sys.executable, "-m", "benchmarks.report", "--csvs=" + ",".join(fixtures["csvs"])]
         + [f"--page={fixtures['page']}", f"--img_dir={fixtures['img_dir']}", "--picture_modes=g"],
         cwd=REPO,
         check=True,
@@ -231,3 +233,37 @@ def test_default_csvs_exist_and_name_their_families():
         assert os.path.isfile(full), path
         seen.add(report.family_of(report.read_rows(full)[0]))
     assert seen == set(report.FAMILIES)
+
+
+def test_model_steps_keep_the_latest_file_per_gpu(tmp_path):
+    columns = ["step", "mode", "XLA ms", "jax_cake ms", "XLA/jax_cake", "loss rel diff", "XLA temp MiB", "jax_cake temp MiB"]
+    step = dict(mode="g", **{"loss rel diff": 0.0, "XLA temp MiB": 112.0, "jax_cake temp MiB": 448.0})
+    old = write_csv(
+        tmp_path / "m1.csv",
+        columns,
+        [dict(step, step="mlp", **{"XLA ms": 12.9, "jax_cake ms": 14.0}), dict(step, step="heads", **{"XLA ms": 1.0, "jax_cake ms": 0.5})],
+    )
+    new = write_csv(tmp_path / "m2.csv", columns, [dict(step, step="mlp", **{"XLA ms": 12.9, "jax_cake ms": 12.8})])
+    rows, sources = report.load([old, new])
+    assert [(r["step"], r["jax_cake ms"]) for r in rows["model"]] == [("mlp", 12.8), ("heads", 0.5)]
+    assert table_line("\n".join(report.model_table(rows["model"])), "mlp", "n/a", "n/a")[5] == "1.008"
+
+
+def test_the_shipped_csvs_render_every_section(tmp_path):
+    """The page's CSVs (benchmarks/data/) give every section, each naming its GPU, jax and
+    date; the GEMM core names the program the shipped plan table runs (its tile rows came
+    from these CSVs: "(row)")."""
+    page = tmp_path / "page.md"
+    page.write_text(report.BEGIN + "\n" + report.END + "\n")
+    csvs = [os.path.join(REPO, p) for p in report.CSVS]
+    report.write_report(csvs, str(page), str(tmp_path / "img"), picture_modes=())
+    text = page.read_text()
+    for heading in ("Dense projection", "Memory-bound points", "FP32 router", "Batched projection", "GEMM core", "Model steps"):
+        assert f"### {heading}" in text or f"### The {heading}" in text, heading
+    assert "H200, jax 0.11.2, 2026-11-30" in text and "H100 80GB HBM3, jax 0.11.2, 2026-12-05" in text
+    assert "(row)" in text and "jax_cake at or above XLA's speed at" in text
+
+
+def test_the_page_has_the_generated_block():
+    text = open(os.path.join(REPO, "docs", "benchmarks.md")).read()
+    assert text.count(report.BEGIN) == text.count(report.END) == 1

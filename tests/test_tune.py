@@ -1,15 +1,16 @@
-"""jax_cake.tools.tune on CPU: candidates, step filters, verdicts -> plan-table rows the planner reads."""
+"""benchmarks.tune on CPU: candidates, step filters, verdicts -> plan-table rows the planner reads."""
 
 import subprocess
 import sys
 
 from absl.testing import absltest, parameterized
 
-from jax_cake.tools import bench, plan_rule, tune
+from benchmarks import harness as bench
+from benchmarks import plan_rule, tune
 import jax_cake as jc
 from jax_cake.planner import variants
 from jax_cake.planner import tables
-from helpers import H200
+from helpers import H200, REPO
 
 SPLIT_A = {"program": "split", "tile": [64, 256, 64], "splits": 8, "reduction": "arrival"}
 SPLIT_B = {"program": "split", "tile": [128, 256, 64], "splits": 4, "reduction": "arrival"}
@@ -271,7 +272,7 @@ class XlaRowsTest(parameterized.TestCase):
         self.assertEqual([(r["min_tokens"], r["max_tokens"]) for r in rows], [(16172, 16172), (16384, 16384)])
         row = rows[1]
         self.assertEqual((row["op"], row["program"], row["out"]), (op, "xla", "bfloat16"))
-        self.assertEqual((row["ratio"], row["source"]), (0.95, "jax_cake.tools.tune 2026-12-02"))
+        self.assertEqual((row["ratio"], row["source"]), (0.95, "benchmarks.tune 2026-12-02"))
         self.assertIn("T=16172 xla: vs det a: g run 0 p=0.0039 (8/8 wins) r=0.930", rows[0]["evidence"])
         self.assertNotIn("b:", row["evidence"])  # (a) alone
         got = [self.read(rows, op, t, deterministic=d) for t in (16172, 16231, 16300, 16384) for d in (True, False)]
@@ -281,7 +282,7 @@ class XlaRowsTest(parameterized.TestCase):
         with tables.use_table(tables.parse(tune.build_table("sm_90a", 132, "test", rows))):
             p = jc.plan(op, tokens=16384, d_in=4096, d_out=96, out_dtype="bfloat16", device=H200)
         self.assertFalse(p.uses_kernel)
-        self.assertIn("XLA's dot faster here (jax_cake.tools.tune 2026-12-02: median time ratio 0.950)", p.reason)
+        self.assertIn("XLA's dot faster here (benchmarks.tune 2026-12-02: median time ratio 0.950)", p.reason)
 
     @parameterized.named_parameters(
         ("eager_loss", "e", 0, plan_rule.MODES),
@@ -464,8 +465,9 @@ class KeepRowsTest(absltest.TestCase):
 class CommandLineTest(absltest.TestCase):
     def test_screened_run_on_cpu_prints_verdicts_and_writes_nothing(self):
         proc = subprocess.run(
-            [sys.executable, "-m", "jax_cake.tools.tune", "--tokens=256", "--d_in=256", "--d_out=48"]
+            [sys.executable, "-m", "benchmarks.tune", "--tokens=256", "--d_in=256", "--d_out=48"]
             + ["--out_dtype=float32", "--groups=3", "--steps=1", "--runs=1", "--timer=wall"],
+            cwd=REPO,
             capture_output=True,
             text=True,
             timeout=300,

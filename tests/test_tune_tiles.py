@@ -1,4 +1,4 @@
-"""jax_cake.tools.tune_tiles on CPU: core_bench CSVs -> per-shape tile verdicts -> plan-table rows."""
+"""benchmarks.tune_tiles on CPU: the core family's CSVs -> per-shape tile verdicts -> plan-table rows."""
 
 import csv
 import json
@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from jax_cake.planner import tables
-from jax_cake.tools import core_bench, tune_tiles
-from helpers import H200
+from benchmarks import tune_tiles
+from benchmarks.families import core as core_bench
+from helpers import H200, REPO
 
 # The rule's picks on an H200 (132 SMs) at T 8192: fwd 4096 -> 6144 plans 128 x 160
 # ping-pong, 4096 -> 4096 the cooperative 128 x 256 (both in CTA pairs).
@@ -284,17 +285,17 @@ def test_main_writes_the_table(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "jax_cake.tools.tune_tiles",
+        "benchmarks.tune_tiles",
         f"--csv={point_6144(tmp_path)}",
         f"--table={path}",
         "--write",
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "128x176 ping-pong c2x1" in done.stdout  # the verdict table
     rows = json.loads(path.read_text())["sm_ranges"][0]["rows"]
     assert rows[-1]["tile"] == [128, 176, 64]
-    assert rows[-1]["source"] == "jax_cake.tools.tune_tiles from core_bench 2026-12-05 on NVIDIA H200, jax 0.11.2"
+    assert rows[-1]["source"] == "benchmarks.tune_tiles from core 2026-12-05 on NVIDIA H200, jax 0.11.2"
 
 
 def test_plan_runs_the_written_row(tmp_path):

@@ -51,7 +51,7 @@ _ROUTER_ATTRIBUTES = ("tile_m", "tile_n", "tile_k", "splits", "reduction")
 
 # Prefix of the FFI target names the custom calls name: "" is the default library; another
 # build registered with `native.register_build(path, prefix)` runs what is traced under
-# `targets_from(prefix)` (jax_cake.tools.compare_builds).
+# `targets_from(prefix)` (two builds side by side in one process).
 _target_prefix: contextvars.ContextVar[str] = contextvars.ContextVar("jax_cake_target_prefix", default="")
 
 

@@ -26,16 +26,16 @@ import numpy as np
 
 from jax_cake import contract, primitives
 from jax_cake.planner import router_variants, variants
-from jax_cake.tools import plan_rule
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 F64 = jnp.float64
 
-# The accuracy contract, defined once in jax_cake.tools.plan_rule (the tuner gives a plan
-# table row only to a program within it): bf16 outputs 1e-2, fp32 dw 1e-5.
-BF16_TOL = plan_rule.BF16_REL_ERR_MAX
-F32_TOL = plan_rule.FP32_REL_ERR_MAX
+# The accuracy contract: bf16 outputs 1e-2, fp32 dw 1e-5 (the tuner gives a plan table row
+# only to a program within it: benchmarks/plan_rule.py, which test_helpers_cpu.py holds to
+# these numbers).
+BF16_TOL = 1e-2
+F32_TOL = 1e-5
 ROUTER_TOL = 5e-6  # the router's accuracy target (XLA's BF16_BF16_F32_X3 is at ~4.4e-6)
 
 # The one tile every router program is compiled with (router_variants.VARIANTS).

@@ -264,8 +264,8 @@ def test_router_checks_pass_for_the_xla_reference(case):
 
 
 def test_tolerances_are_the_accuracy_contract():
-    """The GPU checks and the tuner's condition (d) read one contract (jax_cake.tools.plan_rule)."""
-    from jax_cake.tools import plan_rule
+    """The GPU checks and the tuner's condition (d) hold one contract (benchmarks/plan_rule.py)."""
+    from benchmarks import plan_rule
 
     assert h.F32_TOL == plan_rule.rel_err_max("wgrad", "float32") == 1e-5
     assert h.BF16_TOL == plan_rule.rel_err_max("fwd", "bfloat16") == plan_rule.rel_err_max("wgrad", "bfloat16")

@@ -1,7 +1,7 @@
-"""Whole training steps, jax_cake against idiomatic XLA, under bench's protocol.
+"""--family=model: whole training steps, jax_cake against idiomatic XLA.
 
-    python -m jax_cake.tools.model_bench --md=out/model.md --csv=out/model.csv
-    python -m jax_cake.tools.model_bench --cases=skinny,router --runs=3   # a subset
+    python -m benchmarks.bench --family=model --md=out/model.md --csv=out/model.csv
+    python -m benchmarks.bench --family=model --cases=block,mlp --runs=3 --cold_runs=0
 
 Every step is value_and_grad of a loss over FP32 master weights and the input x, then
 an Adam update of the weights; both arms of a case start from the same weights, Adam
@@ -32,15 +32,10 @@ Cases (`--cases`; sizes are flags, defaults below):
   spawn to the first result of the jitted step of case --cold_case (import, backend
   start, trace, compile and run; jax_cake includes loading its library).
 
-Protocol (bench's machinery, jax_cake.tools.bench): one child process per (run, mode)
-(`bench.run_children`; --modes g = command buffers on, XLA's default, and e = off);
-inside a child, each arm is one executable of --steps unrolled (step, L2 flush) pairs
-(`bench.steps_program`), and the arms of a case run in --groups paired groups, the order
-rotated per group (`bench.paired_groups`), timed on the CUPTI device timeline
-(`bench.DeviceTimer`; host wall time without a GPU, said in the header). A group's time
-is the median of its steps; a run's, the median of its groups; the table shows the
-median over runs. The temp columns are the compiled single step's
-`memory_analysis().temp_size_in_bytes`.
+The timed cases follow the harness's protocol (one child per run and mode, each arm one
+executable of --steps unrolled (step, L2 flush) pairs, the arms in paired groups, CUPTI
+device time); the table shows the median over runs of each run's median group, in ms. The
+temp columns are the compiled single step's `memory_analysis().temp_size_in_bytes`.
 """
 
 from __future__ import annotations
@@ -57,8 +52,8 @@ from typing import Any, Callable, Sequence
 
 from absl import app, flags
 
-from jax_cake.tools import bench, plan_rule
-from jax_cake.tools import markdown as md
+from benchmarks import harness
+from benchmarks import markdown as md
 
 CASES = ("skinny", "block", "block_remat", "mlp", "router", "cold")
 TIMED_CASES = CASES[:-1]
@@ -82,7 +77,7 @@ class Sizes:
     mlp_tokens: int = 8192
     router_tokens: int = 16384
     router_d: int = 7168
-    experts: int = 256
+    router_experts: int = 256
     top_k: int = 8
 
 
@@ -230,7 +225,7 @@ def adam(params, grads, opt, lr=1e-4, b1=0.9, b2=0.999, eps=1e-8):
 
 
 def train_step(loss_fn: Callable) -> Callable:
-    """(x, params, opt) -> (params, opt, loss, dx): bench.steps_program's (x, w, dy) slots."""
+    """(x, params, opt) -> (params, opt, loss, dx): harness.steps_program's (x, w, dy) slots."""
     import jax
 
     def step(x, params, opt):
@@ -254,7 +249,7 @@ def case_label(name: str, s: Sizes) -> str:
     if name == "mlp":
         return f"SwiGLU MLP T={s.mlp_tokens} {s.d_model}->{s.d_ff}->{s.d_model}"
     if name == "router":
-        return f"router T={s.router_tokens} {s.router_d}->{s.experts} top-{s.top_k}"
+        return f"router T={s.router_tokens} {s.router_d}->{s.router_experts} top-{s.top_k}"
     raise ValueError(f"case {name!r}: expected one of {TIMED_CASES}")
 
 
@@ -324,7 +319,7 @@ def make_case(name: str, s: Sizes, deterministic: bool) -> Case:
 
         def inputs():
             x = jax.random.normal(key_x, (s.router_tokens, s.router_d), f32)
-            return _with_opt(x, 0.02 * jax.random.normal(key_w, (s.experts, s.router_d), f32))
+            return _with_opt(x, 0.02 * jax.random.normal(key_w, (s.router_experts, s.router_d), f32))
 
         return Case(
             name, label, ("xla", "jax_cake"), inputs, lambda arm: router_loss(arm, s.top_k, deterministic)
@@ -347,13 +342,13 @@ def measure_case(case: Case, timer, steps: int, groups: int) -> dict[str, dict]:
         loss = float(single(x, params, opt)[2])
         out[arm] = {"loss": loss, "temp_bytes": single.memory_analysis().temp_size_in_bytes}
         del single
-        program = jax.jit(bench.steps_program(step, steps), donate_argnums=0)
+        program = jax.jit(harness.steps_program(step, steps), donate_argnums=0)
         compiled[arm] = program.lower(timer.buf, x, params, opt).compile()
     for arm in case.arms:  # warm-up: graph instantiation, autotuning, lazy loading
         timer.buf = compiled[arm](timer.buf, x, params, opt)[0]
     jax.block_until_ready(timer.buf)
     calls = {arm: (lambda buf, arm=arm: compiled[arm](buf, x, params, opt)[0]) for arm in case.arms}
-    for arm, times in bench.paired_groups(timer, calls, groups).items():
+    for arm, times in harness.paired_groups(timer, calls, groups).items():
         out[arm]["groups_us"] = times
     return out
 
@@ -363,7 +358,7 @@ def collect(
     deterministic: bool = True,
 ) -> list[dict]:
     """One sample per (case, arm) measured in this process."""
-    timer = bench.make_timer(timer_kind, bench.flush_buffer(flush_mb), steps)
+    timer = harness.make_timer(timer_kind, harness.flush_buffer(flush_mb), steps)
     samples, t0 = [], time.time()
     for i, name in enumerate(cases):
         print(f"[{mode} run {run}] {i + 1}/{len(cases)} {name} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
@@ -381,25 +376,26 @@ def cold_child(case_name: str, arm: str, sizes: Sizes, t0: float, deterministic:
     case = make_case(case_name, sizes, deterministic)
     x, params, opt = case.inputs()
     loss = float(jax.jit(train_step(case.loss(arm)))(x, params, opt)[2])
-    seconds = time.time() - t0
-    return {"seconds": seconds, "loss": loss, "header": bench.device_header("wall")}
+    return {"seconds": time.time() - t0, "loss": loss}
 
 
 def run_cold(argv_flags: Sequence[str], case_name: str, runs: int) -> list[dict]:
-    """Cold-start samples: `runs` fresh processes per arm, the arm order alternating.
-    Each sample carries its process's device header."""
+    """Cold-start samples: `runs` fresh processes per arm (`python -m benchmarks.bench
+    *argv_flags --cold_child=ARM`), the arm order alternating. Each sample carries its
+    process's device header."""
     arms = ("xla", "jax_cake")
     samples = []
-    env = bench.child_env(**COLD_ENV)
+    env = harness.child_env(**COLD_ENV)
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(runs):
             for arm in arms if run % 2 == 0 else arms[::-1]:
                 out = os.path.join(tmp, f"cold_{arm}_{run}.json")
-                cmd = [sys.executable, "-m", "jax_cake.tools.model_bench", *argv_flags, f"--cold_child={arm}"]
+                cmd = [sys.executable, "-m", "benchmarks.bench", *argv_flags, f"--cold_child={arm}"]
                 cmd += [f"--cases={case_name}", f"--child_out={out}", f"--cold_t0={time.time()!r}"]
                 subprocess.run(cmd, env=env, check=True)
                 with open(out) as f:
-                    samples.append({"case": "cold", "arm": arm, "run": run, **json.load(f)})
+                    data = json.load(f)
+                samples.append({"case": "cold", "arm": arm, "run": run, **data["samples"][0], "header": data["header"]})
     return samples
 
 
@@ -489,46 +485,25 @@ def _cell(column: str, v) -> str:
     return md.number(v)
 
 
-def write_csv(path: str, rows: Sequence[dict]) -> None:
-    import csv
-
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({c: "" if r.get(c) is None else r[c] for c in COLUMNS})
-
-
 # --- entry point --------------------------------------------------------------------------------
 
 SIZE_FLAGS = tuple(f.name for f in dataclasses.fields(Sizes))
-PROTOCOL_FLAGS = ("groups", "steps", "flush_mb", "timer", "deterministic")
+READS = ("cases", "cold_case", "cold_runs", "deterministic", "cold_child", "cold_t0", *SIZE_FLAGS)
 
 
 def define_flags() -> None:
+    """The model family's own flags (the sizes, the cases, the cold start)."""
     defaults = Sizes()
     for name in SIZE_FLAGS:
         value = getattr(defaults, name)
         if isinstance(value, tuple):
-            flags.DEFINE_list(name, [str(v) for v in value], f"Size {name}.")
+            flags.DEFINE_list(name, [str(v) for v in value], f"model: size {name}.")
         else:
-            flags.DEFINE_integer(name, value, f"Size {name}.")
-    flags.DEFINE_list("cases", list(CASES), f"Cases, from {CASES}.")
-    flags.DEFINE_string("cold_case", "block", f"The case whose first step the cold row times, from {TIMED_CASES}.")
-    flags.DEFINE_integer("cold_runs", 2, "Fresh processes per arm for the cold row.")
-    flags.DEFINE_list("modes", ["g"], "g = command buffers on (XLA's default), e = off.")
-    flags.DEFINE_integer("runs", 2, "Runs (one fresh process per run and mode).")
-    flags.DEFINE_integer("groups", 6, "Paired groups per run.")
-    flags.DEFINE_integer(
-        "steps", 1, "Timed steps per arm and group, unrolled in one executable (a step here is milliseconds long)."
-    )
-    flags.DEFINE_integer("flush_mb", 128, "L2 flush buffer, MiB (>= 2x L2).")
-    flags.DEFINE_enum("timer", None, ["device", "wall"], "Default: device on a GPU, wall otherwise.")
-    flags.DEFINE_bool("deterministic", True, "The jax_cake arms' deterministic flag (the library's default: True).")
-    flags.DEFINE_string("csv", None, "Write the table as CSV here.")
-    flags.DEFINE_string("md", None, "Write the markdown table here.")
-    flags.DEFINE_string("child_out", None, "Internal: run one child and write its samples here.")
-    flags.DEFINE_integer("run_index", 0, "Internal: the run a child measures.")
+            flags.DEFINE_integer(name, value, f"model: size {name}.")
+    flags.DEFINE_list("cases", list(CASES), f"model: cases, from {CASES}.")
+    flags.DEFINE_string("cold_case", "block", f"model: the case whose first step the cold row times, from {TIMED_CASES}.")
+    flags.DEFINE_integer("cold_runs", 2, "model: fresh processes per arm for the cold row.")
+    flags.DEFINE_bool("deterministic", True, "model: the jax_cake arms' deterministic flag (the library's default).")
     flags.DEFINE_string("cold_child", None, "Internal: time a cold first step of this arm (xla, jax_cake).")
     flags.DEFINE_float("cold_t0", None, "Internal: the cold child's spawn time (time.time()).")
 
@@ -541,49 +516,43 @@ def sizes_from_flags() -> Sizes:
     s = Sizes(**values)
     if s.d_q % s.d_kv:
         raise app.UsageError(f"--d_q={s.d_q} must be a multiple of --d_kv={s.d_kv} (GQA)")
-    if s.top_k > s.experts:
-        raise app.UsageError(f"--top_k={s.top_k} must be at most --experts={s.experts}")
+    if s.top_k > s.router_experts:
+        raise app.UsageError(f"--top_k={s.top_k} must be at most --router_experts={s.router_experts}")
     return s
 
 
-def main(argv):
-    del argv
-    sizes = sizes_from_flags()
-    cases = bench.selected("cases", CASES)
-    modes = bench.selected("modes", plan_rule.MODES)
+def check() -> None:
+    sizes_from_flags()
+    harness.selected("cases", CASES)
     if FLAGS.cold_case not in TIMED_CASES:
         raise app.UsageError(f"--cold_case: {FLAGS.cold_case!r} not in {list(TIMED_CASES)}")
-    if FLAGS.cold_child:  # one cold first step
-        result = cold_child(FLAGS.cold_case, FLAGS.cold_child, sizes, FLAGS.cold_t0, FLAGS.deterministic)
-        with open(FLAGS.child_out, "w") as f:
-            json.dump(result, f)
-        return
-    timed = [c for c in cases if c != "cold"]
-    if FLAGS.child_out:  # one (run, mode)
-        timer_kind = FLAGS.timer or bench.default_timer()
-        samples = collect(
-            timed,
-            sizes,
-            mode=modes[0],
-            run=FLAGS.run_index,
-            steps=FLAGS.steps,
-            groups=FLAGS.groups,
-            flush_mb=FLAGS.flush_mb,
-            timer_kind=timer_kind,
-            deterministic=FLAGS.deterministic,
-        )
-        bench.write_child_output(FLAGS.child_out, bench.device_header(timer_kind), samples)
-        return
-    names = [*SIZE_FLAGS, *PROTOCOL_FLAGS, "cases"]
+
+
+def child(mode: str, run: int, timer_kind: str) -> list[dict]:
+    """A timed child's samples, or a cold child's one (--cold_child)."""
+    sizes = sizes_from_flags()
+    if FLAGS.cold_child:
+        return [cold_child(FLAGS.cold_case, FLAGS.cold_child, sizes, FLAGS.cold_t0, FLAGS.deterministic)]
+    timed = [c for c in FLAGS.cases if c != "cold"]
+    common = dict(steps=FLAGS.steps, groups=FLAGS.groups, flush_mb=FLAGS.flush_mb, timer_kind=timer_kind)
+    return collect(timed, sizes, mode=mode, run=run, deterministic=FLAGS.deterministic, **common)
+
+
+def parent(argv: Sequence[str], modes: Sequence[str]) -> tuple[dict, list[dict]]:
+    """The timed cases' children, then the cold start's fresh processes."""
     header, samples = {}, []
-    if timed:
-        header, samples = bench.run_children("jax_cake.tools.model_bench", bench.child_argv(names), modes, FLAGS.runs)
-    cold = []
-    if "cold" in cases:
-        size_argv = bench.child_argv([*SIZE_FLAGS, "deterministic", "cold_case"])
-        cold = run_cold(size_argv, FLAGS.cold_case, FLAGS.cold_runs)
-    if not header:  # only the cold row: a cold child named the device (the parent starts no backend)
-        header = dict(cold[-1]["header"], timer="n/a (no timed cases)")
+    if any(c != "cold" for c in FLAGS.cases):
+        header, samples = harness.run_children("benchmarks.bench", argv, modes, FLAGS.runs)
+    if "cold" in FLAGS.cases:
+        cold = run_cold(harness.child_argv(["family", *SIZE_FLAGS, "deterministic", "cold_case"]), FLAGS.cold_case, FLAGS.cold_runs)
+        if not header:  # only the cold row: a cold child named the device (the parent starts no backend)
+            header = dict(cold[-1]["header"], timer="n/a (no timed cases)")
+        samples += cold
+    return header, samples
+
+
+def report(header: dict, samples: Sequence[dict]) -> harness.Report:
+    cold = [s for s in samples if s["case"] == "cold"]
     protocol = dict(
         runs=FLAGS.runs,
         groups=FLAGS.groups,
@@ -591,17 +560,19 @@ def main(argv):
         deterministic=FLAGS.deterministic,
         cold_runs=FLAGS.cold_runs if cold else 0,
     )
-    command = " ".join(["python -m jax_cake.tools.model_bench", *sys.argv[1:]])
-    rows = table_rows(samples, cold, case_label(FLAGS.cold_case, sizes))
-    text = markdown(header_line(header, command, protocol), rows)
-    print(text)
-    if FLAGS.md:
-        with open(FLAGS.md, "w") as f:
-            f.write(text)
-    if FLAGS.csv:
-        write_csv(FLAGS.csv, rows)
+    command = " ".join(["python -m benchmarks.bench", *sys.argv[1:]])
+    timed = [s for s in samples if s["case"] != "cold"]
+    rows = table_rows(timed, cold, case_label(FLAGS.cold_case, sizes_from_flags()))
+    return harness.Report(markdown(header_line(header, command, protocol), rows), COLUMNS, rows)
 
 
-if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+FAMILY = harness.Family(
+    "model",
+    "whole training steps (value_and_grad and Adam): jax_cake against idiomatic XLA",
+    READS,
+    {"runs": 2, "modes": ["g"], "groups": 6, "steps": 1},
+    child,
+    report,
+    check,
+    parent=parent,
+)

@@ -1,8 +1,8 @@
 """Measures split-K candidates and XLA's dot against the deterministic program and writes the plan table.
 
-    python -m jax_cake.tools.tune --tokens=16172,16231,16384 --d_in=4096 --d_out=48 --out_dtype=float32
-    python -m jax_cake.tools.tune ... --write   # into jax_cake/planner/tables/<arch>.json
-    python -m jax_cake.tools.tune --grid=all ...  # the default widths and the wide ones (bench --grid)
+    python -m benchmarks.tune --tokens=16172,16231,16384 --d_in=4096 --d_out=48 --out_dtype=float32
+    python -m benchmarks.tune ... --write   # into jax_cake/planner/tables/<arch>.json
+    python -m benchmarks.tune --grid=all ...  # the default widths and the wide ones (bench --grid)
 
 XLA's dot (`--xla`, default on): at every point, for fwd, dgrad and wgrad (`--xla_ops`;
 fwd and dgrad once per (T, d_in, d_out), on the BF16 weight, as their plans are), the
@@ -18,7 +18,7 @@ comes first and the xla row serves deterministic=True.
 Accuracy (plan_rule's condition (d)): beside its times every child measures each arm's
 output error at the fwd, dgrad and wgrad cells, ||out - ref|| / ||ref|| of the warm-up
 call's first step against a float64 reference of the same BF16 operands
-(bench.output_error; on at most bench.ERROR_ROWS evenly spaced output rows). A row may
+(harness.output_error; on at most harness.ERROR_ROWS evenly spaced output rows). A row may
 replace the kernel only where its arm's error, in every run, is under the op's contract
 (plan_rule.rel_err_max: FP32 dw 1e-5, BF16 outputs 1e-2). An arm that wins on time but
 misses it gets no row: the tuner prints it ("accuracy contract: ... dropped") and the
@@ -27,12 +27,12 @@ list). Every xla row records XLA's worst error (`rel_err`) and the contract (`re
 
 Per point (T, d_in, d_out, out dtype) and candidate split program (`split/tMxNxK` per
 arrival-order wgrad tile of jax_cake.planner.variants, optionally `--splits` counts),
-with the timing machinery of jax_cake.tools.bench (child process per run and mode, paired
-groups, L2 flushed, CUPTI device time):
+with the benchmark's protocol (benchmarks/harness.py: a child process per run and mode,
+paired groups, L2 flushed, CUPTI device time):
 - (a) wgrad alone, modes g and e: each run's paired groups, det vs candidate;
 - (b) wgrad next to a busy kernel holding 8, 16 or 32 SMs on another stream;
 - (c) bwd and 2fwd+bwd, modes g and e;
-then jax_cake.tools.plan_rule decides. With --screen (the default) a first pass times wgrad
+then benchmarks/plan_rule.py decides. With --screen (the default) a first pass times wgrad
 alone in graph mode (one run of paired groups) at every point; a candidate that fails (a)
 there fails the rule (it needs every run of both modes), so only the survivors get the
 full measurement above, point by point; that keeps a whole-grid run to minutes. A point
@@ -67,10 +67,9 @@ from typing import Mapping, Sequence
 
 from absl import app, flags
 
+from benchmarks import cuda_driver, harness, plan_rule
+from benchmarks.families import dense, projections
 from jax_cake.planner import tables, variants
-from jax_cake.tools import bench
-from jax_cake.tools import cuda_driver
-from jax_cake.tools import plan_rule
 
 TUNE_OPS = ("wgrad",) + plan_rule.STEP_OPS
 XLA_OPS = ("fwd", "dgrad", "wgrad")
@@ -81,7 +80,7 @@ FLAGS = flags.FLAGS
 def candidate_arms(splits: Sequence[int] = ()) -> list[str]:
     """Split arms: the arrival-order wgrad tiles that are compiled, times split counts."""
     tiles = sorted({v.tile for v in variants.VARIANTS if v.program == "wgrad" and v.store == "add"})
-    return [bench.split_arm_name(s, t) for t in tiles for s in (list(splits) or [None])] or ["split"]
+    return [harness.split_arm_name(s, t) for t in tiles for s in (list(splits) or [None])] or ["split"]
 
 
 # --- the busy kernel for condition (b) --------------------------------------------------------
@@ -130,7 +129,7 @@ def keep_step(order: str):
 # --- the child: one (run, mode) ----------------------------------------------------------------
 
 
-def candidate_plans(points: Sequence[bench.Point], arms: Sequence[bench.ArmSpec]) -> dict[str, dict]:
+def candidate_plans(points: Sequence[harness.Point], arms: Sequence[harness.ArmSpec]) -> dict[str, dict]:
     """{point label: {arm: the wgrad Plan fields it ran}} from the planner, in this process."""
     import jax_cake
 
@@ -138,7 +137,7 @@ def candidate_plans(points: Sequence[bench.Point], arms: Sequence[bench.ArmSpec]
     for p in points:
         out[p.label] = {}
         for arm in arms:
-            with bench.planning_for(arm):
+            with harness.planning_for(arm):
                 plan = jax_cake.plan(
                     "wgrad",
                     tokens=p.tokens,
@@ -156,7 +155,7 @@ def candidate_plans(points: Sequence[bench.Point], arms: Sequence[bench.ArmSpec]
     return out
 
 
-def xla_cells(points: Sequence[bench.Point], ops: Sequence[str] = XLA_OPS) -> list[tuple[str, bench.Point]]:
+def xla_cells(points: Sequence[harness.Point], ops: Sequence[str] = XLA_OPS) -> list[tuple[str, harness.Point]]:
     """The (op, point) cells XLA's dot is timed at: wgrad at every point, fwd and dgrad
     once per (T, d_in, d_out) (their plans' out dtype is BF16 whatever w's is), on the
     BF16 point where the grid has one."""
@@ -174,14 +173,14 @@ def xla_cells(points: Sequence[bench.Point], ops: Sequence[str] = XLA_OPS) -> li
     return cells
 
 
-def write_cells(path: str, cells: Sequence[tuple[str, bench.Point]]) -> None:
+def write_cells(path: str, cells: Sequence[tuple[str, harness.Point]]) -> None:
     with open(path, "w") as f:
         json.dump([[op, p.tokens, p.d_in, p.d_out, p.out] for op, p in cells], f)
 
 
-def read_cells(path: str) -> list[tuple[str, bench.Point]]:
+def read_cells(path: str) -> list[tuple[str, harness.Point]]:
     with open(path) as f:
-        return [(op, bench.Point(t, i, o, dt)) for op, t, i, o, dt in json.load(f)]
+        return [(op, harness.Point(t, i, o, dt)) for op, t, i, o, dt in json.load(f)]
 
 
 def run_tune_child(
@@ -189,13 +188,15 @@ def run_tune_child(
 ) -> None:
     """One (run, mode): every cell (op, point; default: points x ops) with the arms (split
     arms only on wgrad and the steps), then condition (b) on the points."""
-    timer_kind = FLAGS.timer or bench.default_timer()
+    timer_kind = FLAGS.timer or harness.default_timer()
     common = dict(steps=FLAGS.steps, groups=FLAGS.groups, flush_mb=FLAGS.flush_mb, timer_kind=timer_kind)
     cells = cells if cells is not None else [(op, p) for p in points for op in ops]
     samples = []
     for op in dict.fromkeys(op for op, _ in cells):
         op_arms = arms if op in TUNE_OPS else [a for a in arms if a.kind != "split"]
-        samples += bench.collect([p for o, p in cells if o == op], [op], op_arms, mode, run, **common, errors=True)
+        samples += harness.collect(
+            [p for o, p in cells if o == op], [op], op_arms, dense.project, mode, run, **common, errors=True
+        )
     if FLAGS.contention != "none" and timer_kind != "device":
         print("condition (b) skipped: it needs the GPU's device timeline", file=sys.stderr)
     elif FLAGS.contention != "none":
@@ -209,10 +210,11 @@ def run_tune_child(
             ns = int(2 * FLAGS.steps * (slowest + 100) * 1e3)  # covers a whole call: steps x (op + flush)
             for sms in map(int, FLAGS.busy_sms):
                 for order in plan_rule.LAUNCH_ORDERS:
-                    samples += bench.collect(
+                    samples += harness.collect(
                         [point],
                         ["wgrad"],
                         arms,
+                        dense.project,
                         mode,
                         run,
                         **common,
@@ -220,9 +222,9 @@ def run_tune_child(
                         around_call=lambda sms=sms, order=order: busy.around(sms, order, ns),
                         keep=keep_step(order),
                     )
-    header = bench.device_header(timer_kind)
+    header = harness.device_header(timer_kind)
     header["plans"] = candidate_plans(points, arms)
-    bench.write_child_output(out_path, header, samples)
+    harness.write_child_output(out_path, header, samples)
 
 
 # --- from samples to verdicts to a table --------------------------------------------------------
@@ -233,11 +235,11 @@ def _pair(det: Sequence, cand: Sequence) -> plan_rule.PairedRun | None:
     return plan_rule.PairedRun(tuple(d for d, _ in pairs), tuple(c for _, c in pairs)) if pairs else None
 
 
-def _point_of(s: Mapping) -> bench.Point:
-    return bench.Point(s["tokens"], s["d_in"], s["d_out"], s["out"])
+def _point_of(s: Mapping) -> harness.Point:
+    return harness.Point(s["tokens"], s["d_in"], s["d_out"], s["out"])
 
 
-def arm_errors(samples: Sequence[dict], op: str, point: bench.Point, arm: str) -> list[float | None]:
+def arm_errors(samples: Sequence[dict], op: str, point: harness.Point, arm: str) -> list[float | None]:
     """The arm's measured output errors at one (op, point), one per sample without a busy
     kernel (per run and mode); None where a sample carries none."""
     return [
@@ -247,7 +249,7 @@ def arm_errors(samples: Sequence[dict], op: str, point: bench.Point, arm: str) -
     ]
 
 
-def verdicts(samples: Sequence[dict], candidate: str) -> dict[bench.Point, plan_rule.Verdict]:
+def verdicts(samples: Sequence[dict], candidate: str) -> dict[harness.Point, plan_rule.Verdict]:
     """The plan rule for `candidate` against det at every point the samples hold, (d) on
     the candidate's dw errors in its wgrad samples."""
     groups: dict[tuple, list] = {}
@@ -284,7 +286,7 @@ def verdicts(samples: Sequence[dict], candidate: str) -> dict[bench.Point, plan_
 
 def screen_survivors(
     samples: Sequence[dict], candidates: Sequence[str]
-) -> tuple[dict[bench.Point, list[str]], dict[tuple[bench.Point, str], plan_rule.Check]]:
+) -> tuple[dict[harness.Point, list[str]], dict[tuple[harness.Point, str], plan_rule.Check]]:
     """The screen's verdicts: ({point: candidates that passed (a) in its graph-mode run},
     {(point, candidate): the failed (a) check}). Only plain wgrad samples count. (d) waits
     for the full measurement, so an arm it drops is recorded with all its runs."""
@@ -315,7 +317,7 @@ def screen_survivors(
 class Choice:
     """What a point runs under deterministic=False, with the rule's evidence."""
 
-    point: bench.Point
+    point: harness.Point
     arm: str | None  # the winning split arm, None = deterministic program
     plan: Mapping | None  # that arm's plan fields (program, tile, splits, reduction)
     evidence: str
@@ -328,7 +330,7 @@ class Dropped:
     error misses the op's accuracy contract: no row for it; the table records it."""
 
     op: str
-    point: bench.Point
+    point: harness.Point
     arm: str
     out: str  # the plan's out dtype (the row key's)
     rel_err: float | None  # the worst measured error
@@ -360,12 +362,12 @@ class Dropped:
             "rel_err": None if self.rel_err is None else float(f"{self.rel_err:.3g}"),
             "rel_err_max": self.rel_err_max,
             "ratio": None if self.ratio is None else round(self.ratio, 4),
-            "source": f"jax_cake.tools.tune {date}",
+            "source": f"benchmarks.tune {date}",
             "evidence": self.evidence,
         }
 
 
-def _split_ratio(samples: Sequence[dict], point: bench.Point, cand: str) -> float | None:
+def _split_ratio(samples: Sequence[dict], point: harness.Point, cand: str) -> float | None:
     return plan_rule.worst_ratio(paired_op_runs(samples, "wgrad", point, "det", cand))
 
 
@@ -373,12 +375,12 @@ def choose(
     samples: Sequence[dict],
     plans: Mapping[str, Mapping],
     candidates: Sequence[str],
-    screened: Mapping[tuple[bench.Point, str], plan_rule.Check] | None = None,
+    screened: Mapping[tuple[harness.Point, str], plan_rule.Check] | None = None,
 ) -> list[Choice]:
     """Per point, the candidate with the lowest graph-mode wgrad median among those passing.
     `screened` holds the (a) check of each (point, candidate) the screen rejected."""
     screened = screened or {}
-    medians = bench.run_medians([s for s in samples if s.get("busy_sms") is None])
+    medians = harness.run_medians([s for s in samples if s.get("busy_sms") is None])
     by_candidate = {c: verdicts(samples, c) for c in candidates}
     points = {p for v in by_candidate.values() for p in v} | {p for p, _ in screened}
     choices = []
@@ -444,7 +446,7 @@ def table_rows(choices: Sequence[Choice]) -> list[dict]:
                     "tile": plan.get("tile"),
                     "splits": plan.get("splits"),
                     "reduction": plan.get("reduction"),
-                    "source": "jax_cake.tools.tune",
+                    "source": "benchmarks.tune",
                     "evidence": " | ".join(
                         f"T={c.point.tokens} {'split' if c in span else 'det'}: {c.evidence}"
                         for c in mine
@@ -456,7 +458,7 @@ def table_rows(choices: Sequence[Choice]) -> list[dict]:
 
 
 def paired_op_runs(
-    samples: Sequence[dict], op: str, point: bench.Point, base: str, cand: str
+    samples: Sequence[dict], op: str, point: harness.Point, base: str, cand: str
 ) -> dict[str, list[plan_rule.PairedRun]]:
     """{mode: [PairedRun(base times, cand times) per run]} of one op at one point, from
     the samples without a busy kernel."""
@@ -474,13 +476,13 @@ def paired_op_runs(
     return runs
 
 
-def _screen_passed(samples: Sequence[dict], op: str, point: bench.Point) -> bool:
+def _screen_passed(samples: Sequence[dict], op: str, point: harness.Point) -> bool:
     """Whether XLA passed (a) against det in the screen's graph-mode run at one cell."""
     runs = paired_op_runs(samples, op, point, "det", XLA_ARM).get("g", [])
     return bool(runs) and plan_rule.check_op_run("g", 0, runs[0]).passed
 
 
-def _runs_so_far(samples: Sequence[dict], op: str, point: bench.Point) -> list[plan_rule.Check]:
+def _runs_so_far(samples: Sequence[dict], op: str, point: harness.Point) -> list[plan_rule.Check]:
     """(a) for XLA against det in every run measured so far (a missing mode is no failure yet)."""
     runs = paired_op_runs(samples, op, point, "det", XLA_ARM)
     return [plan_rule.check_op_run(mode, i, r) for mode, rs in runs.items() for i, r in enumerate(rs)]
@@ -492,7 +494,7 @@ class XlaChoice:
     wgrad point that keeps split, against that split arm."""
 
     op: str
-    point: bench.Point
+    point: harness.Point
     verdict: plan_rule.Verdict  # XLA vs det, (a) and (d)
     ratio: float | None  # XLA/det, the highest per-run median paired ratio
     split_arm: str | None = None
@@ -533,7 +535,7 @@ class XlaChoice:
 
 def choose_xla(
     xla_samples: Sequence[dict],
-    cells: Sequence[tuple[str, bench.Point]],
+    cells: Sequence[tuple[str, harness.Point]],
     choices: Sequence[Choice] = (),
     split_samples: Sequence[dict] = (),
 ) -> list[XlaChoice]:
@@ -604,7 +606,7 @@ def xla_table_rows(xla: Sequence[XlaChoice], date: str) -> list[dict]:
                 "ratio": round(x.ratio, 4),
                 "rel_err": float(f"{x.rel_err:.3g}"),
                 "rel_err_max": x.rel_err_max,
-                "source": f"jax_cake.tools.tune {date}",
+                "source": f"benchmarks.tune {date}",
                 "evidence": f"T={x.point.tokens} xla: {x.evidence()}",
             }
         )
@@ -669,21 +671,21 @@ def build_table(
 
 def main(argv):
     del argv
-    bench.apply_grid("d_out")
-    points = bench.grid_points(
+    projections.apply_grid("d_out")
+    points = harness.grid_points(
         map(int, FLAGS.tokens),
         map(int, FLAGS.d_in),
         map(int, FLAGS.d_out),
-        bench.selected("out_dtype", bench.OUT_DTYPES),
+        harness.selected("out_dtype", harness.OUT_DTYPES),
     )
     arm_names = FLAGS.arms or candidate_arms(list(map(int, FLAGS.splits)))
-    arms = [bench.parse_arm(a) for a in ["det", *arm_names]]
+    arms = [harness.parse_arm(a) for a in ["det", *arm_names]]
     if any(a.kind != "split" and a.name != XLA_ARM for a in arms[1:]):
         raise app.UsageError(
             f"--arms: tune compares split candidates (split[/sN][/tMxNxK]) and {XLA_ARM} against det"
         )
     candidates = [a.name for a in arms[1:] if a.kind == "split"]
-    modes = bench.selected("modes", plan_rule.MODES)
+    modes = harness.selected("modes", plan_rule.MODES)
     if FLAGS.child_out:
         cells = read_cells(FLAGS.child_cells) if FLAGS.child_cells else None
         run_tune_child(points, arms, modes[0], FLAGS.run_index, FLAGS.child_out, FLAGS.child_ops, cells)
@@ -691,9 +693,9 @@ def main(argv):
     xla_ops = [op for op in FLAGS.xla_ops if op in XLA_OPS] if FLAGS.xla else []
     cells = xla_cells(points, xla_ops)
     xla = [XLA_ARM] if cells else []
-    timing = bench.child_argv(("groups", "steps", "flush_mb", "timer"))
-    grid = bench.child_argv(("tokens", "d_in", "d_out", "out_dtype"))
-    full = bench.child_argv(("busy_sms", "contention"))
+    timing = harness.child_argv(("groups", "steps", "flush_mb", "timer"))
+    grid = harness.child_argv(("tokens", "d_in", "d_out", "out_dtype"))
+    full = harness.child_argv(("busy_sms", "contention"))
     with tempfile.TemporaryDirectory() as tmp:
         cells_file = str(Path(tmp) / "cells.json")
         if FLAGS.screen:
@@ -704,7 +706,7 @@ def main(argv):
                 "--contention=none",
                 f"--child_cells={cells_file}",
             ]
-            header, screen_samples = bench.run_children("jax_cake.tools.tune", screen_argv, ["g"], 1)
+            header, screen_samples = harness.run_children("benchmarks.tune", screen_argv, ["g"], 1)
             survivors, screened = screen_survivors(screen_samples, candidates)
             print(
                 f"screen: {sum(map(len, survivors.values()))} of {len(survivors) * len(candidates)} "
@@ -721,7 +723,7 @@ def main(argv):
                         f"--out_dtype={point.out}",
                     ]
                     argv = one_point + timing + full + [f"--arms={','.join(cands + xla)}"]
-                    _, got = bench.run_children("jax_cake.tools.tune", argv, modes, FLAGS.runs)
+                    _, got = harness.run_children("benchmarks.tune", argv, modes, FLAGS.runs)
                     samples += got
             xla_samples = list(screen_samples)
             alive = [c for c in cells if _screen_passed(screen_samples, *c)]
@@ -734,14 +736,14 @@ def main(argv):
                 follow = [(modes, FLAGS.runs - 1, 1)] if FLAGS.runs > 1 else []
         else:
             argv = grid + timing + full + [f"--arms={','.join(candidates + xla)}"]
-            header, samples = bench.run_children("jax_cake.tools.tune", argv, modes, FLAGS.runs)
+            header, samples = harness.run_children("benchmarks.tune", argv, modes, FLAGS.runs)
             screened, xla_samples, alive, follow = {}, [], list(cells), [(modes, FLAGS.runs, 0)]
         for follow_modes, runs, first_run in follow:  # XLA's cells: the remaining runs of the rule
             if not alive or runs < 1:
                 break
             write_cells(cells_file, alive)
             argv = grid + timing + [f"--arms={XLA_ARM}", "--contention=none", f"--child_cells={cells_file}"]
-            h, got = bench.run_children("jax_cake.tools.tune", argv, follow_modes, runs)
+            h, got = harness.run_children("benchmarks.tune", argv, follow_modes, runs)
             header = header or h
             for s in got:
                 s["run"] += first_run
@@ -772,7 +774,7 @@ def main(argv):
     cc = header.get("compute_capability") or "9.0"
     arch = FLAGS.arch or {"9.0": "sm_90a"}.get(cc, f"sm_{cc.replace('.', '')}")
     source = (
-        f"jax_cake.tools.tune {header['date']} on NVIDIA {header['gpu']} ({header['sms']} SMs), jax {header['jax']}, "
+        f"benchmarks.tune {header['date']} on NVIDIA {header['gpu']} ({header['sms']} SMs), jax {header['jax']}, "
         f"{header['timer']}, {FLAGS.runs} runs x {FLAGS.groups} groups x {FLAGS.steps} steps, {len(points)} points"
         + (" (screened: wgrad and XLA's cells in graph mode first, one run)" if FLAGS.screen else "")
         + (f", XLA's dot at {len(cells)} (op, point) cells" if cells else "")
@@ -797,7 +799,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    bench.define_flags(arms_default=(), with_ops=False)
+    harness.define_protocol_flags()
+    harness.define_grid_flags(arms_default=())
     flags.DEFINE_list("splits", [], "Split counts to try per tile (empty: the planner's count).")
     flags.DEFINE_list("busy_sms", [str(s) for s in plan_rule.BUSY_SMS], "SMs the busy kernel holds, condition (b).")
     flags.DEFINE_enum("contention", "cuda", ["cuda", "none"], "none: skip (b) (every point stays deterministic).")

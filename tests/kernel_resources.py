@@ -1,7 +1,8 @@
-"""Registers and stack of every exported kernel, read from the build's objects on any machine.
+"""Registers and stack of every exported kernel, read from the build's objects on any machine
+(test_build.py keeps every kernel's stack within its budget with it).
 
     python -m jax_cake.build --compile_only --obj_dir=/tmp/obj
-    python -m jax_cake.tools.kernel_resources --obj_dir=/tmp/obj --md=/tmp/resources.md
+    python tests/kernel_resources.py /tmp/obj            # one line per kernel: registers, stack bytes
 
 Each exported object (`<variant>.o`, jax_cake.build) embeds the kernel's device code: a
 cubin for sm_90a, the SASS the DSL's ptxas wrote. The cubin's `.nv.info` section holds,
@@ -14,8 +15,8 @@ its stack shows it.
 
 Pure Python: no CUDA toolkit. Checked against `cuobjdump --dump-resource-usage` of CUDA
 13.5 on the extracted cubins: the same REG and STACK for every kernel of two builds of
-2026-12-05 (46 and 49 objects, nvidia-cutlass-dsl 4.8.1). `--cubin_dir=DIR` writes the
-cubins out for cuobjdump or nvdisasm (SASS: `nvdisasm -c FILE.cubin`).
+2026-12-05 (46 and 49 objects, nvidia-cutlass-dsl 4.8.1). A second argument names a folder
+to write the cubins to, for cuobjdump or nvdisasm (SASS: `nvdisasm -c FILE.cubin`).
 """
 
 from __future__ import annotations
@@ -23,12 +24,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import struct
-
-from absl import app, flags
-
-from jax_cake.tools import markdown as md
-
-FLAGS = flags.FLAGS
+import sys
 
 _ELF_MAGIC = b"\x7fELF\x02\x01\x01"  # 64-bit, little endian, version 1
 _EM_CUDA = 190  # e_machine of NVIDIA device code
@@ -129,22 +125,11 @@ def read_objects(
     return found
 
 
-def main(argv):
-    del argv
-    cubin_dir = pathlib.Path(FLAGS.cubin_dir) if FLAGS.cubin_dir else None
-    found = read_objects(pathlib.Path(FLAGS.obj_dir), cubin_dir=cubin_dir)
-    table = md.table(["variant", "registers", "stack bytes"], ([n, r.registers, r.stack_bytes] for n, r in found.items()))
-    spilling = sum(r.stack_bytes > 0 for r in found.values())
-    text = "\n".join(table) + f"\n\n{len(found)} kernels, {spilling} with stack (spilled registers).\n"
-    print(text, end="")
-    if FLAGS.md:
-        pathlib.Path(FLAGS.md).write_text(text)
-
-
 if __name__ == "__main__":
-    # jax_cake.build's default object folder, build/obj at the repository root.
-    default_obj_dir = pathlib.Path(__file__).resolve().parents[2] / "build" / "obj"
-    flags.DEFINE_string("obj_dir", str(default_obj_dir), "The build's exported objects (jax_cake.build --obj_dir).")
-    flags.DEFINE_string("cubin_dir", None, "Also write each kernel's cubin here.")
-    flags.DEFINE_string("md", None, "Also write the table to this markdown file.")
-    app.run(main)
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: python tests/kernel_resources.py OBJ_DIR [CUBIN_DIR]")
+    cubins = pathlib.Path(sys.argv[2]) if len(sys.argv) == 3 else None
+    found = read_objects(pathlib.Path(sys.argv[1]), cubin_dir=cubins)
+    for name, r in found.items():
+        print(f"{name} {r.registers} registers, {r.stack_bytes} stack bytes")
+    print(f"{len(found)} kernels, {sum(r.stack_bytes > 0 for r in found.values())} with stack (spilled registers)")

@@ -1,55 +1,82 @@
-"""The headline tables and pictures of docs/benchmarks.md, from benchmark CSVs.
+"""The generated tables and pictures of docs/benchmarks.md, from the CSVs in benchmarks/data/.
 
-    python -m jax_cake.tools.report          # the CSVs of CSVS, into docs/benchmarks.md and docs/img/
-    python -m jax_cake.tools.report --csvs=a.csv,b.csv.gz --page=/tmp/page.md --img_dir=/tmp/img
+    python -m benchmarks.report          # the CSVs of SOURCES, into docs/benchmarks.md and docs/img/
+    python -m benchmarks.report --csvs=a.csv,b.csv.gz --page=/tmp/page.md --img_dir=/tmp/img
 
-Reads CSVs written by `python -m jax_cake.tools.bench --csv=...` (or `--merge=... --csv=...`;
-`.csv.gz` is read too) and the floor table of `python -m jax_cake.tools.memory_floor` saved as
-CSV. Each file's family comes from its header: dense (`d_in -> d_out`), router (`d -> E`),
-batched (`B`), memory floor (`floor us`). Rows of one family are merged in file order as
-`bench --merge` does: a later file's row replaces an earlier one of the same point, op and mode.
+Reads CSVs written by `python -m benchmarks.bench --csv=...` (`--merge=... --csv=...` too;
+`.csv.gz` is read) of the dense, router, batched, core and model families, and of
+`python -m benchmarks.memory_floor --csv=...`. Each file's family comes from its header
+(FAMILIES). Rows of one family are merged in file order as `bench --merge` does: a later
+file's row replaces an earlier one of the same point, op and mode (model: of the same step
+on the same GPU). Every table names its files and the GPU, jax version and date they were
+measured on: from SOURCES for the shipped files (their rows carry no jax version or date),
+else from the CSV's own gpu / jax / date columns where it has them.
 
 Writes, and changes nothing else:
 - the markdown between BEGIN and END in --page (the markers must be there): the dense
-  headline table (geomeans of baseline us / jax_cake us per op and mode, all points and split
-  by d_out), the router and batched rows, the memory-bound rows against the copy floor, each
-  naming the CSVs it came from;
-- PNG pictures in --img_dir (matplotlib, Agg; saved as 32-colour palette PNGs with Pillow): speedup_<mode>.png per
-  mode of --picture_modes (default g and e: every grid point and op against XLA and
-  cuBLAS) and memory_floor.png (the d_out <= 64 points' fwd and wgrad against the floor),
-  embedded by the markdown above.
+  headline table (geomeans of baseline us / jax_cake us per op and mode, all points and
+  split by d_out), the memory-bound rows against the copy floor, the router and batched
+  rows, the GEMM core at the Llama shapes (per shape, XLA's time over the time of the
+  program the shipped plan table runs there, from benchmarks.tune_tiles' reading of the
+  core CSVs: no GPU needed) and the model steps;
+- PNG pictures in --img_dir (matplotlib, Agg; saved as 32-colour palette PNGs with Pillow):
+  speedup_<mode>.png per mode of --picture_modes (default g and e: every grid point and op
+  against XLA and cuBLAS) and memory_floor.png (the d_out <= 64 points' fwd and wgrad against
+  the floor), embedded by the markdown above.
 Ratios are baseline us / jax_cake us: above 1, jax_cake is faster.
 """
 
 from __future__ import annotations
 
-import csv
-import gzip
+import dataclasses
 import math
 import os
 from typing import Iterable, Mapping, Sequence
 
 from absl import app, flags
 
-from jax_cake.tools import bench, plan_rule
-from jax_cake.tools import markdown as md
+from benchmarks import harness, plan_rule, tune_tiles
+from benchmarks import markdown as md
+from benchmarks.families import dense as dense_family
+from benchmarks.families import projections
 
-_DOCS = os.path.join(bench.REPO_ROOT, "docs")
+_DOCS = os.path.join(harness.REPO_ROOT, "docs")
+DATA = os.path.join(harness.REPO_ROOT, "benchmarks", "data")
 
-# The CSVs the headline comes from (paths relative to the repository root), in merge order.
-CSVS = (
-    "docs/data/bench_2026-11-30_h200_dense_grid_g.csv.gz",
-    "docs/data/bench_2026-11-30_h200_dense_grid_e.csv.gz",
-    "docs/data/bench_2026-11-29_h200_c_router.csv",
-    "docs/data/bench_2026-11-30_h200_batched_final.csv",
-    "docs/data/memory_floor_2026-12-01_h200.csv",
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A shipped CSV and where it was measured (its rows carry no jax version or date)."""
+
+    file: str  # under benchmarks/data/
+    gpu: str
+    date: str
+    jax: str = "0.11.2"
+
+
+_H200, _H100 = "H200", "H100 80GB HBM3"
+# The CSVs the page comes from, in merge order (all: driver 580.159.04).
+SOURCES = (
+    Source("dense_2026-11-30_h200_g.csv.gz", _H200, "2026-11-30"),
+    Source("dense_2026-11-30_h200_e.csv.gz", _H200, "2026-11-30"),
+    Source("memory_floor_2026-12-01_h200.csv", _H200, "2026-12-01"),
+    Source("router_2026-11-29_h200.csv", _H200, "2026-11-29"),
+    Source("batched_2026-11-30_h200.csv", _H200, "2026-11-30"),
+    Source("core_2026-12-05_h200_t8192.csv", _H200, "2026-12-05"),
+    Source("core_2026-12-05_h200_t4096.csv", _H200, "2026-12-05"),
+    Source("core_2026-12-05_h100_t8192.csv", _H100, "2026-12-05"),
+    Source("core_2026-12-05_h100_t4096.csv", _H100, "2026-12-05"),
+    Source("model_2026-12-01_h200.csv", _H200, "2026-12-01"),
+    Source("model_2026-12-04_h200.csv", _H200, "2026-12-04"),
+    Source("model_2026-12-05_h100.csv", _H100, "2026-12-05"),
 )
+CSVS = tuple(os.path.join("benchmarks", "data", s.file) for s in SOURCES)
 BEGIN = "<!-- report:begin -->"
 END = "<!-- report:end -->"
 MEMORY_BOUND_MAX_D_OUT = 64
 COMPUTE_BOUND_MIN_D_OUT = 512
 FLOOR_D_OUT = 48  # the memory_floor cases of the skinny rows: read [T, d_in], write [T, 48]
-FAMILIES = ("dense", "router", "batched", "floor")
+FAMILIES = ("dense", "router", "batched", "floor", "core", "model")
 
 FLAGS = flags.FLAGS
 
@@ -58,14 +85,16 @@ FLAGS = flags.FLAGS
 
 
 def read_rows(path: str) -> list[dict]:
-    """A CSV's rows, numbers parsed back (as bench.read_csv_rows); `.gz` files are decompressed."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", newline="") as f:
-        return [{k: bench.parse_csv_value(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    """A CSV's rows, numbers parsed back; `.gz` files are decompressed."""
+    return harness.read_csv_rows([path])
 
 
 def family_of(columns: Iterable[str]) -> str:
     columns = set(columns)
+    if "xla_over_arm" in columns:
+        return "core"
+    if "XLA/jax_cake" in columns:
+        return "model"
     if "floor us" in columns:
         return "floor"
     if "d -> E" in columns:
@@ -74,11 +103,12 @@ def family_of(columns: Iterable[str]) -> str:
         return "batched"
     if "d_in -> d_out" in columns:
         return "dense"
-    raise ValueError(f"not a bench or memory_floor CSV: columns {sorted(columns)}")
+    raise ValueError(f"not a benchmark or memory_floor CSV: columns {sorted(columns)}")
 
 
 def load(paths: Sequence[str]) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
-    """({family: merged rows}, {family: the files they came from})."""
+    """({family: merged rows}, {family: the files they came from}); core files stay apart
+    (one setup each: rows["core"] holds each file's rows, tagged with its path)."""
     rows: dict[str, list[dict]] = {f: [] for f in FAMILIES}
     sources: dict[str, list[str]] = {f: [] for f in FAMILIES}
     for path in paths:
@@ -86,11 +116,46 @@ def load(paths: Sequence[str]) -> tuple[dict[str, list[dict]], dict[str, list[st
         if not file_rows:
             continue
         family = family_of(file_rows[0])
-        rows[family] += file_rows
+        gpu = setup_of(path, file_rows)[0]
+        rows[family] += [dict(r, _file=path, _gpu=gpu) for r in file_rows]
         sources[family].append(path)
-    for family in ("dense", "router", "batched"):
-        rows[family] = bench.merge_rows(rows[family], family)
+    for family, table in (("dense", dense_family.TABLE), ("router", _router_table()), ("batched", _batched_table())):
+        rows[family] = projections.merge_rows(table, rows[family])
+    merged: dict[tuple, dict] = {}
+    for r in rows["model"]:  # a later file's step replaces an earlier one's on the same GPU
+        merged[(r["_gpu"], r["step"])] = r
+    rows["model"] = list(merged.values())
     return rows, sources
+
+
+def _router_table():
+    from benchmarks.families import router
+
+    return router.TABLE
+
+
+def _batched_table():
+    from benchmarks.families import batched
+
+    return batched.TABLE
+
+
+def setup_of(path: str, rows: Sequence[Mapping] = ()) -> tuple[str, str, str]:
+    """(GPU, jax version, date) a CSV was measured with: SOURCES' entry for a shipped file,
+    else its rows' gpu / jax / date columns ("n/a" where it has none)."""
+    for s in SOURCES:
+        if os.path.basename(path) == s.file:
+            return s.gpu, s.jax, s.date
+    first = rows[0] if rows else {}
+    gpu = first.get("gpu") or first.get("GPU") or "n/a"
+    return str(gpu), str(first.get("jax") or "n/a"), str(first.get("date") or "n/a")
+
+
+def measured(paths: Sequence[str]) -> str:
+    """'H200, jax 0.11.2, 2026-11-30, from `a.csv`, `b.csv`' (setups joined where they differ)."""
+    setups = list(dict.fromkeys(setup_of(p, read_rows(p)[:1]) for p in paths))
+    said = "; ".join(f"{gpu}, jax {jax}, {date}" for gpu, jax, date in setups)
+    return f"{said}; from {_names(paths)}"
 
 
 def d_in_out(row: Mapping, column: str = "d_in -> d_out") -> tuple[int, int]:
@@ -130,7 +195,7 @@ def dense_table(rows: Sequence[dict]) -> list[str]:
     out = []
     modes = [m for m in plan_rule.MODES if any(r["mode"] == m for r in rows)]
     for mode in modes:
-        for op in bench.OPS:
+        for op in dense_family.OPS:
             picked = [r for r in rows if r["op"] == op and r["mode"] == mode]
             if not picked:
                 continue
@@ -151,9 +216,15 @@ def dense_table(rows: Sequence[dict]) -> list[str]:
     return md.table(columns, out)
 
 
-def router_table(rows: Sequence[dict]) -> list[str]:
-    shown = [dict(r, **{"XLA x3/new": ratio(r, "XLA x3")}) for r in rows]
-    return md.dict_table(["d -> E", "T", "op", "mode", "new us", "XLA x3 us", "XLA x3/new", "XLA highest us"], shown)
+def router_table(rows: Sequence[dict], mode: str = "g") -> list[str]:
+    """The rows of one mode, and a line on the other modes' XLA x3/new range."""
+    shown = [dict(r, **{"XLA x3/new": ratio(r, "XLA x3")}) for r in rows if r["mode"] == mode]
+    out = md.dict_table(["d -> E", "T", "op", "new us", "XLA x3 us", "XLA x3/new", "XLA highest us"], shown)
+    for other in [m for m in plan_rule.MODES if m != mode and any(r["mode"] == m for r in rows)]:
+        vals = [v for v in (ratio(r, "XLA x3") for r in rows if r["mode"] == other) if v is not None]
+        label = {"g": "CUDA graphs", "e": "eager"}[other]
+        out += ["", f"Mode {other} ({label}): XLA x3/new {min(vals):.3f}-{max(vals):.3f} over the same rows."]
+    return out
 
 
 def batched_table(rows: Sequence[dict]) -> list[str]:
@@ -200,6 +271,75 @@ def floor_table(points: Sequence[dict]) -> list[str]:
     return md.table(["op", "out", "points", "new / floor", "cuBLAS / floor", "XLA / floor"], out)
 
 
+def _program(arm: tune_tiles.Arm | None) -> str:
+    if arm is None:
+        return "-"
+    sched = "pp" if arm.schedule == "pingpong" else "coop"
+    return f"{arm.tile[0]}x{arm.tile[1]} {sched} c{arm.cluster[0]}x{arm.cluster[1]}"
+
+
+def core_verdicts(path: str) -> tuple[dict, list, dict]:
+    """(header, verdicts, XLA's arms) of one core CSV against the shipped plan table:
+    tune_tiles' reading, planned for the CSV's GPU and SM count on this machine."""
+    import json
+    from pathlib import Path
+
+    from jax_cake.planner import device as device_lib
+    from jax_cake.planner import tables
+
+    points, xla, header = tune_tiles.read_csvs([path])
+    gpu = setup_of(path)[0] if os.path.basename(path) in {s.file for s in SOURCES} else header.get("gpu", "H200")
+    device = device_lib.DeviceInfo("cuda", f"NVIDIA {gpu}", "sm_90a", int(header.get("sms") or 132))
+    data = json.loads(Path(tables.TABLE_DIR / "sm_90a.json").read_text())
+    rule = tables.parse(tune_tiles.without_tile_rows(data))
+    verdicts = [
+        tune_tiles.decide(p, arms, tune_tiles.rule_pick(p, device, rule), 0.005)
+        for p, arms in sorted(points.items(), key=lambda kv: dataclasses.astuple(kv[0]))
+    ]
+    return header, verdicts, xla
+
+
+def core_table(path: str) -> list[str]:
+    """Per shape, fwd and dgrad: XLA's time, the program the plan table runs (a tile row's
+    winner, else the rule's pick) with its time, and XLA us / its us."""
+    _, verdicts, xla = core_verdicts(path)
+    by_shape: dict[tuple, dict] = {}
+    for v in verdicts:
+        by_shape.setdefault((v.point.tokens, v.point.d_in, v.point.d_out), {})[v.point.op] = v
+    cols = ["T", "d_in -> d_out"]
+    for op in tune_tiles.TILE_OPS:
+        cols += [f"XLA {op} us", f"jax_cake {op}, us", "XLA/jax_cake"]
+    out, wins, total = [], 0, 0
+    for (t, d_in, d_out), ops in sorted(by_shape.items()):
+        cells = [str(t), f"{d_in} -> {d_out}"]
+        for op in tune_tiles.TILE_OPS:
+            v = ops.get(op)
+            run = (v.winner or v.pick) if v else None
+            x = xla.get(v.point) if v else None
+            if run is None or x is None:
+                cells += ["", "", ""]
+                continue
+            total += 1
+            wins += x.us >= run.us
+            program = _program(run) + (" (row)" if v.winner else "")
+            cells += [f"{x.us:.0f}", f"{program} {run.us:.0f}", f"{x.us / run.us:.3f}"]
+        out.append(cells)
+    return md.table(cols, out) + ["", f"jax_cake at or above XLA's speed at {wins} of {total} GEMMs."]
+
+
+MODEL_COLUMNS = ("step", "GPU", "date", "XLA ms", "jax_cake ms", "XLA/jax_cake", "temp MiB XLA / jax_cake")
+
+
+def model_table(rows: Sequence[dict]) -> list[str]:
+    shown = []
+    for r in rows:
+        _, _, date = setup_of(r["_file"])
+        temp = "" if r.get("XLA temp MiB") is None else f"{r['XLA temp MiB']:.0f} / {r['jax_cake temp MiB']:.0f}"
+        speedup = r["XLA ms"] / r["jax_cake ms"] if r.get("XLA ms") and r.get("jax_cake ms") else None
+        shown.append(dict(r, GPU=r["_gpu"], date=date, **{"XLA/jax_cake": speedup, "temp MiB XLA / jax_cake": temp}))
+    return md.dict_table(MODEL_COLUMNS, shown)
+
+
 # --- pictures ------------------------------------------------------------------------------
 
 
@@ -236,7 +376,7 @@ def speedup_picture(rows: Sequence[dict], mode: str, path: str, dpi: int, annota
 
     picked = [r for r in rows if r["mode"] == mode]
     shapes = sorted({_point_key(r) for r in picked}, key=lambda k: (k[0], k[1], k[2] != "FP32"))
-    ops = [op for op in bench.OPS if any(r["op"] == op for r in picked)]
+    ops = [op for op in dense_family.OPS if any(r["op"] == op for r in picked)]
     tokens = sorted({int(r["T"]) for r in picked})
     columns = [(op, t) for op in ops for t in tokens]
     by_key = {(_point_key(r), r["op"], int(r["T"])): r for r in picked}
@@ -317,16 +457,15 @@ def render(
     rows, sources = load(csvs)
     os.makedirs(img_dir, exist_ok=True)
     rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(page)))
-    out = [
-        "<!-- generated by `python -m jax_cake.tools.report`; edit the CSVs or the tool, not this block -->",
-        "",
-    ]
+    out = ["<!-- generated by `python -m benchmarks.report`; edit the CSVs or the tool, not this block -->", ""]
     dense = rows["dense"]
     if dense:
         out += [
-            f"**Dense projection**, from {_names(sources['dense'])}. Geomean over the points of baseline us / "
-            "jax_cake us (range in parentheses); `>= 1.00`: points where jax_cake is as fast or faster; "
-            "split/new: the split-K arm against the planner's pick.",
+            "### Dense projection",
+            "",
+            f"{measured(sources['dense'])}. Geomean over the points of baseline us / jax_cake us (range in "
+            "parentheses); `>= 1.00`: points where jax_cake is as fast or faster; split/new: the split-K arm "
+            "against the planner's pick.",
             "",
             *dense_table(dense),
             "",
@@ -339,7 +478,7 @@ def render(
         if any(m in picture_modes for m in plan_rule.MODES):
             out += [
                 "Colour: baseline us / jax_cake us per point (row) and op and T (column); blue: jax_cake "
-                "faster, red: slower; the scale is clipped to 0.85-1.5 (the values are in the table's CSVs).",
+                "faster, red: slower; the scale is clipped to 0.85-1.5 (the values are in the CSVs).",
                 "",
             ]
     points = floor_points(dense, floors(rows["floor"])) if rows["floor"] else []
@@ -347,9 +486,11 @@ def render(
         name = os.path.join(img_dir, "memory_floor.png")
         floor_picture(points, name, dpi)
         out += [
-            f"**Memory-bound points** (d_out <= {MEMORY_BOUND_MAX_D_OUT}, graph mode) against the copy floor "
-            f"of reading x [T, d_in] and writing [T, {FLOOR_D_OUT}] under the same L2 flush, from "
-            f"{_names(sources['floor'])} and the dense CSVs: time / floor, range over T and d_out.",
+            "### Memory-bound points",
+            "",
+            f"d_out <= {MEMORY_BOUND_MAX_D_OUT}, graph mode, against the copy floor of reading x [T, d_in] and "
+            f"writing [T, {FLOOR_D_OUT}] under the same L2 flush ({measured(sources['floor'])}; plain copy "
+            "kernels: a practical floor, not a proof): time / floor, range over T and d_out.",
             "",
             *floor_table(points),
             "",
@@ -357,12 +498,31 @@ def render(
             "",
         ]
     if rows["router"]:
-        out += [f"**FP32 router** (BF16x3), from {_names(sources['router'])}:", "", *router_table(rows["router"]), ""]
+        out += ["### FP32 router (BF16x3)", "", f"{measured(sources['router'])}; mode g:", ""]
+        out += [*router_table(rows["router"]), ""]
     if rows["batched"]:
+        out += ["### Batched projection", "", f"{measured(sources['batched'])}:", "", *batched_table(rows["batched"]), ""]
+    if sources["core"]:
         out += [
-            f"**Batched projection**, from {_names(sources['batched'])}:",
+            "### The GEMM core at the Llama shapes",
             "",
-            *batched_table(rows["batched"]),
+            "Every fwd / dgrad variant forced against XLA's dot (`--family=core`); shown per shape: XLA's time, "
+            "the program the shipped plan table runs there (the rule's pick, or a tile row's variant: \"(row)\") "
+            "and XLA us / its us.",
+            "",
+        ]
+        for path in sources["core"]:
+            out += [f"{measured([path])}:", "", *core_table(path), ""]
+    if rows["model"]:
+        out += [
+            "### Model steps",
+            "",
+            "value_and_grad and Adam over FP32 masters (`--family=model`), CUDA graphs, the median of the runs' "
+            "median paired groups; temp = the compiled step's temp bytes; the cold row is host wall time from a "
+            f"fresh process's spawn to its first step's result. From {_names(sources['model'])} (a later file's "
+            "step replaces an earlier one's on the same GPU):",
+            "",
+            *model_table(rows["model"]),
             "",
         ]
     return "\n".join(out)
@@ -380,13 +540,13 @@ def write_report(
 
 def main(argv):
     del argv
-    csvs = [p if os.path.isabs(p) else os.path.join(bench.REPO_ROOT, p) for p in FLAGS.csvs]
+    csvs = [p if os.path.isabs(p) else os.path.join(harness.REPO_ROOT, p) for p in FLAGS.csvs]
     write_report(csvs, FLAGS.page, FLAGS.img_dir, FLAGS.dpi, FLAGS.picture_modes)
     print(f"wrote {FLAGS.page} and {FLAGS.img_dir}")
 
 
 if __name__ == "__main__":
-    flags.DEFINE_list("csvs", list(CSVS), "bench / memory_floor CSVs (.csv or .csv.gz), merged in this order.")
+    flags.DEFINE_list("csvs", list(CSVS), "benchmark / memory_floor CSVs (.csv or .csv.gz), merged in this order.")
     flags.DEFINE_string("page", os.path.join(_DOCS, "benchmarks.md"), "The page whose marker block is replaced.")
     flags.DEFINE_string("img_dir", os.path.join(_DOCS, "img"), "Where the PNG pictures go.")
     flags.DEFINE_integer("dpi", 80, "Picture resolution.")

@@ -1,17 +1,17 @@
-"""Per-shape fwd / dgrad tiles for the plan table, chosen from core_bench's paired timings.
+"""Per-shape fwd / dgrad tiles for the plan table, chosen from the core family's paired timings.
 
-    python -m jax_cake.tools.core_bench --out=$OUT --tokens=8192 --only=c2x1 --groups=6   # on the GPU
-    python -m jax_cake.tools.tune_tiles --csv=$OUT/core_bench.csv            # prints the verdicts
-    python -m jax_cake.tools.tune_tiles --csv=$OUT/core_bench.csv --write    # into tables/<arch>.json
+    python -m benchmarks.bench --family=core --csv=$OUT/core.csv --tokens=8192 --only=c2x1   # on the GPU
+    python -m benchmarks.tune_tiles --csv=$OUT/core.csv            # prints the verdicts (no GPU needed)
+    python -m benchmarks.tune_tiles --csv=$OUT/core.csv --write    # into jax_cake/planner/tables/<arch>.json
 
 The planner's tile rule (utilization times a per-tile prior) cannot tell apart ping-pong
 tiles a few columns wide: at some Llama shapes a 128 x 176 or 128 x 208 variant runs a few
-percent faster than the rule's pick, at others slower. This tool reads core_bench CSVs
+percent faster than the rule's pick, at others slower. This tool reads the core family's CSVs
 (every compiled variant forced at each (op, T, d_in, d_out), timed in paired groups with
 the arms interleaved) and, per point, compares each variant with the one plan() picks
 there without tile rows (the rule's pick, planned for the CSV's GPU on this machine: no
 GPU needed). A variant earns a tile row where
-- its result matched XLA's (core_bench's `ok`), with the planner's own tile walk;
+- its result matched XLA's (the CSV's `ok`), with the planner's own tile walk;
 - it ran faster than the rule's pick in enough of the paired groups that a one-sided
   sign test gives p < 0.05 (at least 5 groups: every one of 5 or 6, 7 of 8, 10 of 12);
 - its median time is at least `--min_gain` below the pick's;
@@ -19,7 +19,7 @@ and the fastest such variant is written as an fwd / dgrad row of program "det" w
 tile, schedule and cluster at exactly that T (jax_cake/planner/tables.py says how plan()
 reads it). A measured point where the rule's pick stays best loses any earlier tile row;
 every other row of the table stays. Points where the table runs XLA's dot are skipped.
-Several CSVs (core_bench runs on one GPU and jax version, any days) pool each point's
+Several CSVs (core runs on one GPU and jax version, any days) pool each point's
 paired groups, so runs too noisy for a verdict alone can reach one together. The printed
 table also gives, per point, XLA's time over that of the program the table runs after the
 tune, and in how many paired groups XLA was faster: where XLA still wins, and by how much.
@@ -37,9 +37,9 @@ from typing import Mapping, Sequence
 
 from absl import app, flags
 
+from benchmarks import markdown as md
+from benchmarks import plan_rule
 from jax_cake.planner import tables
-from jax_cake.tools import markdown as md
-from jax_cake.tools import plan_rule
 
 FLAGS = flags.FLAGS
 TILE_OPS = ("fwd", "dgrad")
@@ -48,7 +48,7 @@ MIN_GROUPS = 5  # the fewest paired groups whose all-win sign test is below 0.05
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """One timed variant of one point (a core_bench CSV row)."""
+    """One timed variant of one point (a row of the core family's CSV)."""
 
     tile: tuple[int, int, int]
     cluster: tuple[int, int]
@@ -106,11 +106,11 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split("x"))
 
 
-XLA = ((), (), "xla")  # the variant key of core_bench's XLA arm
+XLA = ((), (), "xla")  # the variant key of the core family's XLA arm
 
 
 def _timed(paths: Sequence[str]) -> tuple[dict[Point, dict[tuple, dict[int, tuple[float, ...]]]], dict]:
-    """({point: {variant: {run index: paired groups}}}, header) from core_bench CSVs: fwd /
+    """({point: {variant: {run index: paired groups}}}, header) from the core family's CSVs: fwd /
     dgrad rows with the planner's tile walk, XLA's under the key XLA; an arm whose result
     missed XLA's has no groups. header holds the gpu / sms / jax columns where the CSVs have
     them (the same in every row, else an error) and their dates."""
@@ -156,7 +156,7 @@ def _pooled(
 
 
 def read_csvs(paths: Sequence[str]) -> tuple[dict[Point, list[Arm]], dict[Point, Arm], dict]:
-    """({point: timed kernel variants}, {point: XLA's arm}, header) from core_bench CSVs.
+    """({point: timed kernel variants}, {point: XLA's arm}, header) from the core family's CSVs.
     Only arms with the planner's tile walk whose result matched XLA's count. A point timed
     in several CSVs (runs of one GPU and jax version) pools its paired groups, run after
     run, over the variants timed and matching XLA in every one of those runs; XLA's arm
@@ -297,7 +297,7 @@ def main(argv):
     measured = f"{header['date']} on NVIDIA {gpu}, jax {header['jax']}" if header.get("date") else FLAGS.measured
     if not measured:
         raise app.UsageError("--measured: the CSVs carry no date / jax columns; say when and where they were measured")
-    source = f"jax_cake.tools.tune_tiles from core_bench {measured}"
+    source = f"benchmarks.tune_tiles from core {measured}"
     print(report(verdicts, xla))
     text = json.dumps(merge_rows(data, sms, verdicts, source), indent=1) + "\n"
     if FLAGS.write:
@@ -308,7 +308,7 @@ def main(argv):
 
 
 def define_flags() -> None:
-    flags.DEFINE_list("csv", None, "core_bench CSVs (core_bench.csv of one or more runs).", required=True)
+    flags.DEFINE_list("csv", None, "CSVs of the core family (bench --family=core --csv=...; one or more runs).", required=True)
     flags.DEFINE_float("min_gain", 0.005, "A tile row needs a median this much faster than the rule's pick.")
     flags.DEFINE_string("arch", "sm_90a", "The table's architecture.")
     flags.DEFINE_integer("sm_count", 132, "SMs of the measuring GPU where the CSVs have no sms column.")

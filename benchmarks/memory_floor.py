@@ -1,7 +1,7 @@
 """The data-movement floor of a projection's memory traffic, under the benchmark's L2 flush.
 
-    python -m jax_cake.tools.memory_floor                      # the cases below
-    python -m jax_cake.tools.memory_floor --cases=16172:4096:48,524288:128:512
+    python -m benchmarks.memory_floor --csv=benchmarks/data/memory_floor.csv   # the cases below
+    python -m benchmarks.memory_floor --cases=16172:4096:48,524288:128:512
 
 A case rows:a:b is the traffic of reading a bf16 [rows, a] array once and writing a bf16
 [rows, b] array once, which is what the memory-bound projections move:
@@ -12,7 +12,7 @@ For each case it times plain copy kernels (16-byte loads and stores, grid-stride
 launch shapes; for b > a also kernels that stage chunks in shared memory, as a GEMM epilogue
 does, and write them with bulk (TMA) stores or with the threads' 16-byte stores; the fastest
 is reported, each on stderr) with the protocol's flush before every launch (XOR
-over 128 MiB, as jax_cake.tools.bench), CUDA events, median over launches. b > a: each row's
+over 128 MiB, as benchmarks/harness.py), CUDA events, median over launches. b > a: each row's
 a values repeated along b; b <= a: the row read in full and b values written. These are
 plain kernels, so a practical floor rather than a proof (a GEMM's TMA path can beat the
 narrowest cases); the table says how far each memory-bound target and kernel is from what
@@ -23,6 +23,7 @@ Needs a GPU and nvcc (the kernels are compiled at run time for the device's arch
 
 from __future__ import annotations
 
+import csv
 import ctypes
 import dataclasses
 import datetime
@@ -33,8 +34,8 @@ from typing import Sequence
 import numpy as np
 from absl import app, flags
 
-from jax_cake.tools import cuda_driver
-from jax_cake.tools import markdown as md
+from benchmarks import cuda_driver
+from benchmarks import markdown as md
 
 FLAGS = flags.FLAGS
 
@@ -212,9 +213,11 @@ class Case:
         return "widen" if self.b > self.a else "narrow"
 
 
-def markdown(header: str, results: Sequence[tuple[Case, float, str]]) -> str:
-    columns = ["rows", "a -> b (bf16)", "MB read", "MB written", "floor us", "TB/s", "fastest kernel, CTAs x threads"]
-    rows = [
+COLUMNS = ("rows", "a -> b (bf16)", "MB read", "MB written", "floor us", "TB/s", "fastest kernel, CTAs x threads")
+
+
+def table_rows(results: Sequence[tuple[Case, float, str]]) -> list[list[str]]:
+    return [
         [
             case.rows,
             f"{case.a} -> {case.b}",
@@ -226,7 +229,10 @@ def markdown(header: str, results: Sequence[tuple[Case, float, str]]) -> str:
         ]
         for case, us, shape in results
     ]
-    return "\n".join([header, "", *md.table(columns, rows)])
+
+
+def markdown(header: str, results: Sequence[tuple[Case, float, str]]) -> str:
+    return "\n".join([header, "", *md.table(COLUMNS, table_rows(results))])
 
 
 class FloorTimer:
@@ -319,9 +325,15 @@ def main(argv):
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     )
     print(markdown(header, results))
+    if FLAGS.csv:  # the table as the report reads it (benchmarks/report.py)
+        with open(FLAGS.csv, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(COLUMNS)
+            writer.writerows(table_rows(results))
 
 
 if __name__ == "__main__":
     flags.DEFINE_list("cases", list(DEFAULT_CASES), "rows:a:b cases (read bf16 [rows, a], write bf16 [rows, b]).")
     flags.DEFINE_integer("launches", 30, "Timed launches per launch shape (after 3 warm-up launches).")
+    flags.DEFINE_string("csv", None, "Also write the table as CSV here (the report's input).")
     app.run(main)

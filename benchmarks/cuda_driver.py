@@ -1,7 +1,7 @@
 """The few CUDA driver-API calls the measurement tools need, through NVIDIA's
 `cuda.bindings` (cuda-python; installed with the CuTe DSL and on the GPU image).
 
-`jax_cake.tools.tune` (the busy kernel of condition (b)) and `jax_cake.tools.memory_floor`
+`benchmarks.tune` (the busy kernel of condition (b)) and `benchmarks.memory_floor`
 (data-movement kernels) compile a small CUDA source with nvcc at run time and launch it on
 their own stream of the device's primary context, the context JAX uses too. Every call's
 return code is checked. Kernel arguments are ctypes scalars (cuLaunchKernel copies each

@@ -1,5 +1,5 @@
-"""Markdown tables for the tools' reports: the table syntax and the way a number is
-printed, written once for every tool."""
+"""Markdown tables for the benchmarks' and tuners' reports: the table syntax and the way a
+number is printed, written once for every tool."""
 
 from __future__ import annotations
 

@@ -1,65 +1,35 @@
-"""Paired, L2-cold GPU timings of jax_cake against XLA and cuBLAS.
+"""The benchmark protocol: what `python -m benchmarks.bench` and `python -m benchmarks.tune` share.
 
-    python -m jax_cake.tools.bench --tokens=16384 --d_in=4096 --d_out=48 --ops=wgrad,bwd \
-        --md=out/bench.md --csv=out/bench.csv
-    python -m jax_cake.tools.bench --family=router --md=out/router.md --csv=out/router.csv
-    python -m jax_cake.tools.bench --family=batched --md=out/batched.md --csv=out/batched.csv
-    python -m jax_cake.tools.bench --merge=out/a.csv,out/b.csv --md=out/all.md  # one table, no runs
+Every family of the benchmark (benchmarks/families/) and the tuner measure this way:
 
-Families (`--family`, one per invocation), each with its ops, arms and grid flags:
-- dense: `dense_projection(x bf16 [T, d_in], w [d_out, d_in])`; ops fwd, dgrad, wgrad,
-  bwd, 2fwd+bwd; grid --tokens x --d_in x --d_out x --out_dtype (w's dtype).
-- router: `router_logits(x f32 [T, d], w f32 [E, d])`; ops fwd, dgrad, wgrad, bwd,
-  fwd+bwd (value, dx and dw); grid --tokens (16384) x --d_in (d: 4096, 7168) x --experts (256;
-  `--grid=wide`: the MoE router widths 8, 16, 64, 128, 256, 384); arms new,
-  xla_x3 = `jnp.dot(x, w.T, precision=DotAlgorithmPreset.BF16_BF16_F32_X3)`,
-  xla_highest = the same with `Precision.HIGHEST` (no det/split: one program).
-- batched: `batched_projection(x bf16 [B, T, d_in], w bf16 [B, d_out, d_in])`; ops fwd,
-  bwd, 2fwd+bwd; grid --batch (16, 128) x --pairs (d_in:d_out, 128:512 and 512:128) x
-  --tokens (4096); arms new, xla = `jnp.einsum("btk,bnk->btn", x, w)`, cublas =
-  torch.bmm.
-
-Grids (`--grid`, where --d_out / --experts are not given): `default` (the d_out above),
-`wide` (the widths where XLA's own dot is the bar: d_out 96, 128, 192, 224, 256, 320, 384
-and MLA's 576 and 1536; the router's E list above), `all` (both).
-
-Protocol (docs/benchmarks.md):
 - Processes. XLA reads XLA_FLAGS once, when the backend starts, so the parent never
-  starts a backend: it runs one child process (`--child_out`) per (run, mode), with
-  mode g = command buffers on (XLA's default) and mode e =
-  `--xla_gpu_enable_command_buffer=` (off); the mode order alternates between runs.
-  A run is a fresh process, so process-level effects (allocation, clocks) vary
+  starts a backend: it runs one child process per (run, mode) (`run_children`), mode g =
+  command buffers on (XLA's default; a training step runs as one CUDA graph) and mode e =
+  `--xla_gpu_enable_command_buffer=` (eager launches); the mode order alternates between
+  runs. A run is a fresh process, so process-level effects (allocation, clocks) vary
   between runs and not between the arms compared inside one.
-- Arms (dense; the other families' are above). det = `dense_projection(...,
-  deterministic=True)`; split = deterministic=False under
-  `jax_cake.planner.force("split")` (`split/s16/t64x256x64` names a split count
-  and tile; `det/t128x128x64` runs the deterministic program on that wgrad tile);
-  new = deterministic=False (the planner's pick); xla = `jnp.dot(x,
-  w.astype(bf16).T)` with jax.vjp for gradients; cublas = torch.mm (GPU with torch).
-  Inside a child the arms of a point are interleaved in paired groups: group g runs
-  every arm once, the arm order rotated by g, so group g of det pairs with group g of
-  split. A group's time is the median of its `--steps` step times.
-- One jax arm call is one executable holding `--steps` unrolled steps, each the op
+- Arms. Inside a child the arms of a point are interleaved in paired groups
+  (`paired_groups`): group g runs every arm once, the arm order rotated by g, so group g of
+  one arm pairs with group g of every other. A group's time is the median of its `--steps`
+  step times.
+- L2 flush. One arm call is one executable holding `--steps` unrolled steps, each the step
   and then an L2 flush (XOR over a `--flush_mb` buffer, 128 MiB >= 2x the H200's 60 MB
-  L2), so every op, the first included, starts after a flush. optimization_barrier
-  orders op -> flush -> op and keeps XLA from merging or hoisting the repeated op; in
-  mode g the whole call is one CUDA graph, as a training step is.
-- Timing (GPU): the CUPTI device timeline of jax's profiler (`--timer=device`), one
-  profiler session per paired group. The flush kernels are markers: a flush-only
-  executable is profiled first to learn their names and count; a step's time is
-  first-begin to last-end of the device events before its flush (all kernels,
-  memsets and copies of the op and the gaps between them, as upstream measures). Mode g
-  sets `--xla_enable_command_buffers_during_profiling=true` (otherwise XLA runs
-  graphs op by op while a profiler runs); children get
-  TF_GPU_CUPTI_FORCE_CONCURRENT_KERNEL=1 so CUPTI does not serialize kernels. A
-  timeline that does not split into the expected flushes raises, naming the kernels
-  seen. cuBLAS steps are timed with CUDA events on torch's stream (eager launches in
-  both modes). For every family, new = the jax_cake op with deterministic=False (the
-  planner's pick) and gradients come from jax.vjp.
+  L2: `steps_program`), so every step, the first included, starts cold.
+  optimization_barrier orders step -> flush -> step and keeps XLA from merging or hoisting
+  the repeated step; in mode g the whole call is one CUDA graph.
+- Timing (GPU): the CUPTI device timeline of jax's profiler (`DeviceTimer`), one profiler
+  session per paired group. The flush kernels are markers: a flush-only executable is
+  profiled first to learn their names and count; a step's time is first-begin to last-end
+  of the device events before its flush (every kernel, memset and copy of the step and the
+  gaps between them). Mode g sets `--xla_enable_command_buffers_during_profiling=true`
+  (otherwise XLA runs graphs op by op while a profiler runs); children get
+  TF_GPU_CUPTI_FORCE_CONCURRENT_KERNEL=1 so CUPTI does not serialize kernels. A timeline
+  that does not split into the expected flushes raises, naming the kernels seen. cuBLAS
+  steps (torch) are timed with CUDA events on torch's stream.
 - Timing (no GPU, `--timer=wall`): host wall time per step of the whole call, flush
   included, labelled "host wall time (no GPU)": only for smoke tests of the tooling.
-- Report: median over runs of each run's median group time; ratio = baseline us /
-  new us (above 1: the planner's pick is faster).
+- Report: median over runs of each run's median group time (`run_medians`); ratio =
+  baseline us / jax_cake us (above 1: jax_cake is faster).
 """
 
 from __future__ import annotations
@@ -70,6 +40,7 @@ import dataclasses
 import datetime
 import functools
 import glob
+import gzip
 import json
 import math
 import os
@@ -80,13 +51,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from absl import app, flags
 
+from benchmarks import plan_rule
 from jax_cake import contract
-from jax_cake.tools import markdown as md
-from jax_cake.tools import plan_rule
 
 GRID_TOKENS = (16172, 16231, 16384)
 GRID_D_IN = (4096, 5120)
@@ -101,27 +71,36 @@ GRIDS = {
     "all": (tuple(sorted(GRID_D_OUT + GRID_D_OUT_WIDE)), GRID_EXPERTS_WIDE),
 }
 OUT_DTYPES = ("float32", "bfloat16")
-OPS = ("fwd", "dgrad", "wgrad", "bwd", "2fwd+bwd")  # dense; op_fn also builds fwd+bwd
-ARMS = ("det", "split", "new", "xla", "cublas")  # dense
-ROUTER_ARMS = ("new", "xla_x3", "xla_highest")
-BATCHED_ARMS = ("det", "new", "xla", "cublas")
-ALL_ARMS = ARMS + ROUTER_ARMS[1:]
+# Arm kinds of the projection families: det = deterministic=True, split = the split-K
+# program forced, new = the planner's pick (deterministic=False), xla = XLA's dot, cublas =
+# torch.mm; the router's XLA dots at BF16_BF16_F32_X3 and HIGHEST.
+ARM_KINDS = ("det", "split", "new", "xla", "cublas", "xla_x3", "xla_highest")
 MODE_XLA_FLAGS = {
     "g": "--xla_enable_command_buffers_during_profiling=true",
     "e": "--xla_gpu_enable_command_buffer=",
 }
 WALL_LABEL = "host wall time (no GPU)"
 DEVICE_LABEL = "CUPTI device time (jax profiler)"
-_ARM_LABEL = {"det": "det", "split": "split", "new": "new", "xla": "XLA", "cublas": "cuBLAS"}
-_ARM_LABEL.update(xla_x3="XLA x3", xla_highest="XLA highest")
 
 FLAGS = flags.FLAGS
-# The checkout this module lies in: child processes (child_env) import its jax_cake.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The checkout this module lies in: child processes (child_env) import its benchmarks and jax_cake.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def define_flags(arms_default: Sequence[str] = ARMS, with_ops: bool = True) -> None:
-    """The flags shared by bench and tune (tune has its own arms and fixed ops)."""
+def define_protocol_flags() -> None:
+    """The flags of the protocol (above), shared by the benchmark and the tuner."""
+    flags.DEFINE_list("modes", list(plan_rule.MODES), "g = command buffers on, e = off.")
+    flags.DEFINE_integer("runs", 3, "Runs (one fresh process per run and mode).")
+    flags.DEFINE_integer("groups", 10, "Paired groups per run.")
+    flags.DEFINE_integer("steps", 10, "Timed steps per arm and group.")
+    flags.DEFINE_integer("flush_mb", 128, "L2 flush buffer, MiB (>= 2x L2).")
+    flags.DEFINE_enum("timer", None, ["device", "wall"], "Default: device on a GPU, wall otherwise.")
+    flags.DEFINE_string("child_out", None, "Internal: run one (run, mode) child and write its samples here.")
+    flags.DEFINE_integer("run_index", 0, "Internal: the run a child measures.")
+
+
+def define_grid_flags(arms_default: Sequence[str] = ()) -> None:
+    """The projection grid and arm flags, shared by the benchmark and the tuner."""
     flags.DEFINE_list("tokens", [str(t) for t in GRID_TOKENS], "Token counts T.")
     flags.DEFINE_list("d_in", [str(d) for d in GRID_D_IN], "Input widths d_in.")
     flags.DEFINE_list("d_out", [str(d) for d in GRID_D_OUT], "Output widths d_out (default: --grid's).")
@@ -133,22 +112,12 @@ def define_flags(arms_default: Sequence[str] = ARMS, with_ops: bool = True) -> N
         "1536; E 8..384), all.",
     )
     flags.DEFINE_list("out_dtype", list(OUT_DTYPES), "Weight / wgrad output dtypes.")
-    if with_ops:
-        flags.DEFINE_list("ops", list(OPS), f"Ops, from {OPS} (dense; bench --family: the family's ops).")
-    flags.DEFINE_list("modes", list(plan_rule.MODES), "g = command buffers on, e = off.")
     flags.DEFINE_list(
         "arms",
         list(arms_default),
-        "Arms: det[/tMxNxK][/pp|/tiles][/c1|/c2], split[/sN][/tMxNxK][/pp|/tiles][/c1|/c2], new, xla[/path], cublas "
-        "(dense).",
+        "Arms: det[/tMxNxK][/pp|/tiles][/c1|/c2][/rR], split[/sN][/tMxNxK][/pp|/tiles][/c1|/c2][/rR], new, "
+        "xla[/path], cublas (projection families; each family names its own).",
     )
-    flags.DEFINE_integer("runs", 3, "Runs (one fresh process per run and mode).")
-    flags.DEFINE_integer("groups", 10, "Paired groups per run.")
-    flags.DEFINE_integer("steps", 10, "Timed steps per arm and group.")
-    flags.DEFINE_integer("flush_mb", 128, "L2 flush buffer, MiB (>= 2x L2).")
-    flags.DEFINE_enum("timer", None, ["device", "wall"], "Default: device on a GPU, wall otherwise.")
-    flags.DEFINE_string("child_out", None, "Internal: run one (run, mode) child and write its samples here.")
-    flags.DEFINE_integer("run_index", 0, "Internal: the run a child measures.")
 
 
 # --- what is measured ----------------------------------------------------------------------
@@ -176,67 +145,46 @@ def grid_points(
     return [Point(t, i, o, dt, family=family) for i in d_in for o in d_out for dt in out for t in tokens]
 
 
+def parse_pairs(pairs: Iterable[str]) -> list[tuple[int, int]]:
+    """d_in:d_out strings -> (d_in, d_out) pairs (--pairs)."""
+    out = []
+    for p in pairs:
+        d_in, sep, d_out = p.partition(":")
+        if not sep or not d_in.isdigit() or not d_out.isdigit():
+            raise ValueError(f"--pairs: {p!r} is not d_in:d_out")
+        out.append((int(d_in), int(d_out)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A family's table: the markdown (its header line first) and the CSV's columns and rows;
+    `failed` names what failed a check (the command then exits 1)."""
+
+    text: str
+    columns: Sequence[str]
+    rows: Sequence[dict]
+    failed: str = ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """What one --family measures and reports. Report columns: GPU, SMs, the shape
-    columns, op, mode, one "us" column per arm (new last), then baseline/new ratios."""
+    """One `--family` of `python -m benchmarks.bench` (benchmarks/families/)."""
 
-    ops: tuple[str, ...]
-    arms: tuple[str, ...]  # arm kinds, in run order
-    shape_columns: tuple[str, ...]
-    shape: Callable[[Point], tuple]  # a point's values of the shape columns
-    defaults: dict = dataclasses.field(default_factory=dict)  # flag defaults other than dense's
-    unused: tuple[str, ...] = ()  # grid flags that do not apply
-
-    @property
-    def report_arms(self) -> list[str]:
-        return [a for a in self.arms if a != "new"] + ["new"]
-
-    @property
-    def ratio_arms(self) -> list[str]:
-        return [a for a in self.arms if a not in ("new", "split")]
-
-    @property
-    def columns(self) -> tuple[str, ...]:
-        return (
-            ("GPU", "SMs", *self.shape_columns, "op", "mode")
-            + tuple(f"{_ARM_LABEL[a]} us" for a in self.report_arms)
-            + tuple(f"{_ARM_LABEL[a]}/new" for a in self.ratio_arms)
-        )
-
-
-FAMILIES = {
-    "dense": Family(
-        OPS,
-        ARMS,
-        ("d_in -> d_out", "out", "T"),
-        lambda p: (f"{p.d_in} -> {p.d_out}", {"float32": "FP32", "bfloat16": "BF16"}[p.out], p.tokens),
-        unused=("experts", "batch", "pairs"),
-    ),
-    "router": Family(
-        ("fwd", "dgrad", "wgrad", "bwd", "fwd+bwd"),
-        ROUTER_ARMS,
-        ("d -> E", "T"),
-        lambda p: (f"{p.d_in} -> {p.d_out}", p.tokens),
-        defaults={"tokens": ["16384"], "d_in": ["4096", "7168"]},
-        unused=("d_out", "out_dtype", "batch", "pairs"),
-    ),
-    "batched": Family(
-        ("fwd", "bwd", "2fwd+bwd"),
-        BATCHED_ARMS,
-        ("B", "d_in -> d_out", "T"),
-        lambda p: (p.batch, f"{p.d_in} -> {p.d_out}", p.tokens),
-        defaults={"tokens": ["4096"]},
-        unused=("d_in", "d_out", "out_dtype", "experts"),
-    ),
-}
-ALL_OPS = ("fwd", "dgrad", "wgrad", "bwd", "fwd+bwd", "2fwd+bwd")
-COLUMNS = FAMILIES["dense"].columns
+    name: str
+    about: str  # one line: what it measures
+    reads: tuple[str, ...]  # the flags it reads beyond the protocol's
+    defaults: Mapping[str, object]  # its values of flags not given on the command line
+    child: Callable[[str, int, str], list[dict]]  # (mode, run, timer kind) -> this process's samples
+    report: Callable[[dict, Sequence[dict]], Report]  # (header, every child's samples) -> the table
+    check: Callable[[], None] = lambda: None  # validates the flags (app.UsageError)
+    parent: Callable[[Sequence[str], Sequence[str]], tuple[dict, list[dict]]] | None = None  # (argv, modes)
+    merge: Callable[[Sequence[str]], Report] | None = None  # one table over earlier runs' CSVs
 
 
 @dataclasses.dataclass(frozen=True)
 class ArmSpec:
-    """An arm name parsed: one of ALL_ARMS, options only on
+    """An arm name parsed: one of ARM_KINDS, options only on
     'split[/sN][/tMxNxK][/pp|/tiles][/c1|/c2][/rR]' and 'det[/tMxNxK][/pp|/tiles][/c1|/c2][/rR]'
     (tMxNxK: the wgrad tile; pp / tiles: fwd and dgrad forced onto the ping-pong variants,
     or onto the cooperative tiles where the planner would pick ping-pong; c1 / c2: fwd and
@@ -257,8 +205,8 @@ def parse_arm(name: str) -> ArmSpec:
     kind, *opts = name.split("/")
     if kind == "xla" and opts == ["path"]:
         return ArmSpec(name, kind, path=True)
-    if kind not in ALL_ARMS or (opts and kind not in ("split", "det")):
-        raise ValueError(f"arm {name!r}: expected one of {ALL_ARMS}, options only on split and det (and xla/path)")
+    if kind not in ARM_KINDS or (opts and kind not in ("split", "det")):
+        raise ValueError(f"arm {name!r}: expected one of {ARM_KINDS}, options only on split and det (and xla/path)")
     splits = tile = schedule = cluster = raster = None
     for opt in opts:
         if opt in ("pp", "tiles"):
@@ -324,27 +272,6 @@ def op_fn(op: str, project: Callable) -> Callable:
     raise ValueError(f"op {op!r}: expected one of {ALL_OPS}")
 
 
-def jax_projection(arm: ArmSpec, family: str = "dense") -> Callable:
-    """(x, w) -> y: the arm's forward for the family (split is dense-only; batched det is
-    the deterministic program, new the planner's pick with deterministic=False)."""
-    import jax
-    import jax.numpy as jnp
-
-    import jax_cake
-
-    if family == "router":
-        if arm.kind == "new":
-            return lambda x, w: jax_cake.router_logits(x, w, deterministic=False)
-        precision = {"xla_x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3, "xla_highest": jax.lax.Precision.HIGHEST}
-        return lambda x, w: jnp.dot(x, w.T, precision=precision[arm.kind])
-    if family == "batched":
-        if arm.kind == "xla" and not arm.path:
-            return lambda x, w: jnp.einsum("btk,bnk->btn", x, w)
-        return lambda x, w: jax_cake.batched_projection(x, w, deterministic=arm.kind == "det")
-    if arm.kind == "xla" and not arm.path:
-        return lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16).T)
-    return lambda x, w: jax_cake.dense_projection(x, w, deterministic=arm.kind == "det")
-
 
 @contextlib.contextmanager
 def planning_for(arm: ArmSpec):
@@ -406,12 +333,13 @@ def steps_program(step: Callable | None, steps: int) -> Callable:
     return program
 
 
-def compile_arm(arm: ArmSpec, op: str, steps: int, args, family: str = "dense") -> Callable:
-    """AOT-compiles the arm's steps program (jit's cache would ignore planner.force)."""
+def compile_arm(arm: ArmSpec, op: str, steps: int, args, project: Callable) -> Callable:
+    """AOT-compiles the arm's steps program (jit's cache would ignore planner.force);
+    project(arm) -> (x, w) -> y is the family's forward."""
     import jax
 
     with planning_for(arm):
-        program = steps_program(op_fn(op, jax_projection(arm, family)), steps)
+        program = steps_program(op_fn(op, project(arm)), steps)
         return jax.jit(program, donate_argnums=0).lower(*args).compile()
 
 
@@ -680,6 +608,7 @@ def measure_point(
     point: Point,
     op: str,
     arms: Sequence[ArmSpec],
+    project: Callable,
     timer_kind: str,
     steps: int,
     groups: int,
@@ -688,7 +617,8 @@ def measure_point(
     keep: Callable | None = None,
     errors: dict | None = None,
 ) -> dict[str, list[float | None]]:
-    """{arm name: per-group median step time in us} for one point and op.
+    """{arm name: per-group median step time in us} for one point and op; project(arm) ->
+    (x, w) -> y is the family's forward (families/dense.py's `projection`, ...).
 
     around_call(): a context manager entered around each arm call; keep: a step filter
     (both for tune's busy kernel). A group none of whose steps was kept is None. errors:
@@ -701,9 +631,9 @@ def measure_point(
     jax_arms = [a for a in arms if a.kind != "cublas"]
     compiled = {}
     for a in jax_arms:  # tune measures a point again per contention cell: compile once
-        key = (a, op, steps, point, flush_mb)
+        key = (a, op, steps, point, flush_mb, project)
         if key not in _compiled:
-            _compiled[key] = compile_arm(a, op, steps, (buf, x, w, dy), point.family)
+            _compiled[key] = compile_arm(a, op, steps, (buf, x, w, dy), project)
         compiled[a.name] = _compiled[key]
     timer = make_timer(timer_kind, buf, steps)
     for a in jax_arms:  # warm-up: graph instantiation, autotuning, lazy loading
@@ -749,6 +679,25 @@ def paired_groups(timer, calls: dict[str, Callable], groups: int, keep: Callable
     return out
 
 
+def measure_arms(
+    programs: dict[str, Callable], buf, args: Sequence, timer_kind: str, steps: int, groups: int
+) -> dict[str, list[float]]:
+    """{arm: per-group median step time in us} of programs[arm](buf, *args) -> (buf, ...),
+    each compiled with buf donated and warmed up, the arms interleaved in paired groups
+    (the families whose arms are whole step programs: residual, accumulate, gated)."""
+    import jax
+
+    compiled = {arm: jax.jit(p, donate_argnums=0).lower(buf, *args).compile() for arm, p in programs.items()}
+    timer = make_timer(timer_kind, buf, steps)
+    for program in compiled.values():  # warm-up
+        timer.buf = program(timer.buf, *args)[0]
+    jax.block_until_ready(timer.buf)
+
+    def call(program):
+        return lambda b: program(b, *args)[0]
+
+    return paired_groups(timer, {arm: call(p) for arm, p in compiled.items()}, groups)
+
 def device_header(timer_kind: str) -> dict:
     import jax
 
@@ -790,6 +739,7 @@ def collect(
     points: Sequence[Point],
     ops: Sequence[str],
     arms: Sequence[ArmSpec],
+    project: Callable,
     mode: str,
     run: int,
     *,
@@ -804,7 +754,7 @@ def collect(
 ) -> list[dict]:
     """Samples for every point x op in this process: one dict per arm with its groups.
 
-    tags are copied into every sample (tune's contention cell: busy SMs, launch order).
+    project: as measure_point's. tags are copied into every sample (tune's contention cell: busy SMs, launch order).
     errors: each sample of a dense fwd, dgrad or wgrad also gets "rel_err", its arm's
     output_error (None for an arm without one, e.g. cuBLAS).
     """
@@ -817,7 +767,7 @@ def collect(
         )
         errs = {} if errors and op in ERROR_OPS and point.family == "dense" else None
         for arm, groups_us in measure_point(
-            point, op, arms, timer_kind, steps, groups, flush_mb, around_call, keep, errs
+            point, op, arms, project, timer_kind, steps, groups, flush_mb, around_call, keep, errs
         ).items():
             samples.append(
                 {
@@ -841,7 +791,8 @@ def write_child_output(path: str, header: dict, samples: Sequence[dict]) -> None
 
 def child_env(**overrides: str) -> dict[str, str]:
     """This process's environment plus `overrides`, with REPO_ROOT first on PYTHONPATH: a
-    child `python -m jax_cake...` imports this checkout's jax_cake, not an installed one."""
+    child `python -m benchmarks...` imports this checkout's benchmarks and jax_cake, not an
+    installed jax_cake."""
     env = dict(os.environ, **overrides)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
     return env
@@ -889,94 +840,13 @@ def run_medians(samples: Sequence[dict]) -> dict[tuple, float]:
     return {k: statistics.median(v) for k, v in per_run.items()}
 
 
-def table_rows(header: dict, samples: Sequence[dict]) -> list[dict]:
-    """One row per (point, op, mode), with the columns of the point's family."""
-    medians = run_medians(samples)
-    rows = []
-    order = lambda k: (
-        plan_rule.MODES.index(k[2]),
-        k[0].family,
-        k[0].batch,
-        k[0].d_in,
-        k[0].d_out,
-        OUT_DTYPES.index(k[0].out),
-        k[0].tokens,
-        ALL_OPS.index(k[1]),
-    )
-    # Arms with options (split/sN/tMxNxK) get their own columns after the family's, in
-    # the order first seen, so every arm asked for is reported.
-    extra = list(dict.fromkeys(k[3] for k in medians if "/" in k[3]))
-    for point, op, mode in sorted({k[:3] for k in medians}, key=order):
-        family = FAMILIES[point.family]
-        us = {arm: medians.get((point, op, mode, arm)) for arm in [*family.report_arms, *extra]}
-        row = {"GPU": header["gpu"], "SMs": header["sms"] or "n/a"}
-        row.update(zip(family.shape_columns, family.shape(point)))
-        row.update(op=op, mode=mode)
-        for arm in family.report_arms:
-            row[f"{_ARM_LABEL[arm]} us"] = us[arm]
-        for base in family.ratio_arms:
-            row[f"{_ARM_LABEL[base]}/new"] = us[base] / us["new"] if us[base] and us["new"] else None
-        for arm in extra:
-            row[f"{arm} us"] = us[arm]
-            row[f"{arm}/new"] = us[arm] / us["new"] if us[arm] and us["new"] else None
-        rows.append(row)
-    return rows
-
-
-def report_columns(rows: Sequence[dict], family: str = "dense") -> list[str]:
-    """The family's columns, then those of any arm with options the rows carry."""
-    columns = list(FAMILIES[family].columns)
-    return columns + [c for c in dict.fromkeys(c for r in rows for c in r) if c not in columns]
-
-
 def header_line(header: dict) -> str:
+    """The first line of a table: the device, the software, the date and how it was timed."""
     return (
         f"GPU {header['gpu']}, {header['sms'] or 'n/a'} SMs, driver {header['driver']}, jax {header['jax']}, "
         f"{header['date']}; latencies: {header['timer']}, us, median over runs of per-run median group times; "
         "ratios = baseline us / new us (above 1: new is faster)"
     )
-
-
-def geomean_lines(rows: Sequence[dict], family: str = "dense") -> list[str]:
-    lines = []
-    for op in FAMILIES[family].ops:
-        for mode in plan_rule.MODES:
-            picked = [r for r in rows if r["op"] == op and r["mode"] == mode]
-            parts = []
-            for column in [c for c in report_columns(rows, family) if c.endswith("/new")]:
-                vals = [r[column] for r in picked if r.get(column)]
-                if vals:
-                    gm = math.exp(sum(math.log(v) for v in vals) / len(vals))
-                    parts.append(f"{column} {gm:.3f} ({min(vals):.3f} to {max(vals):.3f})")
-            if parts:
-                lines.append(f"- {op} {mode} ({len(picked)} rows): " + "; ".join(parts))
-    return lines
-
-
-def markdown(header: dict | None, rows: Sequence[dict], family: str = "dense", title: str | None = None) -> str:
-    """The table with its geomeans; `title` replaces the header line (merged tables)."""
-    columns = report_columns(rows, family)
-    out = [
-        title if title is not None else header_line(header),
-        "",
-        "Geomeans over rows (range in parentheses):",
-        *geomean_lines(rows, family),
-        "",
-        *md.dict_table(columns, rows),
-    ]
-    return "\n".join(out) + "\n"
-
-
-def write_csv(path: str, rows: Sequence[dict], family: str = "dense") -> None:
-    columns = report_columns(rows, family)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({c: "" if r.get(c) is None else r[c] for c in columns})
-
-
-# --- entry point -------------------------------------------------------------------------------
 
 
 def parse_csv_value(v: str):
@@ -992,29 +862,23 @@ def parse_csv_value(v: str):
 
 
 def read_csv_rows(paths: Sequence[str]) -> list[dict]:
-    """The rows of CSV files written by --csv, in file order, numbers parsed back."""
+    """The rows of CSV files written by --csv, in file order, numbers parsed back (`.gz`
+    files are decompressed)."""
     rows = []
     for path in paths:
-        with open(path, newline="") as f:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", newline="") as f:
             rows += [{k: parse_csv_value(v) for k, v in r.items()} for r in csv.DictReader(f)]
     return rows
 
 
-def merge_rows(rows: Sequence[dict], family: str = "dense") -> list[dict]:
-    """One row per (point, op, mode): a later row replaces an earlier one in its place
-    (a re-measured subset merged over a full grid)."""
-    merged: dict[tuple, dict] = {}
-    for row in rows:
-        merged[tuple(row.get(c) for c in FAMILIES[family].shape_columns) + (row.get("op"), row.get("mode"))] = row
-    return list(merged.values())
-
-
-def merged_title(paths: Sequence[str]) -> str:
-    return (
-        f"Rows merged from {', '.join(os.path.basename(p) for p in paths)} (each measured as its run's "
-        "header says; a later file's row replaces an earlier file's row of the same point, op and mode); "
-        "ratios = baseline us / new us (above 1: new is faster)"
-    )
+def write_csv(path: str, columns: Sequence[str], rows: Sequence[dict]) -> None:
+    """The rows under `columns`, None as an empty cell."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({c: "" if r.get(c) is None else r[c] for c in columns})
 
 
 def selected(argv_name: str, allowed: Sequence[str]) -> list[str]:
@@ -1033,212 +897,3 @@ def child_argv(names: Iterable[str]) -> list[str]:
         if value is not None:
             out.append(f"--{name}={','.join(map(str, value)) if isinstance(value, list) else value}")
     return out
-
-
-SHARED_FLAGS = ("tokens", "d_in", "d_out", "out_dtype", "ops", "arms", "groups", "steps", "flush_mb", "timer")
-FAMILY_FLAGS = ("family", "experts", "batch", "pairs")
-
-
-def apply_grid(name: str = "d_out") -> None:
-    """--grid's widths into --d_out (or the router's --experts) where that flag is not
-    given; children then get them explicitly."""
-    if not FLAGS[name].present:
-        d_out, experts = GRIDS[FLAGS.grid]
-        setattr(FLAGS, name, [str(v) for v in (experts if name == "experts" else d_out)])
-
-
-def family_points(family: str) -> list[Point]:
-    tokens = list(map(int, FLAGS.tokens))
-    if family == "router":
-        return grid_points(tokens, map(int, FLAGS.d_in), map(int, FLAGS.experts), ["float32"], "router")
-    if family == "batched":
-        pairs = [tuple(map(int, p.split(":"))) for p in FLAGS.pairs]
-        return [
-            Point(t, i, o, "bfloat16", b, "batched") for b in map(int, FLAGS.batch) for i, o in pairs for t in tokens
-        ]
-    return grid_points(tokens, map(int, FLAGS.d_in), map(int, FLAGS.d_out), selected("out_dtype", OUT_DTYPES))
-
-
-def main(argv):
-    del argv
-    family = FAMILIES[FLAGS.family]
-    if FLAGS.merge:  # one table over earlier runs' CSVs: nothing is measured
-        rows = merge_rows(read_csv_rows(FLAGS.merge), FLAGS.family)
-        emit(markdown(None, rows, FLAGS.family, title=merged_title(FLAGS.merge)), rows, FLAGS.family)
-        return
-    stray = [n for n in family.unused if FLAGS[n].present]
-    if stray:
-        raise app.UsageError(f"--family={FLAGS.family} does not take {', '.join('--' + n for n in stray)}")
-    for name, value in {"ops": family.ops, "arms": family.arms, **family.defaults}.items():
-        if not FLAGS[name].present:  # the family's default (a child gets every value explicitly)
-            setattr(FLAGS, name, list(value))
-    if FLAGS.family != "batched":
-        apply_grid("experts" if FLAGS.family == "router" else "d_out")
-    points = family_points(FLAGS.family)
-    ops, modes = selected("ops", family.ops), selected("modes", plan_rule.MODES)
-    arms = [parse_arm(a) for a in FLAGS.arms]
-    if any(a.kind not in family.arms for a in arms):
-        raise app.UsageError(f"--arms: {FLAGS.arms} not all in {list(family.arms)} (--family={FLAGS.family})")
-    if FLAGS.child_out:
-        timer_kind = FLAGS.timer or default_timer()
-        samples = collect(
-            points,
-            ops,
-            arms,
-            modes[0],
-            FLAGS.run_index,
-            steps=FLAGS.steps,
-            groups=FLAGS.groups,
-            flush_mb=FLAGS.flush_mb,
-            timer_kind=timer_kind,
-        )
-        write_child_output(FLAGS.child_out, device_header(timer_kind), samples)
-        return
-    names = [n for n in SHARED_FLAGS + FAMILY_FLAGS if n not in family.unused]
-    header, samples = run_children("jax_cake.tools.bench", child_argv(names), modes, FLAGS.runs)
-    rows = table_rows(header, samples)
-    emit(markdown(header, rows, FLAGS.family), rows, FLAGS.family)
-
-
-def emit(text: str, rows: Sequence[dict], family: str) -> None:
-    """Print the table; write it to --md and --csv when given."""
-    print(text)
-    if FLAGS.md:
-        with open(FLAGS.md, "w") as f:
-            f.write(text)
-    if FLAGS.csv:
-        write_csv(FLAGS.csv, rows, family)
-
-
-# --- paired-arm benches (accumulate_bench, residual_bench) -----------------------------
-# One op on --tokens x --d_in x --d_out, each arm a steps program (buf, *args) -> (buf, ...);
-# this module's protocol (children per run and mode, paired groups, L2 flushes).
-
-ARM_BENCH_FLAGS = ("tokens", "d_in", "d_out", "arms", "groups", "steps", "flush_mb", "timer")
-
-
-def define_arm_bench_flags(arms: Sequence[str], tokens: Sequence[str], d_in: Sequence[str], d_out: Sequence[str]):
-    """define_flags (no --ops) with these defaults, and --md."""
-    define_flags(arms_default=arms, with_ops=False)
-    FLAGS.set_default("tokens", list(tokens))
-    FLAGS.set_default("d_in", list(d_in))
-    FLAGS.set_default("d_out", list(d_out))
-    flags.DEFINE_string("md", None, "Write the markdown table here.")
-
-
-def arm_bench_points(out_dtype: str) -> list[Point]:
-    return [Point(int(t), int(i), int(o), out_dtype) for i in FLAGS.d_in for o in FLAGS.d_out for t in FLAGS.tokens]
-
-
-def measure_arms(programs: dict[str, Callable], buf, args: Sequence, timer_kind: str) -> dict[str, list[float]]:
-    """{arm: per-group median step time in us} of programs[arm](buf, *args) -> (buf, ...),
-    each compiled with buf donated and warmed up, the arms interleaved in paired groups."""
-    import jax
-
-    compiled = {arm: jax.jit(p, donate_argnums=0).lower(buf, *args).compile() for arm, p in programs.items()}
-    timer = make_timer(timer_kind, buf, FLAGS.steps)
-    for program in compiled.values():  # warm-up
-        timer.buf = program(timer.buf, *args)[0]
-    jax.block_until_ready(timer.buf)
-
-    def call(program):
-        return lambda b: program(b, *args)[0]
-
-    return paired_groups(timer, {arm: call(p) for arm, p in compiled.items()}, FLAGS.groups)
-
-
-def arm_bench_child(op: str, points: Sequence[Point], measure: Callable, label_suffix: str = "") -> None:
-    """One (run, mode) child: measure(point, timer_kind) -> {arm: groups_us} per point,
-    the samples written to --child_out."""
-    timer_kind = FLAGS.timer or default_timer()
-    mode, samples = FLAGS.modes[0], []
-    for point in points:
-        print(f"[{mode} run {FLAGS.run_index}] {point.label}{label_suffix}", file=sys.stderr, flush=True)
-        for arm, groups_us in measure(point, timer_kind).items():
-            samples.append(
-                {
-                    **dataclasses.asdict(point),
-                    "op": op,
-                    "mode": mode,
-                    "run": FLAGS.run_index,
-                    "arm": arm,
-                    "groups_us": groups_us,
-                }
-            )
-    write_child_output(FLAGS.child_out, device_header(timer_kind), samples)
-
-
-def arm_bench_markdown(
-    header: dict, samples: Sequence[dict], arms: Sequence[str], op: str, note: str, extra: Sequence[tuple] = ()
-) -> str:
-    """The table: one row per (point, mode), each arm's us and baseline/fused ratios;
-    `extra` are (column, value) pairs after T; `note` follows the header line."""
-    medians = run_medians(samples)
-    baselines = [a for a in arms if a != "fused"]
-    cols = ["d_in -> d_out", "T"] + [c for c, _ in extra] + ["mode"] + [f"{a} us" for a in arms]
-    if "fused" in arms:
-        cols += [f"{a}/fused" for a in baselines]
-    keys = sorted({(k[0], k[2]) for k in medians}, key=lambda k: (plan_rule.MODES.index(k[1]), k[0].d_in, -k[0].d_out))
-    rows = []
-    for point, mode in keys:
-        us = {a: medians.get((point, op, mode, a)) for a in arms}
-        row = [f"{point.d_in} -> {point.d_out}", str(point.tokens)] + [str(v) for _, v in extra] + [mode]
-        row += [f"{us[a]:.1f}" if us[a] is not None else "n/a" for a in arms]
-        if "fused" in arms:
-            row += [f"{us[a] / us['fused']:.3f}" if us[a] and us["fused"] else "n/a" for a in baselines]
-        rows.append(row)
-    return "\n".join([header_line(header) + note, "", *md.table(cols, rows)]) + "\n"
-
-
-def arm_bench_main(
-    module: str, all_arms: Sequence[str], child: Callable, markdown: Callable, child_flags: Sequence[str] = ()
-) -> None:
-    """Checks --arms; a child runs child(arms), the parent runs the children of `module`
-    (ARM_BENCH_FLAGS and child_flags passed on) and prints markdown(header, samples,
-    arms), also to --md."""
-    arms = list(FLAGS.arms)
-    if not arms or any(a not in all_arms for a in arms):
-        raise app.UsageError(f"--arms: {arms} must be a non-empty subset of {list(all_arms)}")
-    if FLAGS.child_out:
-        child(arms)
-        return
-    names = ARM_BENCH_FLAGS + tuple(child_flags)
-    header, samples = run_children(module, child_argv(names), selected("modes", plan_rule.MODES), FLAGS.runs)
-    text = markdown(header, samples, arms)
-    print(text)
-    if FLAGS.md:
-        with open(FLAGS.md, "w") as f:
-            f.write(text)
-
-
-def plain_arm_bench_main(module: str, all_arms: Sequence[str], op: str, measure: Callable, note: str) -> None:
-    """arm_bench_main of a bench whose points are --tokens x --d_in x --d_out (bf16) and
-    whose child times each point with measure(point, arms, timer_kind) -> {arm: groups_us};
-    `note` follows the table's header line."""
-
-    def child(arms):
-        points = arm_bench_points("bfloat16")
-        arm_bench_child(op, points, lambda point, timer_kind: measure(point, arms, timer_kind))
-
-    def markdown(header, samples, arms):
-        return arm_bench_markdown(header, samples, arms, op, note)
-
-    arm_bench_main(module, all_arms, child, markdown)
-
-
-if __name__ == "__main__":
-    define_flags()
-    flags.DEFINE_enum("family", "dense", list(FAMILIES), "The op: dense_projection, router_logits, batched_projection.")
-    flags.DEFINE_list(
-        "experts",
-        [str(e) for e in GRID_EXPERTS],
-        "router: expert counts E (--d_in gives d; default 4096,7168, T 16384; --grid=wide: 8..384).",
-    )
-    flags.DEFINE_list("batch", ["16", "128"], "batched: batch sizes B (--tokens default 4096).")
-    flags.DEFINE_list("pairs", ["128:512", "512:128"], "batched: d_in:d_out pairs.")
-    flags.DEFINE_string("csv", None, "Write the table as CSV here.")
-    flags.DEFINE_string("md", None, "Write the markdown table here.")
-    flags.DEFINE_list(
-        "merge", None, "CSV files of earlier runs (--csv): print one table over all their rows instead of measuring."
-    )
-    app.run(main)
