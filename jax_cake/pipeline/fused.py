@@ -23,17 +23,15 @@ projection pipeline's (jax_cake.pipeline.projection.plans).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_cake import primitives
 from jax_cake.pipeline import projection
+from jax_cake.pipeline.sharded_vjp import sharded_vjp
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import plan as make_plan
-from jax_cake.primitives import partitioning
 
 _BF16 = jnp.bfloat16
 # From this d_out up a wgrad is compute bound (docs/planner.md): one wgrad per weight.
@@ -79,13 +77,8 @@ def _wgrad_plan(x3, w_cat, d_out: int, deterministic: bool, out_dtype: str):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _fused(x3, ws, deterministic: bool, w_dtypes: tuple[str, ...], w_specs):
-    return _fused_fwd(x3, ws, deterministic, w_dtypes, w_specs)[0]
-
-
-def _fused_fwd(x3, ws, deterministic, w_dtypes, w_specs):
-    del w_specs
+def _forward(options: tuple[bool, tuple[str, ...]], x3, *ws):
+    deterministic, w_dtypes = options
     w_cat = _stack_bf16(ws)
     fwd_plan, _, _ = stacked_plans(x3, w_cat, deterministic, w_dtypes)
     y = primitives.fwd(x3, w_cat[None], fwd_plan)
@@ -99,8 +92,9 @@ def weight_gradients(x3, w_cat, dy, parts, split, *, deterministic: bool, w_dtyp
     order); parts: the per-weight cotangents dy_i [1, T, d_out_i]; split: dw [D, d_in] ->
     the dw_i (w_cat's row order undone). Every d_out_i >= WIDE_D_OUT: one wgrad per weight
     from parts, straight into w_i's dtype; else ONE wgrad over D from dy, split by rows
-    (module docstring). w_specs: the weights' PartitionSpecs under Explicit axes (static),
-    else None: each gradient is asked for, and resharded to, its weight's sharding.
+    (module docstring). w_specs: each weight's PartitionSpec under Explicit axes (static),
+    else None: each gradient is asked for in its weight's sharding (sharded_vjp reshards
+    the cotangents to them).
     """
     if min(d.shape[-1] for d in parts) >= WIDE_D_OUT:
         dws = [
@@ -109,16 +103,14 @@ def weight_gradients(x3, w_cat, dy, parts, split, *, deterministic: bool, w_dtyp
                 x3,
                 _wgrad_plan(x3, w_cat, d.shape[-1], deterministic, dtype),
                 deterministic=deterministic,
-                out_sharding=None if w_specs is None else P(None, *spec),
+                out_sharding=None if spec is None else P(None, *spec),
             )[0]
-            for d, dtype, spec in zip(parts, w_dtypes, w_specs or [None] * len(parts))
+            for d, dtype, spec in zip(parts, w_dtypes, w_specs)
         ]
     else:
         _, _, wgrad_plan = stacked_plans(x3, w_cat, deterministic, w_dtypes)
         dw = primitives.wgrad(dy, x3, wgrad_plan, deterministic=deterministic)[0]  # [D, d_in], the plan's dtype
         dws = [piece.astype(dtype) for piece, dtype in zip(split(dw), w_dtypes)]
-    if w_specs is not None:
-        dws = [partitioning.reshard_to(dw, spec) for dw, spec in zip(dws, w_specs)]
     return tuple(dws)
 
 
@@ -130,14 +122,13 @@ def _split_rows(dw, widths: tuple[int, ...]):
     return tuple(out)
 
 
-def _fused_bwd(deterministic, w_dtypes, w_specs, saved, dys):
-    """w_specs: the weights' PartitionSpecs under Explicit axes (static), else None: each
-    cotangent must carry its primal's sharding type there."""
+def _backward(options: tuple[bool, tuple[str, ...]], specs, saved, dys):
+    deterministic, w_dtypes = options
+    x_spec, *w_specs = specs
     x3, w_cat = saved
     _, dgrad_plan, _ = stacked_plans(x3, w_cat, deterministic, w_dtypes)
     dys = tuple(d.astype(_BF16) for d in dys)
     dy = jnp.concatenate(dys, axis=-1)
-    (x_spec,) = partitioning.explicit_specs(x3) or (None,)
     dx = primitives.dgrad(dy, w_cat[None], dgrad_plan, out_sharding=x_spec)
     widths = tuple(d.shape[-1] for d in dys)
     dws = weight_gradients(
@@ -148,20 +139,16 @@ def _fused_bwd(deterministic, w_dtypes, w_specs, saved, dys):
         lambda dw: _split_rows(dw, widths),
         deterministic=deterministic,
         w_dtypes=w_dtypes,
-        w_specs=w_specs,
+        w_specs=tuple(w_specs),
     )
-    (dx,) = partitioning.as_primal_types((dx,), (x3,))
-    return dx, dws
+    return (dx, *dws)
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_fused = sharded_vjp(_forward, _backward)
 
 
 def project_fused(x3, ws, *, deterministic: bool) -> tuple:
     """(y3_i [1, T, d_out_i] bf16 for w_i in ws) of validated x3 [1, T, d_in] bf16 and
-    weights ws[i] [d_out_i, d_in] (made varying over the same manual axes inside
-    shard_map)."""
-    x3, *ws = partitioning.to_common_varying(x3, *ws)
+    weights ws[i] [d_out_i, d_in]."""
     w_dtypes = tuple(jnp.dtype(w.dtype).name for w in ws)
-    w_specs = partitioning.explicit_specs(*ws)  # static: the cotangents' sharding types
-    return _fused(x3, tuple(ws), deterministic, w_dtypes, None if w_specs is None else tuple(w_specs))
+    return _fused((deterministic, w_dtypes), x3, *ws)

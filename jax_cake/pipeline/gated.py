@@ -47,13 +47,12 @@ the same register positions of the same threads: what the epilogue needs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 
 from jax_cake import contract, primitives, reference
 from jax_cake.pipeline import fused, projection
+from jax_cake.pipeline.sharded_vjp import sharded_vjp
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import plan as make_plan
 from jax_cake.planner.gated import GATE_GRAD_OP, plan_gate_grad, plan_gate_up_dgrad, plan_gated
@@ -70,7 +69,6 @@ class Options:
     deterministic: bool
     activation: str  # one of reference.ACTIVATIONS
     w_dtypes: tuple[str, str]  # the gate's and up's dtype names: their gradients' dtypes
-    w_specs: tuple | None = None  # the weights' PartitionSpecs under Explicit axes, else None
     block: int = 1  # the gate/up interleave's block (_block)
 
 
@@ -79,7 +77,8 @@ def stack(w_gate, w_up, block: int):
     return reference.interleave(w_gate.astype(_BF16), w_up.astype(_BF16), 0, block)
 
 
-def _forward(x3, w_gate, w_up, options: Options):
+def _gated_forward(x3, w_gate, w_up, options: Options):
+    """(h, gu): the gated forward GEMM and its epilogue."""
     w = stack(w_gate, w_up, options.block)
     b, t, d_in = x3.shape
     fwd_plan = plan_gated(
@@ -88,24 +87,22 @@ def _forward(x3, w_gate, w_up, options: Options):
     return primitives.fwd_gated(x3, w[None], fwd_plan, options.activation, options.block)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gated(x3, w_gate, w_up, options: Options):
-    return _forward(x3, w_gate, w_up, options)[0]
-
-
-def _gated_fwd(x3, w_gate, w_up, options):
-    h, gu = _forward(x3, w_gate, w_up, options)
+def _forward(options: Options, x3, w_gate, w_up):
+    h, gu = _gated_forward(x3, w_gate, w_up, options)
     return h, (x3, w_gate, w_up, gu)  # gu is named for the remat policies (primitives.fwd_gated)
 
 
-def _gated_bwd(options, saved, dh):
+def _backward(options: Options, specs, saved, dh):
     x3, w_gate, w_up, gu = saved
     g, u = reference.deinterleave(gu, -1, options.block)
     dg, du = reference.gate_grad(dh.astype(_BF16), g, u, options.activation)
-    return _gate_up_grads(x3, w_gate, w_up, dg, du, options)
+    return _gate_up_grads(x3, w_gate, w_up, dg, du, options, specs)
 
 
-def _gate_up_grads(x3, w_gate, w_up, dg, du, options: Options):
+_gated = sharded_vjp(_forward, _backward)
+
+
+def _gate_up_grads(x3, w_gate, w_up, dg, du, options: Options, specs):
     """(dx, dw_gate, dw_up) from the pre-activation's cotangent, its halves dg, du [1, T,
     F]: dx is ONE dgrad GEMM over K = 2F that reads them in place
     (primitives.dgrad_gate_up), the weights' gradients come from fused.weight_gradients."""
@@ -115,7 +112,7 @@ def _gate_up_grads(x3, w_gate, w_up, dg, du, options: Options):
     # The rule's dgrad over K = 2F: the plan table's tile rows timed the plain dgrad's kernels.
     sizes = dict(tokens=t, d_in=d_in, d_out=w.shape[0], batch=b, device=device_lib.current(x3, w))
     dgrad_plan = plan_gate_up_dgrad(make_plan("dgrad", **sizes, tile_rows=False), options.block)
-    (x_spec,) = partitioning.explicit_specs(x3) or (None,)
+    x_spec, *w_specs = specs[:3]  # x's, w_gate's and w_up's under Explicit axes
     dx = primitives.dgrad_gate_up(dg, du, w[None], dgrad_plan, options.block, out_sharding=x_spec)
     # The cotangent whole in W's row order, for the one wgrad over 2F where F is narrow
     # (XLA drops it where each weight gets its own wgrad).
@@ -128,13 +125,9 @@ def _gate_up_grads(x3, w_gate, w_up, dg, du, options: Options):
         lambda dw: reference.deinterleave(dw, 0, options.block),
         deterministic=det,
         w_dtypes=w_dtypes,
-        w_specs=options.w_specs,
+        w_specs=tuple(w_specs),
     )
-    (dx,) = partitioning.as_primal_types((dx,), (x3,))
     return dx, dw_gate, dw_up
-
-
-_gated.defvjp(_gated_fwd, _gated_bwd)
 
 
 def _block(x3, w_gate, w_up) -> int:
@@ -148,21 +141,18 @@ def _block(x3, w_gate, w_up) -> int:
 
 
 def _options(x3, w_gate, w_up, activation: str, deterministic: bool) -> Options:
-    specs = partitioning.explicit_specs(w_gate, w_up)
     return Options(
         deterministic=deterministic,
         activation=activation,
         w_dtypes=(jnp.dtype(w_gate.dtype).name, jnp.dtype(w_up.dtype).name),
-        w_specs=None if specs is None else tuple(specs),
         block=_block(x3, w_gate, w_up),
     )
 
 
 def project_gated(x3, w_gate, w_up, *, activation: str, deterministic: bool):
     """h3 [1, T, F] bf16 of validated x3 [1, T, d_in] bf16 and w_gate, w_up [F, d_in] (bf16
-    or FP32 masters), made varying over the same manual axes inside shard_map."""
-    x3, w_gate, w_up = partitioning.to_common_varying(x3, w_gate, w_up)
-    return _gated(x3, w_gate, w_up, _options(x3, w_gate, w_up, activation, deterministic))
+    or FP32 masters)."""
+    return _gated(_options(x3, w_gate, w_up, activation, deterministic), x3, w_gate, w_up)
 
 
 # --- the MLP: the gated projection and the down projection in one custom_vjp ---------------
@@ -177,24 +167,15 @@ class MlpOptions:
     gate_grad: Plan  # the down projection's dgrad with the gradient epilogue (fused_mlp_plan)
 
 
-def _mlp_forward(x3, w_gate, w_up, wd3, r3, options: MlpOptions):
-    h, gu = _forward(x3, w_gate, w_up, options.gated)
-    fwd_plan, _, _ = projection.plans(h, wd3, options.down)
-    return primitives.fwd(h, wd3, fwd_plan, add_to=r3), h, gu
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _mlp(x3, w_gate, w_up, w_down3, r3, options: MlpOptions):
-    return _mlp_forward(x3, w_gate, w_up, w_down3.astype(_BF16), r3, options)[0]
-
-
-def _mlp_fwd(x3, w_gate, w_up, w_down3, r3, options):
+def _mlp_forward(options: MlpOptions, x3, w_gate, w_up, w_down3, r3):
     wd3 = w_down3.astype(_BF16)
-    y, h, gu = _mlp_forward(x3, w_gate, w_up, wd3, r3, options)
+    h, gu = _gated_forward(x3, w_gate, w_up, options.gated)
+    fwd_plan, _, _ = projection.plans(h, wd3, options.down)
+    y = primitives.fwd(h, wd3, fwd_plan, add_to=r3)
     return y, (x3, w_gate, w_up, wd3, h, gu)  # h and gu are named (primitives.fwd_gated)
 
 
-def _mlp_bwd(options, saved, dy):
+def _mlp_backward(options: MlpOptions, specs, saved, dy):
     x3, w_gate, w_up, wd3, h, gu = saved
     dy = dy.astype(_BF16)
     _, _, down_wgrad_plan = projection.plans(h, wd3, options.down)
@@ -202,12 +183,11 @@ def _mlp_bwd(options, saved, dy):
     # straight from the kernel (dh is never written), the two contiguous planes of one array.
     dg, du = primitives.dgrad_gated(dy, wd3, gu, options.gate_grad, options.gated.activation, options.gated.block)
     dw_down = primitives.wgrad(dy, h, down_wgrad_plan, deterministic=options.down.deterministic)
-    dx, dw_gate, dw_up = _gate_up_grads(x3, w_gate, w_up, dg, du, options.gated)
-    (dw_down,) = partitioning.as_primal_types((dw_down,), (wd3,))
+    dx, dw_gate, dw_up = _gate_up_grads(x3, w_gate, w_up, dg, du, options.gated, specs)
     return dx, dw_gate, dw_up, dw_down, (dy if options.down.residual else None)
 
 
-_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+_mlp = sharded_vjp(_mlp_forward, _mlp_backward)
 
 
 def fused_mlp_plan(x3, w_gate, w_up, w_down3, r3=None, *, activation: str) -> Plan | None:
@@ -233,15 +213,12 @@ def project_mlp(x3, w_gate, w_up, w_down3, r3, *, activation: str, deterministic
     [1, d_out, F], r3 None or [1, T, d_out] bf16): one custom_vjp where fused_mlp_plan, else the
     gated projection followed by the projection pipeline's down projection (the same
     values up to the FP32 rounding of the activation)."""
-    args = [x3, w_gate, w_up, w_down3] + ([r3] if r3 is not None else [])
-    x3, w_gate, w_up, w_down3, *rest = partitioning.to_common_varying(*args)
-    r3 = rest[0] if rest else None
     gated = _options(x3, w_gate, w_up, activation, deterministic)
     gate_grad = fused_mlp_plan(x3, w_gate, w_up, w_down3, r3, activation=activation)
     if gate_grad is None:
-        h3 = _gated(x3, w_gate, w_up, gated)
+        h3 = _gated(gated, x3, w_gate, w_up)
         return projection.project(h3, w_down3, deterministic=deterministic, residual=r3)
     down = projection.Options(
         deterministic=deterministic, w_dtype=jnp.dtype(w_down3.dtype).name, residual=r3 is not None
     )
-    return _mlp(x3, w_gate, w_up, w_down3, r3, MlpOptions(gated, down, gate_grad))
+    return _mlp(MlpOptions(gated, down, gate_grad), x3, w_gate, w_up, w_down3, r3)

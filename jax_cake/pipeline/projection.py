@@ -26,13 +26,13 @@ them again from the saved operands (the same shapes, so the same plans).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_cake import primitives, reference
+from jax_cake.pipeline.sharded_vjp import sharded_vjp
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import plan as make_plan
 from jax_cake.planner.accumulate import plan_accumulate
@@ -52,7 +52,6 @@ class Options:
     residual: bool = False  # the forward GEMM's add epilogue: y = r + x w^T, dr = dy
     accumulate: bool = False  # the weight-grad GEMM's add epilogue: d(acc) = acc + dw, dw = 0
     out_request: P | None = None  # the sharding asked of the forward GEMM's result
-    r_spec: P | None = None  # the residual's spec under Explicit axes (dr's sharding type)
 
 
 def plans(x3, w3, options: Options):
@@ -68,32 +67,25 @@ def plans(x3, w3, options: Options):
     return forward, make_plan("dgrad", **sizes), weight
 
 
-def _forward(x3, w_bf16, r3, options: Options):
+def _forward(options: Options, x3, w3, r3, acc3):
+    # The forward ignores the running sum (only its cotangent carries it, from the saved
+    # buffer); r3 is not kept for the backward (that would cost the fused kernel its
+    # in-place add).
+    w_bf16 = w3.astype(_BF16)
     plan, _, _ = plans(x3, w_bf16, options)
     if options.layout == "kn":
-        return primitives.dgrad(x3, w_bf16, plan)
-    return primitives.fwd(x3, w_bf16, plan, out_sharding=options.out_request, add_to=r3)
+        y = primitives.dgrad(x3, w_bf16, plan)
+    else:
+        y = primitives.fwd(x3, w_bf16, plan, out_sharding=options.out_request, add_to=r3)
+    return y, (x3, w_bf16, acc3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _projection(x3, w3, r3, acc3, options: Options):
-    del acc3  # the forward ignores the running sum: only its cotangent carries it
-    return _forward(x3, w3.astype(_BF16), r3, options)
-
-
-def _projection_fwd(x3, w3, r3, acc3, options):
-    w_bf16 = w3.astype(_BF16)
-    return _forward(x3, w_bf16, r3, options), (x3, w_bf16, acc3)
-
-
-def _projection_bwd(options, saved, dy):
+def _backward(options: Options, specs, saved, dy):
     x3, w_bf16, acc3 = saved
+    x_spec, w_spec, _, acc_spec = specs
     _, input_plan, weight_plan = plans(x3, w_bf16, options)
     dy = dy.astype(_BF16)
     det = options.deterministic
-    # Under Explicit axes each gradient is asked for in its primal's sharding (for an
-    # FSDP weight that makes the data-parallel sum of dw a reduce-scatter).
-    x_spec, w_spec = partitioning.explicit_specs(x3, w_bf16) or (None, None)
     if options.layout == "kn":
         dx = primitives.fwd(dy, w_bf16, input_plan, out_sharding=x_spec)
         dw = primitives.wgrad(x3, dy, weight_plan, deterministic=det, out_sharding=w_spec)
@@ -103,22 +95,15 @@ def _projection_bwd(options, saved, dy):
             dw = primitives.wgrad(dy, x3, weight_plan, add_to=acc3)
         else:
             dw = primitives.wgrad(dy, x3, weight_plan, deterministic=det, out_sharding=w_spec)
-    if options.accumulate:  # the new running sum is acc's cotangent; w's is a symbolic zero
-        dx, new_sum = partitioning.as_primal_types((dx, dw), (x3, acc3))
-        dw = None
-    else:
-        dx, dw = partitioning.as_primal_types((dx, dw), (x3, w_bf16))
-        new_sum = None
-    # y = r + x w^T: r's cotangent is dy, in r's sharding type under Explicit axes (dy has
-    # y's). r_spec is static, so r itself is not kept alive for the backward (that would
-    # cost the fused kernel its in-place add).
-    dr = None
-    if options.residual:
-        dr = dy if options.r_spec is None else partitioning.reshard_to(dy, options.r_spec)
-    return dx, dw, dr, new_sum
+    # y = r + x w^T: r's cotangent is dy. With accumulate, the new running sum is acc's
+    # cotangent and w's is a symbolic zero.
+    dr = dy if options.residual else None
+    if options.accumulate:
+        return dx, None, dr, dw
+    return dx, dw, dr, None
 
 
-_projection.defvjp(_projection_fwd, _projection_bwd)
+_projection = sharded_vjp(_forward, _backward)
 
 
 def project(x3, w3, *, deterministic: bool, residual=None, accumulator=None, out_request=None, layout: str = "nk"):
@@ -129,25 +114,16 @@ def project(x3, w3, *, deterministic: bool, residual=None, accumulator=None, out
     accumulator: None or acc3 of w3's shape in FP32, the running sum of w's gradient that
       the weight-grad GEMM's epilogue adds into (its cotangent is acc3 + dw; w's is zero).
     out_request: None or the PartitionSpec asked of y3 (Explicit axes).
-    Inside shard_map the operands are made varying over the same manual axes first.
     """
-    x3, w3, *extra = partitioning.to_common_varying(*(v for v in (x3, w3, residual, accumulator) if v is not None))
-    r3 = extra.pop(0) if residual is not None else None
-    acc3 = extra.pop(0) if accumulator is not None else None
-    r_spec = None
-    if r3 is not None:
-        specs = partitioning.explicit_specs(r3)
-        r_spec = None if specs is None else P(*specs[0])
     options = Options(
         deterministic=deterministic,
         w_dtype=jnp.dtype(w3.dtype).name,
         layout=layout,
-        residual=r3 is not None,
-        accumulate=acc3 is not None,
+        residual=residual is not None,
+        accumulate=accumulator is not None,
         out_request=out_request,
-        r_spec=r_spec,
     )
-    return _projection(x3, w3, r3, acc3, options)
+    return _projection(options, x3, w3, residual, accumulator)
 
 
 def add_residual(r, y):

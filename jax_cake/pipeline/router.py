@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 
 from jax_cake import primitives
+from jax_cake.pipeline.sharded_vjp import sharded_vjp
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import plan as make_plan
-from jax_cake.primitives import partitioning
 
 
 def plans(x, w, deterministic: bool):
@@ -24,32 +21,24 @@ def plans(x, w, deterministic: bool):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _router(x, w, deterministic: bool):
-    fwd_plan, _, _ = plans(x, w, deterministic)
-    return primitives.router_fwd(x, w, fwd_plan)
-
-
-def _router_fwd(x, w, deterministic):
+def _forward(deterministic: bool, x, w):
     fwd_plan, _, _ = plans(x, w, deterministic)
     return primitives.router_fwd(x, w, fwd_plan), (x, w)
 
 
-def _router_bwd(deterministic, saved, g):
+def _backward(deterministic: bool, specs, saved, g):
     x, w = saved
+    x_spec, w_spec = specs
     _, dgrad_plan, wgrad_plan = plans(x, w, deterministic)
     g = g.astype(jnp.float32)
-    x_spec, w_spec = partitioning.explicit_specs(x, w) or (None, None)
     dx = primitives.router_dgrad(g, w, dgrad_plan, out_sharding=x_spec)
     dw = primitives.router_wgrad(g, x, wgrad_plan, deterministic=deterministic, out_sharding=w_spec)
-    return partitioning.as_primal_types((dx, dw), (x, w))
+    return dx, dw
 
 
-_router.defvjp(_router_fwd, _router_bwd)
+_router = sharded_vjp(_forward, _backward)
 
 
 def route(x, w, *, deterministic: bool):
-    """logits [T, E] f32 of validated x [T, d] f32 and w [E, d] f32 (made varying over the
-    same manual axes inside shard_map)."""
-    x, w = partitioning.to_common_varying(x, w)
-    return _router(x, w, deterministic)
+    """logits [T, E] f32 of validated x [T, d] f32 and w [E, d] f32."""
+    return _router(deterministic, x, w)

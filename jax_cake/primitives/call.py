@@ -236,9 +236,9 @@ def _role_bwd(local, out_sharding, saved, g):
     role = local.op.removeprefix(prefix)
     # The router's roles are FP32 throughout; the bf16 roles take a bf16 cotangent (the
     # addend's cotangent is g itself).
-    dc = None if c is None else partitioning.as_primal_types((g.astype(c.dtype),), (c,))[0]
+    a_spec, b_spec, c_spec = partitioning.explicit_specs(a, b, c) or (None, None, None)
+    dc = None if c is None else partitioning.to_specs((g.astype(c.dtype),), (c_spec,))[0]
     g = g.astype(a.dtype)
-    a_spec, b_spec = partitioning.explicit_specs(a, b) or (None, None)
 
     def run(op, p, q, out_dtype, spec):
         return _run_role(prefix + op, p, q, out_dtype, local.deterministic, spec)
@@ -249,7 +249,7 @@ def _role_bwd(local, out_sharding, saved, g):
         da, db = run("fwd", g, b, a.dtype, a_spec), run("wgrad", a, g, b.dtype, b_spec)
     else:
         da, db = run("fwd", b, g, a.dtype, a_spec), run("dgrad", a, g, b.dtype, b_spec)
-    da, db = partitioning.as_primal_types((da.astype(a.dtype), db.astype(b.dtype)), (a, b))
+    da, db = partitioning.to_specs((da.astype(a.dtype), db.astype(b.dtype)), (a_spec, b_spec))
     return da, db, dc
 
 

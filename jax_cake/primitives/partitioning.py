@@ -301,8 +301,11 @@ def partitioned_call(name: str, local: Local, a, b):
 
 
 def explicit_mesh(*arrays):
-    """The abstract mesh of the operands' types if it has an Explicit axis, else None."""
+    """The abstract mesh of the operands' types if it has an Explicit axis, else None
+    (None operands, absent options, are skipped)."""
     for a in arrays:
+        if a is None:
+            continue
         mesh = jax.typeof(a).sharding.mesh
         if not mesh.empty and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
             return mesh
@@ -398,19 +401,26 @@ def to_common_varying(*arrays):
 
 
 def explicit_specs(*arrays):
-    """The operands' PartitionSpecs where their types carry Explicit shardings, else None."""
+    """The operands' PartitionSpecs where their types carry Explicit shardings (None for a
+    None operand), else None."""
     if explicit_mesh(*arrays) is None:
         return None
-    return tuple(jax.typeof(a).sharding.spec for a in arrays)
+    return tuple(None if a is None else jax.typeof(a).sharding.spec for a in arrays)
 
 
-def as_primal_types(cotangents, primals):
-    """Under Explicit axes a custom_vjp backward returns each cotangent with its primal's
-    sharding type; elsewhere the cotangents are returned as they are."""
-    specs = explicit_specs(*primals)
-    if specs is None:
-        return tuple(cotangents)
-    return tuple(reshard_to(c, spec) for c, spec in zip(cotangents, specs))
+def common_operands(*operands):
+    """(operands, specs): the operands (arrays, or None for an absent one) made varying
+    over the same manual axes (to_common_varying), and each one's PartitionSpec under
+    Explicit axes (None elsewhere, and for an absent operand)."""
+    common = iter(to_common_varying(*(v for v in operands if v is not None)))
+    operands = tuple(None if v is None else next(common) for v in operands)
+    return operands, explicit_specs(*operands) or (None,) * len(operands)
+
+
+def to_specs(values, specs):
+    """Each value resharded to its spec (Explicit axes), as it is where the spec (or the
+    value) is None: a custom_vjp backward's cotangents in their primals' sharding types."""
+    return tuple(v if v is None or spec is None else reshard_to(v, spec) for v, spec in zip(values, specs))
 
 
 def apply_out_sharding(y, checked):
