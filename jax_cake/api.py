@@ -413,6 +413,8 @@ def ragged_dot(
 
     deterministic: keyword-only, as in grouped_projection.
     """
+    fn = "ragged_dot"
+    deterministic = validation.check_deterministic(fn, deterministic)
     reason = _ragged_dot_fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, out_sharding)
     if reason:
         _log_ragged_dot_fallback_once(reason)
@@ -425,7 +427,6 @@ def ragged_dot(
             group_offset=group_offset,
             out_sharding=out_sharding,
         )
-    fn = "ragged_dot"
     deterministic = validation.check_grouped_operands(
         fn, lhs, rhs, group_sizes, deterministic, names=("lhs", "rhs"), layout="kn"
     )

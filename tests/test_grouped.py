@@ -209,6 +209,13 @@ def test_validation_names_the_argument(args, error, words):
     assert_raises_naming(error, _GP, words, lambda: jax.jit(lambda: call())())  # at trace time too
 
 
+def test_ragged_dot_checks_deterministic_on_every_path():
+    x, gs = jnp.ones((8, 16), BF16), jnp.ones((3,), jnp.int32)
+    for rhs in (jnp.ones((3, 16, 4), BF16), jnp.ones((3, 16, 4), F32)):  # served, and lax's
+        call = lambda: jc.ragged_dot(x, rhs, gs, deterministic="no")
+        assert_raises_naming(TypeError, "ragged_dot: ", ["deterministic must be a Python bool"], call)
+
+
 def test_ragged_dot_with_mismatched_shapes_raises_laxs_error():
     """A call jax_cake would serve but for its shapes goes to lax, which raises its own error."""
     with pytest.raises(Exception) as ours:

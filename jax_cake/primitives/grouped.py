@@ -185,6 +185,7 @@ def _cotangent_specs(*primals):
 
 
 def _plan(op: str, a, b, groups: int, call: Call, out_dtype="bfloat16") -> Plan:
+    """The Plan of a backward's GEMM `op` on a, b, with call's `deterministic`."""
     device = device_lib.current(a, b)
     return plan_for(op, a.shape, b.shape, groups, device, out_dtype=out_dtype, deterministic=call.deterministic)
 
@@ -206,9 +207,8 @@ def _fwd_bwd(call, saved, dy):
     groups = w.shape[-3]
     dy = dy.astype(_BF16)
     x_spec, w_spec = _cotangent_specs(x, w)
-    again = dataclasses.replace(call, out_spec=None)
-    dx = dgrad(dy, w, group_sizes, _plan("grouped_dgrad", dy, w, groups, again), **_opts(call, x_spec))
-    weight_plan = _plan("grouped_wgrad", dy, x, groups, again, out_dtype=jnp.dtype(w.dtype).name)
+    dx = dgrad(dy, w, group_sizes, _plan("grouped_dgrad", dy, w, groups, call), **_opts(call, x_spec))
+    weight_plan = _plan("grouped_wgrad", dy, x, groups, call, out_dtype=jnp.dtype(w.dtype).name)
     dw = wgrad(dy, x, group_sizes, weight_plan, **_opts(call, w_spec))
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 
@@ -230,9 +230,8 @@ def _dgrad_bwd(call, saved, ddx):
     groups = w.shape[-3]
     ddx = ddx.astype(_BF16)
     dy_spec, w_spec = _cotangent_specs(dy, w)
-    again = dataclasses.replace(call, out_spec=None)
-    d_dy = fwd(ddx, w, group_sizes, _plan("grouped_fwd", ddx, w, groups, again), **_opts(call, dy_spec))
-    weight_plan = _plan("grouped_wgrad", dy, ddx, groups, again, out_dtype=jnp.dtype(w.dtype).name)
+    d_dy = fwd(ddx, w, group_sizes, _plan("grouped_fwd", ddx, w, groups, call), **_opts(call, dy_spec))
+    weight_plan = _plan("grouped_wgrad", dy, ddx, groups, call, out_dtype=jnp.dtype(w.dtype).name)
     dw = wgrad(dy, ddx, group_sizes, weight_plan, **_opts(call, w_spec))
     return d_dy.astype(dy.dtype), dw.astype(w.dtype), None
 
@@ -253,10 +252,9 @@ def _wgrad_bwd(call, saved, ddw):
     dy, x, group_sizes = saved
     groups = ddw.shape[-3]
     dy_spec, x_spec = _cotangent_specs(dy, x)
-    again = dataclasses.replace(call, out_spec=None)
     # ddw is the weight-like operand of fwd and dgrad (an FP32 cotangent is rounded to bf16)
-    d_dy = fwd(x, ddw, group_sizes, _plan("grouped_fwd", x, ddw, groups, again), **_opts(call, dy_spec))
-    dx = dgrad(dy, ddw, group_sizes, _plan("grouped_dgrad", dy, ddw, groups, again), **_opts(call, x_spec))
+    d_dy = fwd(x, ddw, group_sizes, _plan("grouped_fwd", x, ddw, groups, call), **_opts(call, dy_spec))
+    dx = dgrad(dy, ddw, group_sizes, _plan("grouped_dgrad", dy, ddw, groups, call), **_opts(call, x_spec))
     return d_dy.astype(dy.dtype), dx.astype(x.dtype), None
 
 
