@@ -26,11 +26,21 @@ _BF16 = jnp.bfloat16
 
 def _bmm(a, b, contract_a: int, contract_b: int, out_dtype):
     """Batched a . b over one contracted axis each, batch axis 0: FP32 accumulation, one
-    rounding to out_dtype. XLA accumulates a BF16 dot in FP32 and rounds its result once
-    (on CPU bit for bit the FP32 dot rounded afterwards; cuBLAS rounds its FP32
-    accumulator), so asking for out_dtype directly keeps the semantics, and on a GPU
-    cuBLAS writes the BF16 result itself: no FP32 result and convert pass behind it."""
-    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((0,), (0,))), preferred_element_type=out_dtype)
+    rounding to out_dtype.
+
+    By construction: the dot asks XLA for its FP32 result and rounds that once, because a
+    dot asked for a BF16 result directly is backend- and version-dependent on CPU (jaxlib
+    0.10.2 converts the BF16 operands to FP32 and runs an FP32 x FP32 dot, another
+    summation order than its BF16 x BF16 -> FP32 dot: a few results land one BF16 step
+    away; jaxlib 0.11.2 gives the FP32 dot's bits). On CUDA the dot asks for out_dtype
+    directly: cuBLAS rounds its FP32 accumulator once and writes the BF16 result itself,
+    with no FP32 result and convert pass behind it."""
+    dims = (((contract_a,), (contract_b,)), ((0,), (0,)))
+    if jnp.dtype(out_dtype) == jnp.dtype(_F32):
+        return lax.dot_general(a, b, dims, preferred_element_type=_F32)
+    once = lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=_F32).astype(out_dtype)
+    direct = lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
+    return lax.platform_dependent(a, b, default=once, cuda=direct)
 
 
 def fwd(x, w, out_dtype=_BF16):
