@@ -271,11 +271,11 @@ def floor_table(points: Sequence[dict]) -> list[str]:
     return md.table(["op", "out", "points", "new / floor", "cuBLAS / floor", "XLA / floor"], out)
 
 
-def _program(arm: tune_tiles.Arm | None) -> str:
+def _program(arm: tune_tiles.Arm | None, cluster: bool = True) -> str:
     if arm is None:
         return "-"
     sched = "pp" if arm.schedule == "pingpong" else "coop"
-    return f"{arm.tile[0]}x{arm.tile[1]} {sched} c{arm.cluster[0]}x{arm.cluster[1]}"
+    return f"{arm.tile[0]}x{arm.tile[1]} {sched}" + (f" c{arm.cluster[0]}x{arm.cluster[1]}" if cluster else "")
 
 
 def core_verdicts(path: str) -> tuple[dict, list, dict]:
@@ -301,30 +301,35 @@ def core_verdicts(path: str) -> tuple[dict, list, dict]:
 
 def core_table(path: str) -> list[str]:
     """Per shape, fwd and dgrad: XLA's time, the program the plan table runs (a tile row's
-    winner, else the rule's pick) with its time, and XLA us / its us."""
+    winner, else the rule's pick) with its time, and XLA us / its us. A T column and the
+    programs' clusters only where they differ within the file (else the closing line says)."""
     _, verdicts, xla = core_verdicts(path)
+    shown = [(v, v.winner or v.pick, xla.get(v.point)) for v in verdicts]
+    shown = [(v, run, x) for v, run, x in shown if run is not None and x is not None]
+    tokens = sorted({v.point.tokens for v, _, _ in shown})
+    clusters = sorted({run.cluster for _, run, _ in shown})
     by_shape: dict[tuple, dict] = {}
-    for v in verdicts:
-        by_shape.setdefault((v.point.tokens, v.point.d_in, v.point.d_out), {})[v.point.op] = v
-    cols = ["T", "d_in -> d_out"]
+    for v, run, x in shown:
+        by_shape.setdefault((v.point.tokens, v.point.d_in, v.point.d_out), {})[v.point.op] = (v, run, x)
+    cols = (["T"] if len(tokens) > 1 else []) + ["d_in -> d_out"]
     for op in tune_tiles.TILE_OPS:
         cols += [f"XLA {op} us", f"jax_cake {op}, us", "XLA/jax_cake"]
-    out, wins, total = [], 0, 0
+    out, wins = [], 0
     for (t, d_in, d_out), ops in sorted(by_shape.items()):
-        cells = [str(t), f"{d_in} -> {d_out}"]
+        cells = ([str(t)] if len(tokens) > 1 else []) + [f"{d_in} -> {d_out}"]
         for op in tune_tiles.TILE_OPS:
-            v = ops.get(op)
-            run = (v.winner or v.pick) if v else None
-            x = xla.get(v.point) if v else None
-            if run is None or x is None:
+            if op not in ops:
                 cells += ["", "", ""]
                 continue
-            total += 1
+            v, run, x = ops[op]
             wins += x.us >= run.us
-            program = _program(run) + (" (row)" if v.winner else "")
+            program = _program(run, len(clusters) > 1) + (" (row)" if v.winner else "")
             cells += [f"{x.us:.0f}", f"{program} {run.us:.0f}", f"{x.us / run.us:.3f}"]
         out.append(cells)
-    return md.table(cols, out) + ["", f"jax_cake at or above XLA's speed at {wins} of {total} GEMMs."]
+    said = (f"T {tokens[0]}; " if len(tokens) == 1 else "") + (
+        f"every program in clusters of {clusters[0][0]}x{clusters[0][1]}; " if len(clusters) == 1 else ""
+    )
+    return md.table(cols, out) + ["", f"{said}jax_cake at or above XLA's speed at {wins} of {len(shown)} GEMMs."]
 
 
 MODEL_COLUMNS = ("step", "GPU", "date", "XLA ms", "jax_cake ms", "XLA/jax_cake", "temp MiB XLA / jax_cake")
@@ -463,9 +468,8 @@ def render(
         out += [
             "### Dense projection",
             "",
-            f"{measured(sources['dense'])}. Geomean over the points of baseline us / jax_cake us (range in "
-            "parentheses); `>= 1.00`: points where jax_cake is as fast or faster; split/new: the split-K arm "
-            "against the planner's pick.",
+            f"{measured(sources['dense'])}. Geomeans over the points (range); `>= 1.00`: points where jax_cake "
+            "is as fast or faster; split/new: the split-K program against the planner's pick.",
             "",
             *dense_table(dense),
             "",
@@ -477,8 +481,7 @@ def render(
             out += [f"![speedup against XLA and cuBLAS, every grid point, {label}]({rel(name)})", ""]
         if any(m in picture_modes for m in plan_rule.MODES):
             out += [
-                "Colour: baseline us / jax_cake us per point (row) and op and T (column); blue: jax_cake "
-                "faster, red: slower; the scale is clipped to 0.85-1.5 (the values are in the CSVs).",
+                "Per point (row) and op and T (column): blue, jax_cake faster; red, slower (clipped to 0.85-1.5).",
                 "",
             ]
     points = floor_points(dense, floors(rows["floor"])) if rows["floor"] else []
@@ -488,9 +491,8 @@ def render(
         out += [
             "### Memory-bound points",
             "",
-            f"d_out <= {MEMORY_BOUND_MAX_D_OUT}, graph mode, against the copy floor of reading x [T, d_in] and "
-            f"writing [T, {FLOOR_D_OUT}] under the same L2 flush ({measured(sources['floor'])}; plain copy "
-            "kernels: a practical floor, not a proof): time / floor, range over T and d_out.",
+            f"d_out <= {MEMORY_BOUND_MAX_D_OUT}, graph mode: time over the copy floor of reading x [T, d_in] and "
+            f"writing [T, {FLOOR_D_OUT}] under the same flush (plain copy kernels; {measured(sources['floor'])}).",
             "",
             *floor_table(points),
             "",
@@ -506,9 +508,8 @@ def render(
         out += [
             "### The GEMM core at the Llama shapes",
             "",
-            "Every fwd / dgrad variant forced against XLA's dot (`--family=core`); shown per shape: XLA's time, "
-            "the program the shipped plan table runs there (the rule's pick, or a tile row's variant: \"(row)\") "
-            "and XLA us / its us.",
+            "`--family=core`: per shape, XLA's time and the program the shipped plan table runs (\"(row)\": a "
+            "tile row's variant, else the rule's pick).",
             "",
         ]
         for path in sources["core"]:
@@ -517,10 +518,8 @@ def render(
         out += [
             "### Model steps",
             "",
-            "value_and_grad and Adam over FP32 masters (`--family=model`), CUDA graphs, the median of the runs' "
-            "median paired groups; temp = the compiled step's temp bytes; the cold row is host wall time from a "
-            f"fresh process's spawn to its first step's result. From {_names(sources['model'])} (a later file's "
-            "step replaces an earlier one's on the same GPU):",
+            "`--family=model`: value_and_grad and Adam over FP32 masters, graph mode; the cold row is host wall "
+            f"time from a process's spawn to its first step's result. From {_names(sources['model'])}:",
             "",
             *model_table(rows["model"]),
             "",
