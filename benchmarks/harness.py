@@ -360,8 +360,8 @@ def make_inputs(point: Point, flush_mb: int, seed: int = 0):
 
 ERROR_OPS = ("fwd", "dgrad", "wgrad")  # the single-GEMM ops whose output error tune measures
 ERROR_ROWS = 4096  # at most this many output rows, evenly spaced, enter the error
-# A jax_cake arm's BF16 output against the xla arm's, max |arm - xla| / max |xla| (core_bench,
-# gated_bench): both are BF16 roundings of FP32 sums over K.
+# A jax_cake arm's BF16 output against the xla arm's, max |arm - xla| / max |xla| (the core and
+# gated families): both are BF16 roundings of FP32 sums over K.
 XLA_MATCH_REL_TOL = 2.0**-6
 
 

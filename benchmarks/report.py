@@ -503,7 +503,8 @@ def render(
         out += ["### FP32 router (BF16x3)", "", f"{measured(sources['router'])}; mode g:", ""]
         out += [*router_table(rows["router"]), ""]
     if rows["batched"]:
-        out += ["### Batched projection", "", f"{measured(sources['batched'])}:", "", *batched_table(rows["batched"]), ""]
+        out += ["### Batched projection", "", f"{measured(sources['batched'])}:", ""]
+        out += [*batched_table(rows["batched"]), ""]
     if sources["core"]:
         out += [
             "### The GEMM core at the Llama shapes",

@@ -308,7 +308,9 @@ def main(argv):
 
 
 def define_flags() -> None:
-    flags.DEFINE_list("csv", None, "CSVs of the core family (bench --family=core --csv=...; one or more runs).", required=True)
+    flags.DEFINE_list(
+        "csv", None, "CSVs of the core family (bench --family=core --csv=...; one or more runs).", required=True
+    )
     flags.DEFINE_float("min_gain", 0.005, "A tile row needs a median this much faster than the rule's pick.")
     flags.DEFINE_string("arch", "sm_90a", "The table's architecture.")
     flags.DEFINE_integer("sm_count", 132, "SMs of the measuring GPU where the CSVs have no sms column.")

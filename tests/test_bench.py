@@ -246,7 +246,8 @@ class StepSpansTest(absltest.TestCase):
 class ArmsAndReportTest(absltest.TestCase):
     def test_parse_arm(self):
         self.assertEqual(
-            harness.parse_arm("split/s16/t64x256x64"), harness.ArmSpec("split/s16/t64x256x64", "split", 16, (64, 256, 64))
+            harness.parse_arm("split/s16/t64x256x64"),
+            harness.ArmSpec("split/s16/t64x256x64", "split", 16, (64, 256, 64)),
         )
         self.assertEqual(harness.split_arm_name(16, (64, 256, 64)), "split/s16/t64x256x64")
         self.assertEqual(harness.parse_arm("det").kind, "det")

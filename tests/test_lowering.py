@@ -218,7 +218,7 @@ def test_router_ffi_operands_split_w_and_g_once_and_exactly(program, a_shape, b_
 
 
 def test_targets_from_names_another_builds_targets():
-    """compare_builds traces each build's arm under its prefix: every custom call names the
+    """A second build's calls are traced under its prefix: every custom call names the
     prefixed target, and outside the context the default names come back."""
     from jax_cake import primitives
 

@@ -59,7 +59,8 @@ def truth_ops() -> Ops:
 
 
 def jax_cake_ops(mode: str, sharding: str) -> Ops:
-    ops = Ops(lambda x, w, kind: jax_cake.dense_projection(x, w), lambda x, ws: jax_cake.fused_projections(x, tuple(ws)))
+    proj = lambda x, w, kind: jax_cake.dense_projection(x, w)
+    ops = Ops(proj, lambda x, ws: jax_cake.fused_projections(x, tuple(ws)))
     if mode == "shard_map" and sharding == "fsdp":
         ops = dataclasses.replace(ops, gather=lambda w: jax.lax.all_gather(w, AXIS, axis=0, tiled=True))
     if mode == "shard_map" and sharding == "tp":
@@ -142,7 +143,8 @@ def init_params(model: str, dims: Dims, key):
 
     qkv = fuse([w(next(keys), dims.q, dims.d), w(next(keys), dims.kv, dims.d), w(next(keys), dims.kv, dims.d)])
     gu = fuse([w(next(keys), dims.ff, dims.d), w(next(keys), dims.ff, dims.d)])
-    return {"blocks": [{"qkv": qkv, "o": w(next(keys), dims.d, dims.q), "gu": gu, "down": w(next(keys), dims.d, dims.ff)}]}
+    o, down = w(next(keys), dims.d, dims.q), w(next(keys), dims.d, dims.ff)
+    return {"blocks": [{"qkv": qkv, "o": o, "gu": gu, "down": down}]}
 
 
 def param_specs(model: str, sharding: str, params):
@@ -161,7 +163,8 @@ def param_specs(model: str, sharding: str, params):
     data = P() if sharding == "tp" else P(AXIS)
     if model == "stack":
         return {"w": [spec("w", i) for i in range(len(params["w"]))]}, data
-    blocks = [{k: tuple(spec(k) for _ in v) if isinstance(v, tuple) else spec(k) for k, v in b.items()} for b in params["blocks"]]
+    one = lambda k, v: tuple(spec(k) for _ in v) if isinstance(v, tuple) else spec(k)
+    blocks = [{k: one(k, v) for k, v in b.items()} for b in params["blocks"]]
     return {"blocks": blocks}, data
 
 
@@ -283,7 +286,10 @@ def test_sharded_step_matches_one_device_and_gathers_no_activation(model, mode, 
         want = {
             "dp": {("all-reduce", f"f32[1,{D_MODEL},{D_MODEL}]")},  # dw
             "tp": {("all-reduce", f"f32[1,{TOKENS_PER_DEVICE},{D_MODEL}]")},  # y and dx
-            "fsdp": {("all-gather", f"f32[1,{D_MODEL},{D_MODEL}]"), ("reduce-scatter", f"f32[1,{D_MODEL // n},{D_MODEL}]")},
+            "fsdp": {
+                ("all-gather", f"f32[1,{D_MODEL},{D_MODEL}]"),
+                ("reduce-scatter", f"f32[1,{D_MODEL // n},{D_MODEL}]"),
+            },
         }[sharding]
         assert want <= kinds, calls
 

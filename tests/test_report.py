@@ -236,12 +236,16 @@ def test_default_csvs_exist_and_name_their_families():
 
 
 def test_model_steps_keep_the_latest_file_per_gpu(tmp_path):
-    columns = ["step", "mode", "XLA ms", "jax_cake ms", "XLA/jax_cake", "loss rel diff", "XLA temp MiB", "jax_cake temp MiB"]
+    columns = ["step", "mode", "XLA ms", "jax_cake ms", "XLA/jax_cake", "loss rel diff"]
+    columns += ["XLA temp MiB", "jax_cake temp MiB"]
     step = dict(mode="g", **{"loss rel diff": 0.0, "XLA temp MiB": 112.0, "jax_cake temp MiB": 448.0})
     old = write_csv(
         tmp_path / "m1.csv",
         columns,
-        [dict(step, step="mlp", **{"XLA ms": 12.9, "jax_cake ms": 14.0}), dict(step, step="heads", **{"XLA ms": 1.0, "jax_cake ms": 0.5})],
+        [
+            dict(step, step="mlp", **{"XLA ms": 12.9, "jax_cake ms": 14.0}),
+            dict(step, step="heads", **{"XLA ms": 1.0, "jax_cake ms": 0.5}),
+        ],
     )
     new = write_csv(tmp_path / "m2.csv", columns, [dict(step, step="mlp", **{"XLA ms": 12.9, "jax_cake ms": 12.8})])
     rows, sources = report.load([old, new])
@@ -258,7 +262,9 @@ def test_the_shipped_csvs_render_every_section(tmp_path):
     csvs = [os.path.join(REPO, p) for p in report.CSVS]
     report.write_report(csvs, str(page), str(tmp_path / "img"), picture_modes=())
     text = page.read_text()
-    for heading in ("Dense projection", "Memory-bound points", "FP32 router", "Batched projection", "GEMM core", "Model steps"):
+    headings = ("Dense projection", "Memory-bound points", "FP32 router", "Batched projection", "GEMM core")
+    headings += ("Model steps",)
+    for heading in headings:
         assert f"### {heading}" in text or f"### The {heading}" in text, heading
     assert "H200, jax 0.11.2, 2026-11-30" in text and "H100 80GB HBM3, jax 0.11.2, 2026-12-05" in text
     assert "(row)" in text and "jax_cake at or above XLA's speed at" in text

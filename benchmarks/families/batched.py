@@ -19,7 +19,9 @@ from benchmarks.families import projections
 FLAGS = flags.FLAGS
 OPS = ("fwd", "bwd", "2fwd+bwd")
 ARMS = ("det", "new", "xla", "cublas")
-TABLE = projections.OpTable(OPS, ARMS, ("B", "d_in -> d_out", "T"), lambda p: (p.batch, f"{p.d_in} -> {p.d_out}", p.tokens))
+TABLE = projections.OpTable(
+    OPS, ARMS, ("B", "d_in -> d_out", "T"), lambda p: (p.batch, f"{p.d_in} -> {p.d_out}", p.tokens)
+)
 
 
 def project(arm: harness.ArmSpec) -> Callable:

@@ -258,7 +258,8 @@ FAMILY = harness.Family(
     "core",
     "every fwd/dgrad variant forced against XLA's dot at the Llama shapes (plan-table tile rows)",
     ("tokens", "pairs", "ops", "only", "rasters", "allow_few_reps"),
-    {"tokens": ["8192"], "pairs": list(DEFAULT_PAIRS), "ops": list(OPS), "runs": 1, "modes": ["g"], "groups": 6, "steps": 5},
+    {"tokens": ["8192"], "pairs": list(DEFAULT_PAIRS), "ops": list(OPS)}
+    | {"runs": 1, "modes": ["g"], "groups": 6, "steps": 5},
     child,
     report,
     check,

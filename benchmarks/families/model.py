@@ -501,7 +501,7 @@ def define_flags() -> None:
         else:
             flags.DEFINE_integer(name, value, f"model: size {name}.")
     flags.DEFINE_list("cases", list(CASES), f"model: cases, from {CASES}.")
-    flags.DEFINE_string("cold_case", "block", f"model: the case whose first step the cold row times, from {TIMED_CASES}.")
+    flags.DEFINE_string("cold_case", "block", f"model: the case the cold row times the first step of, {TIMED_CASES}.")
     flags.DEFINE_integer("cold_runs", 2, "model: fresh processes per arm for the cold row.")
     flags.DEFINE_bool("deterministic", True, "model: the jax_cake arms' deterministic flag (the library's default).")
     flags.DEFINE_string("cold_child", None, "Internal: time a cold first step of this arm (xla, jax_cake).")
@@ -544,7 +544,8 @@ def parent(argv: Sequence[str], modes: Sequence[str]) -> tuple[dict, list[dict]]
     if any(c != "cold" for c in FLAGS.cases):
         header, samples = harness.run_children("benchmarks.bench", argv, modes, FLAGS.runs)
     if "cold" in FLAGS.cases:
-        cold = run_cold(harness.child_argv(["family", *SIZE_FLAGS, "deterministic", "cold_case"]), FLAGS.cold_case, FLAGS.cold_runs)
+        argv = harness.child_argv(["family", *SIZE_FLAGS, "deterministic", "cold_case"])
+        cold = run_cold(argv, FLAGS.cold_case, FLAGS.cold_runs)
         if not header:  # only the cold row: a cold child named the device (the parent starts no backend)
             header = dict(cold[-1]["header"], timer="n/a (no timed cases)")
         samples += cold
