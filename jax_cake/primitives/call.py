@@ -69,7 +69,7 @@ def sizes(op: str, a_shape, b_shape) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Local:
+class PlannedGemm:
     """One GEMM (`op`, `epilogue`) with the plan made at trace time for the whole operands.
 
     Called with a device, it plans again for the operands it is given (the per-shard or
@@ -97,7 +97,7 @@ class Local:
             kwargs["deterministic"] = self.deterministic
         return make_plan(self.op, **kwargs)
 
-    def for_shapes(self, a_shape, b_shape, device) -> "Local":
+    def for_shapes(self, a_shape, b_shape, device) -> "PlannedGemm":
         return dataclasses.replace(self, plan=self.replan(a_shape, b_shape, device))
 
     def __call__(self, a, b, device=None, reduce_dtype=None):
@@ -115,32 +115,32 @@ class Local:
         return gemm.STORE[self.op](a, b, plan)
 
 
-def call_sharded(local: Local, a, b, out_sharding=None):
-    """local(a, b) on whatever sharding a and b have (no vmap here: see `call`)."""
+def call_sharded(planned: PlannedGemm, a, b, out_sharding=None):
+    """planned(a, b) on whatever sharding a and b have (no vmap here: see `call`)."""
     mesh = partitioning.explicit_mesh(a, b)
     if mesh is not None:
         device = device_lib.current(a, b)
-        return partitioning.explicit_call(local.op, local, a, b, mesh=mesh, device=device, out_request=out_sharding)
+        return partitioning.explicit_call(planned.op, planned, a, b, mesh=mesh, device=device, out_request=out_sharding)
     if partitioning.unpartitioned(a, b) or any(map(jax.export.is_symbolic_dim, a.shape + b.shape)):
         # (custom_partitioning lowers static shapes only; a shape-polymorphic export's
         # GEMM is planned on the XLA path, which XLA partitions itself)
-        return local(a, b)
-    return partitioning.partitioned_call(local.op, local, a, b)
+        return planned(a, b)
+    return partitioning.partitioned_call(planned.op, planned, a, b)
 
 
-def _add_unbatched(local: Local, a, b, c):
+def _add_unbatched(planned: PlannedGemm, a, b, c):
     """The "add" epilogue on unbatched operands: the fused custom call where it has a plan
     and nothing needs partitioning (it has no partitioning rule), else the partitioned
     "store" GEMM and then the add, with the same values."""
-    fused_op, fused_call = gemm.ADD[local.op]
-    plan = local.plan
+    fused_op, fused_call = gemm.ADD[planned.op]
+    plan = planned.plan
     if plan.op == fused_op and partitioning.unpartitioned(a, b, c):
         return fused_call(a, b, c, plan)
     if plan.op == fused_op:  # the kernel plan of the fused add, but the operands need partitioning
-        out = {"out_dtype": "float32"} if local.op == "wgrad" else {}
-        plan = make_plan(local.op, **sizes(local.op, a.shape, b.shape), **out, device=device_lib.current(a, b))
-    store = Local(local.op, plan, plan.deterministic)
-    if local.op == "wgrad":
+        out = {"out_dtype": "float32"} if planned.op == "wgrad" else {}
+        plan = make_plan(planned.op, **sizes(planned.op, a.shape, b.shape), **out, device=device_lib.current(a, b))
+    store = PlannedGemm(planned.op, plan, plan.deterministic)
+    if planned.op == "wgrad":
         # The sum takes the running sum's sharding (the sum's type is its cotangent's):
         # under Explicit axes dw is asked for in it.
         specs = partitioning.explicit_specs(a, b, c)
@@ -155,32 +155,32 @@ def _add_unbatched(local: Local, a, b, c):
     return reference.add_into(c, y)
 
 
-def call(local: Local, a, b, c=None, out_sharding=None):
-    """local's GEMM on a, b (and the add epilogue's c): sharded by
+def call(planned: PlannedGemm, a, b, c=None, out_sharding=None):
+    """planned's GEMM on a, b (and the add epilogue's c): sharded by
     jax_cake.primitives.partitioning, vmapped by jax_cake.primitives.batching's fold."""
 
     def run(a, b, c):  # the GEMM on folded operands, planned for their shapes (nested vmap too)
-        return call(local.for_shapes(a.shape, b.shape, device_lib.current(a, b)), a, b, c)
+        return call(planned.for_shapes(a.shape, b.shape, device_lib.current(a, b)), a, b, c)
 
     if c is None:
 
         @custom_vmap
         def gemm_call(a, b):
-            return call_sharded(local, a, b, out_sharding)
+            return call_sharded(planned, a, b, out_sharding)
 
         @gemm_call.def_vmap
         def rule(axis_size, in_batched, a, b):
-            return batching.fold(local.op, axis_size, tuple(in_batched), run, a, b), True
+            return batching.fold(planned.op, axis_size, tuple(in_batched), run, a, b), True
 
         return gemm_call(a, b)
 
     @custom_vmap
     def add_call(a, b, c):
-        return _add_unbatched(local, a, b, c)
+        return _add_unbatched(planned, a, b, c)
 
     @add_call.def_vmap
     def add_rule(axis_size, in_batched, a, b, c):
-        return batching.fold(local.op, axis_size, tuple(in_batched), run, a, b, c), True
+        return batching.fold(planned.op, axis_size, tuple(in_batched), run, a, b, c), True
 
     return add_call(a, b, c)
 
@@ -189,7 +189,7 @@ def _public(op: str, a, b, plan: Plan, deterministic, out_sharding, add_to=None)
     if deterministic is None:
         deterministic = plan.deterministic
     epilogue = "store" if add_to is None else "add"
-    return _role(Local(op, plan, bool(deterministic), epilogue), out_sharding, a, b, add_to)
+    return _role(PlannedGemm(op, plan, bool(deterministic), epilogue), out_sharding, a, b, add_to)
 
 
 # --- second order: the gradient of a GEMM role is the other two roles ----------------------
@@ -221,19 +221,19 @@ def _run_role(op: str, a, b, out_dtype, deterministic: bool, out_sharding):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _role(local: Local, out_sharding, a, b, c):
-    return call(local, a, b, c, out_sharding)
+def _role(planned: PlannedGemm, out_sharding, a, b, c):
+    return call(planned, a, b, c, out_sharding)
 
 
-def _role_fwd(local, out_sharding, a, b, c):
-    return call(local, a, b, c, out_sharding), (a, b, c)
+def _role_fwd(planned, out_sharding, a, b, c):
+    return call(planned, a, b, c, out_sharding), (a, b, c)
 
 
-def _role_bwd(local, out_sharding, saved, g):
+def _role_bwd(planned, out_sharding, saved, g):
     del out_sharding
     a, b, c = saved
-    prefix = "router_" if local.op.startswith("router_") else ""
-    role = local.op.removeprefix(prefix)
+    prefix = "router_" if planned.op.startswith("router_") else ""
+    role = planned.op.removeprefix(prefix)
     # The router's roles are FP32 throughout; the bf16 roles take a bf16 cotangent (the
     # addend's cotangent is g itself).
     a_spec, b_spec, c_spec = partitioning.explicit_specs(a, b, c) or (None, None, None)
@@ -241,7 +241,7 @@ def _role_bwd(local, out_sharding, saved, g):
     g = g.astype(a.dtype)
 
     def run(op, p, q, out_dtype, spec):
-        return _run_role(prefix + op, p, q, out_dtype, local.deterministic, spec)
+        return _run_role(prefix + op, p, q, out_dtype, planned.deterministic, spec)
 
     if role == "fwd":
         da, db = run("dgrad", g, b, a.dtype, a_spec), run("wgrad", g, a, b.dtype, b_spec)

@@ -41,7 +41,7 @@ import dataclasses
 import functools
 import logging
 import math
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -210,12 +210,17 @@ def reduce(y, decision: Decision):
 
 # --- Auto axes and GSPMD: custom_partitioning -----------------------------------------
 
-# local(a, b, device, reduce_dtype) -> the per-shard result. `local` is a hashable
-# callable (static under custom_partitioning); device is None for the whole-array call (the
-# plan made at trace time), else the device to plan the per-shard GEMM for. reduce_dtype,
-# when set, is the dtype the local result is produced in before the reduction (FP32 for
-# weight gradients, so partial sums are not rounded to bf16 before they are added).
-Local = Callable[..., Any]
+class ShardGemm(Protocol):
+    """The GEMM run on each shard (jax_cake.primitives.call.PlannedGemm): hashable (static
+    under custom_partitioning), with the dtype of its result."""
+
+    out_dtype: Any
+
+    def __call__(self, a, b, device=None, reduce_dtype=None):
+        """The result on these operands. device: None for the whole-array call (the plan made
+        at trace time), else the device to plan the per-shard GEMM for. reduce_dtype: when
+        set, the dtype the result is produced in before the reduction (FP32 for weight
+        gradients, so partial sums are not rounded to bf16 before they are added)."""
 
 
 def _spec_of(sharding, ndim: int):
@@ -292,7 +297,7 @@ def _partitioned(name: str):
     return op
 
 
-def partitioned_call(name: str, local: Local, a, b):
+def partitioned_call(name: str, local: ShardGemm, a, b):
     """local(a, b) under jit on any mesh with Auto axes: partitioned by GEMMS[name]'s rule."""
     return _partitioned(name)(name, local, a, b)
 
@@ -340,7 +345,7 @@ def _log_gathered_leading_once(spec: str, shape: str) -> None:
     )
 
 
-def explicit_call(name: str, local: Local, a, b, *, mesh, device, out_request: Any = None):
+def explicit_call(name: str, local: ShardGemm, a, b, *, mesh, device, out_request: Any = None):
     """local(a, b) on operands whose types carry Explicit shardings on `mesh`."""
     gemm = GEMMS[name]
     specs = [jax.typeof(v).sharding.spec for v in (a, b)]
