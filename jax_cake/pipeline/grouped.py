@@ -23,14 +23,12 @@ whose backward is the other roles, so this backward can be differentiated (grad 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 
+from jax_cake.pipeline.sharded_vjp import sharded_vjp
 from jax_cake.planner import device as device_lib
 from jax_cake.primitives import grouped as gemms
-from jax_cake.primitives import partitioning
 
 _BF16 = jnp.bfloat16
 
@@ -65,31 +63,23 @@ def plans(x, w, options: Options):
     )
 
 
-def _forward(x, w, group_sizes, options: Options):
+def _forward(options: Options, x, w, group_sizes):
     plan, _, _ = plans(x, w, options)
     if options.layout == "kn":
-        return gemms.dgrad(x, w, group_sizes, plan, deterministic=options.deterministic)
-    return gemms.fwd(x, w, group_sizes, plan, deterministic=options.deterministic)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped(x, w, group_sizes, options: Options):
-    return _forward(x, w, group_sizes, options)
-
-
-def _grouped_fwd(x, w, group_sizes, options):
+        y = gemms.dgrad(x, w, group_sizes, plan, deterministic=options.deterministic)
+    else:
+        y = gemms.fwd(x, w, group_sizes, plan, deterministic=options.deterministic)
     # w is kept as given (an FP32 master stays FP32: the backward's GEMMs round it to bf16,
     # and a second derivative's dw comes from the FP32 sum in w's dtype too)
-    return _forward(x, w, group_sizes, options), (x, w, group_sizes)
+    return y, (x, w, group_sizes)
 
 
-def _grouped_bwd(options, saved, dy):
+def _backward(options: Options, specs, saved, dy):
     x, w, group_sizes = saved
+    x_spec, w_spec, _ = specs
     _, input_plan, weight_plan = plans(x, w, options)
     dy = dy.astype(_BF16)
     det = options.deterministic
-    # Under Explicit axes each gradient is asked for in its primal's sharding.
-    x_spec, w_spec = partitioning.explicit_specs(x, w) or (None, None)
     if options.layout == "kn":
         dx = gemms.fwd(dy, w, group_sizes, input_plan, deterministic=det, out_spec=x_spec)
         dw = gemms.wgrad(x, dy, group_sizes, weight_plan, deterministic=det, out_spec=w_spec)
@@ -99,13 +89,11 @@ def _grouped_bwd(options, saved, dy):
     return dx, dw, None
 
 
-_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+_grouped = sharded_vjp(_forward, _backward)
 
 
 def project_grouped(x, w, group_sizes, *, deterministic: bool, layout: str = "nk"):
     """y [M, N] bf16: the grouped projection of x [M, K] bf16 by w (bf16 or FP32 master;
     [G, N, K] for layout "nk", [G, K, N] for "kn") with group_sizes [G] int32, on validated
-    operands. Inside shard_map the operands are made varying over the same manual axes
-    first (a replicated w's gradient is then summed over the token shards)."""
-    x, w, group_sizes = partitioning.to_common_varying(x, w, group_sizes)
-    return _grouped(x, w, group_sizes, Options(deterministic=deterministic, layout=layout))
+    operands."""
+    return _grouped(Options(deterministic=deterministic, layout=layout), x, w, group_sizes)
