@@ -154,7 +154,7 @@ def family(
     project: Callable[[harness.ArmSpec], Callable],
     points: Callable[[], list[harness.Point]],
     reads: Sequence[str],
-    defaults: Mapping[str, object] = (),
+    defaults: Mapping[str, object] | None = None,
     grid: str | None = None,
 ) -> harness.Family:
     """The harness Family of a projection family: points() are its points from the flags,
@@ -181,5 +181,5 @@ def family(
         rows = merge_rows(table, harness.read_csv_rows(paths))
         return harness.Report(markdown(table, None, rows, merged_title(paths)), report_columns(table, rows), rows)
 
-    defaults = {"ops": list(table.ops), "arms": list(table.arms), **dict(defaults)}
+    defaults = {"ops": list(table.ops), "arms": list(table.arms), **(defaults or {})}
     return harness.Family(name, about, (*READS, *reads), defaults, child, report, check, merge=merge)
