@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_cake import remat
-from jax_cake.pipeline import fused, gated, grouped, projection, router, validation
+from jax_cake.pipeline import fused, gated, grouped, moe, projection, router, validation
 from jax_cake.primitives import partitioning
 
 _log = logging.getLogger("jax_cake")
@@ -431,4 +431,93 @@ def ragged_dot(
         fn, lhs, rhs, group_sizes, deterministic, names=("lhs", "rhs"), layout="kn"
     )
     y = grouped.project_grouped(lhs, rhs, group_sizes, deterministic=deterministic, layout="kn")
+    return remat.name_output(y)
+
+
+def grouped_gated_projection(x, w_gate, w_up, group_sizes, *, activation: str = "silu", deterministic: bool = True):
+    """h[r] = act(x[r] @ w_gate[g(r)].T) * (x[r] @ w_up[g(r)].T): the SwiGLU ("silu") /
+    GeGLU ("gelu") input projection of MoE experts, one gate and up weight per group of rows.
+
+    Groups as in grouped_projection (rows sorted by group, group_sizes a run-time int32
+    array, negative sizes count as 0, groups cut at M); rows past the groups' sum get h = 0
+    and dx = 0 and add nothing to the weight gradients, whatever they hold. Values as in
+    gated_projection (jax_cake.reference.gate / gate_grad): g, u = the FP32 accumulator
+    rounded once to bf16 (the pre-activation, saved for the backward and named
+    jc.remat.PREACTIVATION_NAME); h = bf16(act(g) * u) in FP32; the backward's dg, du from
+    the saved g, u; dx ONE grouped GEMM over K = 2 d_ff; dw_gate and dw_up from ONE grouped
+    weight-gradient GEMM over the 2 d_ff interleaved rows (FP32 sum), each in its weight's
+    dtype. The forward is ONE grouped GEMM over the gate and up rows interleaved
+    (jax_cake.pipeline.grouped); today every grouped GEMM runs XLA's ragged dot (no grouped
+    kernel is built yet) and the activation an XLA pass right after it, with these values.
+
+    Args:
+      x: [M, d_in] bfloat16, rows sorted by group.
+      w_gate, w_up: [G, d_ff, d_in] bfloat16 or float32 (master weights: rounded to bfloat16
+        for the products, their gradients float32), the same shape.
+      group_sizes: [G] int32, rows per group.
+      activation: keyword-only, "silu" (default) or "gelu" (tanh form), as in gated_projection.
+      deterministic: keyword-only, as in dense_projection.
+
+    Returns:
+      h: [M, d_ff] bfloat16. Gradients: dx bfloat16, dw_gate and dw_up in their weights'
+      dtypes (group_sizes gets none). Differentiable twice (grad of grad).
+
+    Raises (at trace time): TypeError / ValueError naming the bad argument.
+    """
+    fn = "grouped_gated_projection"
+    activation, deterministic = validation.check_grouped_gated_operands(
+        fn, x, w_gate, w_up, group_sizes, activation, deterministic
+    )
+    h = grouped.project_grouped_gated(x, w_gate, w_up, group_sizes, activation=activation, deterministic=deterministic)
+    return remat.name_output(h)
+
+
+def moe_mlp(x, w_gate, w_up, w_down, expert_ids, expert_weights, *, activation: str = "silu", deterministic: bool = True):
+    """y[t] = sum_j expert_weights[t, j] * MLP_{expert_ids[t, j]}(x[t]): a dropless
+    mixture-of-experts SwiGLU / GeGLU MLP (every routed token is computed; no capacity).
+
+    MLP_g(v) = gated(v, w_gate[g], w_up[g]) @ w_down[g].T with gated_projection's values.
+    Inside (jax_cake.pipeline.moe): the T k token copies are sorted by expert on the device
+    (a stable sort: deterministic), group_sizes = the per-expert counts (G from the
+    weights' shape), the copies' rows gathered, then grouped_gated_projection and
+    grouped_projection (the down projection) over them, and each copy's output weighted
+    by its routing weight in FP32 and the k copies summed per token in a fixed order (j =
+    0 .. k - 1), rounded once to bf16. dx sums each token's k copies the same way (FP32,
+    fixed order, rounded once; no scatter-add). Bitwise reproducible.
+
+    Out-of-range ids: a copy whose expert id is outside [0, G) contributes 0 to y: it joins
+    no group (nothing is read or written out of bounds), its routing weight counts as 0,
+    its expert_weights gradient is 0 and it adds nothing to dx or any weight gradient. So
+    under jax.shard_map with each device holding G / n experts, ids minus the device's
+    first expert and a psum over the devices give the expert-parallel layer.
+
+    What runs where today: the sort, the gathers and the weighted combine are XLA ops and
+    the grouped GEMMs run XLA's ragged dot (with FP32 results) on every backend; no grouped
+    kernel is built yet.
+
+    Args:
+      x: [T, d] bfloat16 tokens.
+      w_gate, w_up: [G, d_ff, d] bfloat16 or float32 (master weights, as in
+        dense_projection), the same shape.
+      w_down: [G, d, d_ff] bfloat16 or float32.
+      expert_ids: [T, k] of an integer dtype (jax.lax.top_k's int32 indices), k >= 1.
+      expert_weights: [T, k] float32 or bfloat16 routing weights (e.g. top_k of the
+        router's probabilities).
+      activation: keyword-only, "silu" (default) or "gelu", as in gated_projection.
+      deterministic: keyword-only, as in dense_projection (every GEMM).
+
+    Returns:
+      y: [T, d] bfloat16. Gradients: dx bfloat16; each weight's in its dtype (FP32 masters
+      from the FP32 sum); expert_weights' d ew[t, j] = <dy[t], MLP_j(x[t])> in FP32, in
+      its dtype (the router learns through it); expert_ids gets none. Differentiable twice.
+
+    Raises (at trace time): TypeError / ValueError naming the bad argument.
+    """
+    fn = "moe_mlp"
+    activation, deterministic = validation.check_moe_operands(
+        fn, x, w_gate, w_up, w_down, expert_ids, expert_weights, activation, deterministic
+    )
+    y = moe.moe_mlp(
+        x, w_gate, w_up, w_down, expert_ids, expert_weights, activation=activation, deterministic=deterministic
+    )
     return remat.name_output(y)

@@ -26,9 +26,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jax_cake import contract, reference, remat
 from jax_cake.pipeline.sharded_vjp import sharded_vjp
 from jax_cake.planner import device as device_lib
 from jax_cake.primitives import grouped as gemms
+from jax_cake.primitives import partitioning
 
 _BF16 = jnp.bfloat16
 
@@ -97,3 +99,103 @@ def project_grouped(x, w, group_sizes, *, deterministic: bool, layout: str = "nk
     [G, N, K] for layout "nk", [G, K, N] for "kn") with group_sizes [G] int32, on validated
     operands."""
     return _grouped(Options(deterministic=deterministic, layout=layout), x, w, group_sizes)
+
+
+# --- the gated option: the grouped forward GEMM's gated epilogue (MoE SwiGLU / GeGLU experts) --
+#
+# h = act(x Wg[g]^T) * (x Wu[g]^T) per group of rows, as pipeline/gated.py is for the dense
+# projection: with W = the bf16 casts of Wg, Wu [G, F, d_in] interleaved by rows
+# (reference.interleave along axis 1: [G, 2F, d_in]),
+#
+#   forward   ONE grouped fwd gu = x W[g]^T ([M, 2F] bf16, the pre-activation, named
+#             remat.PREACTIVATION_NAME), h = reference.gate(g, u): bf16(act(g) * u) in FP32
+#   backward  (dg, du) = reference.gate_grad(dh, g, u) from the saved gu; dx = ONE grouped
+#             dgrad over K = 2F of [dg | du] interleaved; dWg, dWu = ONE grouped wgrad over
+#             the 2F rows (FP32 where either weight is FP32), split by rows, each in its
+#             weight's dtype
+#
+# Rows past the groups get gu = 0, so h = act(0) * 0 = 0 and they add nothing to dW. The
+# interleave's block is the gated kernel epilogue's (contract.GATE_BLOCK) where F is a
+# multiple of it and nothing needs partitioning, else 1 (a d_ff shard then holds its gate
+# and up rows); the values do not depend on it. The elementwise parts are plain JAX and
+# every GEMM a differentiable role, so the backward can be differentiated (grad of grad).
+# No grouped kernel is built yet: the GEMMs run jax_cake.primitives.grouped's XLA path and
+# the activation an XLA pass right after the forward GEMM.
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedOptions:
+    """The static options of one grouped gated projection (hashable: a nondiff argument)."""
+
+    deterministic: bool
+    activation: str  # one of reference.ACTIVATIONS
+    w_dtypes: tuple[str, str]  # w_gate's and w_up's dtype names: their gradients' dtypes
+    block: int = 1  # the gate/up interleave's block (gated_block)
+
+
+def gated_block(x, w_gate, w_up) -> int:
+    """The gate/up interleave's block: contract.GATE_BLOCK where d_ff is a multiple of it and
+    the operands need no partitioning (one device, or inside shard_map), else 1."""
+    if w_gate.shape[1] % contract.GATE_BLOCK == 0 and partitioning.unpartitioned(x, w_gate, w_up):
+        return contract.GATE_BLOCK
+    return 1
+
+
+def stack_gated(w_gate, w_up, block: int):
+    """W [G, 2F, d_in] bf16: the weights' casts interleaved by rows within each group."""
+    return reference.interleave(w_gate.astype(_BF16), w_up.astype(_BF16), 1, block)
+
+
+def _gated_plans(x, w, options: GatedOptions):
+    """(forward, input-grad, weight-grad) Plans over the stacked weight w [G, 2F, d_in]; the
+    weight-grad writes FP32 unless both weights are bf16 (the same values: one rounding)."""
+    device = device_lib.current(x, w)
+    det, groups = options.deterministic, w.shape[0]
+    d_gu_shape = (x.shape[0], w.shape[1])
+    w_dtype = "bfloat16" if options.w_dtypes == ("bfloat16", "bfloat16") else "float32"
+    return (
+        gemms.plan_for("grouped_fwd", x.shape, w.shape, groups, device, deterministic=det),
+        gemms.plan_for("grouped_dgrad", d_gu_shape, w.shape, groups, device, deterministic=det),
+        gemms.plan_for("grouped_wgrad", d_gu_shape, x.shape, groups, device, out_dtype=w_dtype, deterministic=det),
+    )
+
+
+def _gated_forward(options: GatedOptions, x, w_gate, w_up, group_sizes):
+    w = stack_gated(w_gate, w_up, options.block)
+    plan, _, _ = _gated_plans(x, w, options)
+    gu = remat.name_preactivation(gemms.fwd(x, w, group_sizes, plan, deterministic=options.deterministic))
+    h = reference.gate(*reference.deinterleave(gu, -1, options.block), options.activation)
+    return h, (x, w_gate, w_up, group_sizes, gu)
+
+
+def _gated_backward(options: GatedOptions, specs, saved, dh):
+    x, w_gate, w_up, group_sizes, gu = saved
+    x_spec, wg_spec, wu_spec, _ = specs
+    block, det = options.block, options.deterministic
+    g, u = reference.deinterleave(gu, -1, block)
+    dg, du = reference.gate_grad(dh.astype(_BF16), g, u, options.activation)
+    d_gu = reference.interleave(dg, du, -1, block)
+    w = stack_gated(w_gate, w_up, block)
+    _, input_plan, weight_plan = _gated_plans(x, w, options)
+    dx = gemms.dgrad(d_gu, w, group_sizes, input_plan, deterministic=det, out_spec=x_spec)
+    dw = gemms.wgrad(
+        d_gu, x, group_sizes, weight_plan, deterministic=det, out_spec=wg_spec if wg_spec == wu_spec else None
+    )
+    dw_gate, dw_up = reference.deinterleave(dw, 1, block)
+    return dx, dw_gate.astype(w_gate.dtype), dw_up.astype(w_up.dtype), None
+
+
+_grouped_gated = sharded_vjp(_gated_forward, _gated_backward)
+
+
+def project_grouped_gated(x, w_gate, w_up, group_sizes, *, activation: str, deterministic: bool, block=None):
+    """h [M, F] bf16 = act(x Wg[g]^T) * (x Wu[g]^T) per group of rows, for validated x [M,
+    d_in] bf16 (rows sorted by group), w_gate, w_up [G, F, d_in] (bf16 or FP32 masters) and
+    group_sizes [G] int32. block: the interleave's (None: gated_block's)."""
+    options = GatedOptions(
+        deterministic=deterministic,
+        activation=activation,
+        w_dtypes=(jnp.dtype(w_gate.dtype).name, jnp.dtype(w_up.dtype).name),
+        block=gated_block(x, w_gate, w_up) if block is None else block,
+    )
+    return _grouped_gated(options, x, w_gate, w_up, group_sizes)

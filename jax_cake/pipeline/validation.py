@@ -297,3 +297,95 @@ def is_default_precision(precision) -> bool:
         return jax.lax.Precision(precision) == jax.lax.Precision.DEFAULT
     except (ValueError, TypeError):
         return False
+
+
+def _check_expert_weight(fn: str, name: str, w, layout: str) -> None:
+    """A rank-3 bf16 or f32 weight of one matrix per expert."""
+    check_array(fn, name, w)
+    check_dtype(fn, name, w, (jnp.bfloat16, jnp.float32), "")
+    check_rank(fn, name, w, 3, layout)
+    if w.shape[0] < 1:
+        raise ValueError(f"{fn}: {name} must hold at least one expert, got shape {tuple(w.shape)} ({layout})")
+
+
+def _check_gate_up_experts(fn: str, w_gate, w_up, d_in: int, x_name: str) -> None:
+    """w_gate and w_up: [G, d_ff, d_in] bf16 or f32 of the same shape over x's d_in."""
+    layout = "[G, d_ff, d_in]"
+    for name, w in (("w_gate", w_gate), ("w_up", w_up)):
+        _check_expert_weight(fn, name, w, layout)
+        if w.shape[2] != d_in:
+            raise ValueError(
+                f"{fn}: {name}.shape[2] (d_in={w.shape[2]}) must equal {x_name}'s last dimension (d_in={d_in}); "
+                f"{name} is {layout}"
+            )
+    if tuple(w_gate.shape) != tuple(w_up.shape):
+        raise ValueError(
+            f"{fn}: w_gate and w_up must have the same shape {layout}, got w_gate {tuple(w_gate.shape)} "
+            f"and w_up {tuple(w_up.shape)}"
+        )
+
+
+def check_grouped_gated_operands(fn: str, x, w_gate, w_up, group_sizes, activation: Any, deterministic: Any):
+    """deterministic, activation; x [M, d_in] bf16 (rows sorted by group); w_gate, w_up [G,
+    d_ff, d_in] bf16 or f32 of the same shape, G >= 1; group_sizes [G] int32. Returns
+    (activation, deterministic)."""
+    deterministic = check_deterministic(fn, deterministic)
+    activation = check_activation(fn, activation)
+    check_array(fn, "x", x)
+    check_dtype(fn, "x", x, (jnp.bfloat16,), _ACTIVATION_HINT)
+    check_rank(fn, "x", x, 2, "[M, d_in] with its rows sorted by group")
+    _check_gate_up_experts(fn, w_gate, w_up, x.shape[1], "x")
+    check_array(fn, "group_sizes", group_sizes)
+    if jnp.dtype(group_sizes.dtype) != jnp.dtype(jnp.int32):
+        raise TypeError(
+            f"{fn}: group_sizes must be int32, got {jnp.dtype(group_sizes.dtype).name} "
+            "(cast it with group_sizes.astype(jnp.int32))"
+        )
+    check_rank(fn, "group_sizes", group_sizes, 1, "[G], one size per group")
+    if group_sizes.shape[0] != w_gate.shape[0]:
+        raise ValueError(
+            f"{fn}: group_sizes must hold one size per group of w_gate: w_gate.shape[0] is G={w_gate.shape[0]}, "
+            f"got group_sizes of shape {tuple(group_sizes.shape)}"
+        )
+    return activation, deterministic
+
+
+def check_moe_operands(fn: str, x, w_gate, w_up, w_down, expert_ids, expert_weights, activation: Any, deterministic: Any):
+    """deterministic, activation; x [T, d] bf16; w_gate, w_up [G, d_ff, d] and w_down [G, d,
+    d_ff] bf16 or f32 (G, d, d_ff consistent); expert_ids [T, k] of an integer dtype, k >=
+    1; expert_weights [T, k] float32 or bfloat16. Returns (activation, deterministic)."""
+    deterministic = check_deterministic(fn, deterministic)
+    activation = check_activation(fn, activation)
+    check_array(fn, "x", x)
+    check_dtype(fn, "x", x, (jnp.bfloat16,), _ACTIVATION_HINT)
+    check_rank(fn, "x", x, 2, "[T, d]")
+    _check_gate_up_experts(fn, w_gate, w_up, x.shape[1], "x")
+    groups, d_ff, d = w_gate.shape
+    _check_expert_weight(fn, "w_down", w_down, "[G, d, d_ff]")
+    if tuple(w_down.shape) != (groups, d, d_ff):
+        raise ValueError(
+            f"{fn}: w_down must have shape [G, d, d_ff] = {(groups, d, d_ff)} (G and d_ff of w_gate "
+            f"{tuple(w_gate.shape)}, d of x), got {tuple(w_down.shape)}"
+        )
+    check_array(fn, "expert_ids", expert_ids)
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise TypeError(
+            f"{fn}: expert_ids must have an integer dtype (int32 from jax.lax.top_k), got "
+            f"{jnp.dtype(expert_ids.dtype).name}"
+        )
+    check_rank(fn, "expert_ids", expert_ids, 2, "[T, k], k experts per token")
+    if expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"{fn}: expert_ids must hold one row per token of x: x.shape[0] is T={x.shape[0]}, "
+            f"got expert_ids of shape {tuple(expert_ids.shape)}"
+        )
+    if expert_ids.shape[1] < 1:
+        raise ValueError(f"{fn}: expert_ids must route each token to k >= 1 experts, got shape {tuple(expert_ids.shape)}")
+    check_array(fn, "expert_weights", expert_weights)
+    check_dtype(fn, "expert_weights", expert_weights, (jnp.float32, jnp.bfloat16), "")
+    if tuple(expert_weights.shape) != tuple(expert_ids.shape):
+        raise ValueError(
+            f"{fn}: expert_weights must have expert_ids' shape {tuple(expert_ids.shape)} ([T, k]), got shape "
+            f"{tuple(expert_weights.shape)}"
+        )
+    return activation, deterministic

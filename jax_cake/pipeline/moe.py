@@ -1,0 +1,171 @@
+"""The dropless MoE expert MLP (jc.moe_mlp): routing, the grouped gated and down projections,
+the weighted combine.
+
+x [T, d] bf16, w_gate / w_up [G, F, d], w_down [G, d, F] (bf16 or FP32 masters),
+expert_ids [T, k] (an integer dtype), expert_weights [T, k] (float32 or bfloat16):
+
+    y[t] = bf16( sum_j  ew[t, j] * MLP_{e[t, j]}(x[t]) )        (FP32 sum, j = 0 .. k-1 in order)
+    MLP_g(v) = bf16( gate(v Wg[g]^T, v Wu[g]^T) Wd[g]^T )         (the grouped projections' values)
+
+1. routing (`route`): the T k token copies (copy c = t k + j) are sorted by expert with a
+   stable sort of the key e[t, j] (copies whose id is outside [0, G) get the key G: they
+   sort last), so the order is deterministic: by expert, then by copy. group_sizes [G]
+   int32 = the per-expert counts (from the sorted keys, no scatter). Copies with an id
+   outside [0, G) are past sum(group_sizes): the grouped GEMMs give them h = 0 and an
+   output of 0, they add nothing to any weight gradient, read no weight out of bounds, and
+   their routing weight is replaced by 0 in the combine (so y and every gradient stay
+   finite whatever it holds); their expert_weights gradient is 0.
+2. dispatch: the sorted copies' rows of x (a gather, `_dispatch`), [T k, d] bf16. Its
+   transpose (`_collect`) sums each token's k copies in FP32 in a fixed order (j = 0 ..
+   k - 1) and rounds once: dx has no scatter-add and no bf16 partial sums.
+3. the experts: ONE grouped gated projection (pipeline.grouped.project_grouped_gated:
+   the gate and up rows interleaved, the pre-activation saved and named for remat) and ONE
+   grouped down projection (pipeline.grouped.project_grouped), with group_sizes.
+4. combine: the outputs back in copy order (a gather by the inverse permutation,
+   `_permute`, whose transpose is the gather by the permutation), each weighted by its
+   routing weight in FP32 and summed over j in order, rounded once to bf16. The
+   autodiff of that expression gives d ew[t, j] = <dy[t], MLP_j(x[t])> in FP32 (rounded
+   once to ew's dtype) and each copy's cotangent bf16(ew[t, j] dy[t]).
+
+Every step is a sort, a gather, a grouped GEMM or an elementwise pass in a fixed order:
+bitwise reproducible. Each gather's transpose is a gather (a custom_vjp pair), so the
+backward has no scatter-add, and the whole op can be differentiated twice. What runs
+where today: the sort, the gathers and the combine are XLA ops, the grouped GEMMs the XLA
+path of jax_cake.primitives.grouped (XLA's ragged dot with FP32 results) on every backend;
+fusing the gather into the first GEMM's loads and the routing weight into the down GEMM's
+epilogue waits for the grouped kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_cake import remat
+from jax_cake.pipeline import grouped
+
+_BF16, _F32 = jnp.bfloat16, jnp.float32
+
+
+def in_range(ids, groups: int):
+    """Whether each id is in [0, groups), compared in the ids' own dtype (no cast that could
+    wrap a large id into range)."""
+    info = jnp.iinfo(ids.dtype)
+    below = ids < groups if groups <= info.max else jnp.ones(ids.shape, bool)
+    return below & (ids >= 0) if info.min < 0 else below
+
+
+def route(expert_ids, groups: int):
+    """(perm, inv, group_sizes, valid) of the T k copies (copy c = t k + j) of expert_ids
+    [T, k]: perm [T k] int32, the copies in expert order (sorted position i holds copy
+    perm[i]; stable: copies of one expert in copy order, out-of-range ids last); inv its
+    inverse; group_sizes [groups] int32 the per-expert counts; valid [T, k] bool, the ids
+    in [0, groups)."""
+    valid = in_range(expert_ids, groups)
+    key = jnp.where(valid, expert_ids.astype(jnp.int32), groups).reshape(-1)
+    copies = key.shape[0]
+    iota = lax.iota(jnp.int32, copies)
+    sorted_key, perm = lax.sort((key, iota), num_keys=1, is_stable=True)
+    bounds = jnp.searchsorted(sorted_key, jnp.arange(groups + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
+    group_sizes = bounds[1:] - bounds[:-1]
+    inv = jnp.zeros_like(perm).at[perm].set(iota, unique_indices=True)
+    return perm, inv, group_sizes, valid
+
+
+def _take_rows(v, idx):
+    return jnp.take(v, idx, axis=0, mode="clip")
+
+
+# --- the gathers, each other's transposes (a custom_vjp each: no scatter-add backward) ---
+
+
+@jax.custom_vjp
+def _permute(v, idx, back):
+    """v[idx] for a permutation idx of v's rows (back: its inverse)."""
+    return _take_rows(v, idx)
+
+
+def _permute_fwd(v, idx, back):
+    return _permute(v, idx, back), (idx, back)
+
+
+def _permute_bwd(saved, d):
+    idx, back = saved
+    return _permute(d, back, idx), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch(x, perm, inv, k: int):
+    """[T k, d]: row i is x[perm[i] // k], the token of sorted copy i."""
+    return _take_rows(x, perm // k)
+
+
+def _dispatch_fwd(x, perm, inv, k):
+    return _dispatch(x, perm, inv, k), (perm, inv)
+
+
+def _dispatch_bwd(k, saved, d):
+    perm, inv = saved
+    return _collect(d, perm, inv, k), None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def sum_copies(c):
+    """[T, k, ...] -> [T, ...] in c's dtype: the k copies summed in FP32, j = 0 .. k - 1 in
+    order (an elementwise chain, the same order on every backend), rounded once."""
+    acc = c[:, 0].astype(_F32)
+    for j in range(1, c.shape[1]):
+        acc = acc + c[:, j].astype(_F32)
+    return acc.astype(c.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _collect(v, perm, inv, k: int):
+    """[T, d]: token t's k sorted copies of v [T k, d] summed (sum_copies); _dispatch's
+    transpose."""
+    copies = _take_rows(v, inv)
+    return sum_copies(jnp.reshape(copies, (copies.shape[0] // k, k) + copies.shape[1:]))
+
+
+def _collect_fwd(v, perm, inv, k):
+    return _collect(v, perm, inv, k), (perm, inv)
+
+
+def _collect_bwd(k, saved, d):
+    perm, inv = saved
+    return _dispatch(d, perm, inv, k), None, None
+
+
+_collect.defvjp(_collect_fwd, _collect_bwd)
+
+
+def combine(outputs, expert_weights, valid):
+    """y [T, d] bf16 = bf16(sum_j ew[t, j] out[t, j]) in FP32, j in order; outputs [T, k, d]
+    bf16 in copy order; copies not `valid` weigh 0."""
+    ew = jnp.where(valid, expert_weights.astype(_F32), jnp.zeros((), _F32))
+    acc = ew[:, 0, None] * outputs[:, 0].astype(_F32)
+    for j in range(1, outputs.shape[1]):
+        acc = acc + ew[:, j, None] * outputs[:, j].astype(_F32)
+    return acc.astype(_BF16)
+
+
+def moe_mlp(x, w_gate, w_up, w_down, expert_ids, expert_weights, *, activation: str, deterministic: bool):
+    """y [T, d] bf16 of validated operands (module docstring)."""
+    t, k = expert_ids.shape
+    groups = w_gate.shape[0]
+    perm, inv, group_sizes, valid = route(expert_ids, groups)
+    xs = _dispatch(x, perm, inv, k)  # [T k, d], sorted by expert
+    h = grouped.project_grouped_gated(
+        xs, w_gate, w_up, group_sizes, activation=activation, deterministic=deterministic
+    )
+    ys = grouped.project_grouped(remat.name_output(h), w_down, group_sizes, deterministic=deterministic)
+    outputs = jnp.reshape(_permute(remat.name_output(ys), inv, perm), (t, k, ys.shape[-1]))
+    return combine(outputs, expert_weights, valid)
