@@ -19,7 +19,6 @@ GPU, or where the kernels do not apply, it is the XLA plan (the reference
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -48,20 +47,21 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
     d_in]. device: as `jax_cake.plan`. Returns a Plan with op "wgrad_accumulate" (the
     fused kernel), op "wgrad" (a kernel wgrad plus a separate add) or an XLA plan.
     """
+    block = overrides.active()
     # A plan table's xla rows compare the plain wgrad with XLA's dot; the add into the sum
     # that the fused kernel saves is not in that comparison, so the kernels' own ranking
     # decides here (pinning "det" skips the table rows, as the benchmark's arms do).
-    with contextlib.nullcontext() if overrides.forced("program") else overrides.force("det"):
-        base = choose.plan(
-            "wgrad",
-            tokens=tokens,
-            d_in=d_in,
-            d_out=d_out,
-            batch=batch,
-            out_dtype="float32",
-            deterministic=True,
-            device=device,
-        )
+    base = choose.plan_with(
+        block if block is not None else overrides.Pins("det"),
+        "wgrad",
+        tokens=tokens,
+        d_in=d_in,
+        d_out=d_out,
+        batch=batch,
+        out_dtype="float32",
+        deterministic=True,
+        device=device,
+    )
     if not base.uses_kernel:
         return base
     m, n, k, sm_count = base.m, base.n, base.k, base.sm_count
@@ -87,7 +87,8 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
             tile,
             splits=splits,
             reduction=reduction,
-            raster=choose.raster("wgrad"),
+            # the block's raster pin, whether or not its gemm= names this GEMM
+            raster=choose.raster("wgrad", None if block is None else block.raster),
             workspace_bytes=variants.workspace_bytes(splits, code, batch, m, n, "float32"),
             reason=f"gradient accumulation in the wgrad kernel, bitwise reproducible: {how}; {tile_note}",
         )
@@ -95,5 +96,5 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
     _log_separate_add_once(base.device, f"{batch}x{d_out}x{d_in}", reason)
     # Without the fused add, the plain wgrad's best plan is the planner's own (table rows included).
     sizes = dict(tokens=tokens, d_in=d_in, d_out=d_out, batch=batch)
-    plain = choose.plan("wgrad", **sizes, out_dtype="float32", deterministic=True, device=device)
+    plain = choose.plan_with(block, "wgrad", **sizes, out_dtype="float32", deterministic=True, device=device)
     return dataclasses.replace(plain, reason=f"{plain.reason}; then a separate add into the running sum ({reason})")

@@ -8,8 +8,9 @@ wgrad algorithm (the `deterministic` flag, else the plan table), K splits,
 split tail, cluster pairing, raster and schedule by the rules below. Where the table holds
 a tile row for a fwd/dgrad point, that point runs the row's tile, schedule and cluster
 instead of the rule's. Pins set by `jax_cake.planner.force` (overrides.py) win over the
-rules and the rows. Why each threshold has its value, with the measurements behind it:
-docs/planner.md.
+rules and the rows: `plan()` reads them once, narrows them to the GEMM it plans and passes
+them to the rules they override. Why each threshold has its value, with the measurements
+behind it: docs/planner.md.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from absl import logging
 from jax_cake import contract
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import grouped, overrides, router_variants, tables, variants
-from jax_cake.planner.overrides import forced
 from jax_cake.planner.plan_type import GROUPED_OPS, OPS, Plan
 
 # Per-tile efficiency prior: larger tiles reuse operands better when compute bound.
@@ -234,11 +234,10 @@ def det_splits(tiles: int, k: int, tile_k: int, sm_count: int, fill_waves: bool 
     return best
 
 
-def raster(op: str) -> str:
-    """The tile walk (Plan.raster) of a kernel plan of op ("fwd", "dgrad", "wgrad"): a
-    forced one, else bands of _RASTER_BAND_WGRAD cluster rows for wgrad, of
-    _RASTER_BAND_FWD for fwd and dgrad."""
-    pinned = forced("raster")
+def raster(op: str, pinned: str | None = None) -> str:
+    """The tile walk (Plan.raster) of a kernel plan of op ("fwd", "dgrad", "wgrad"): the
+    `pinned` one (a force block's), else bands of _RASTER_BAND_WGRAD cluster rows for
+    wgrad, of _RASTER_BAND_FWD for fwd and dgrad."""
     if pinned is not None:
         return pinned
     if op == "wgrad":
@@ -247,11 +246,20 @@ def raster(op: str) -> str:
 
 
 def _wgrad_plan(
-    base: dict, dev: device_lib.DeviceInfo, deterministic: bool, out_dtype: str, tokens: int, d_in: int, d_out: int
+    base: dict,
+    dev: device_lib.DeviceInfo,
+    deterministic: bool,
+    out_dtype: str,
+    tokens: int,
+    d_in: int,
+    d_out: int,
+    pins: overrides.Pins | None,
 ) -> Plan:
+    """The wgrad plan; `pins`: the force block's pins for this GEMM (None: the rules')."""
     batch, m, n, k = base["batch"], base["m"], base["n"], base["k"]
-    forced_algorithm = forced("program")
-    forced_tile, forced_splits = forced("tile"), forced("splits")
+    forced_algorithm, forced_tile, forced_splits, forced_raster = (
+        (pins.program, pins.tile, pins.splits, pins.raster) if pins is not None else (None, None, None, None)
+    )
 
     algorithm, row = "det", None  # "det" or "split" (Plan.algorithm)
     if forced_algorithm is not None:
@@ -281,7 +289,7 @@ def _wgrad_plan(
     if wanted is not None and tuple(wanted) in compiled_tiles("wgrad"):
         candidates.insert(0, (tuple(wanted), f"{wanted[0]}x{wanted[1]} tiles as requested"))
     if algorithm == "det" and forced_tile is None and forced_splits is None and not memory_bound:
-        tail = _split_tail_plan(base, dev, out_dtype, why)
+        tail = _split_tail_plan(base, dev, out_dtype, why, forced_raster)
         if tail is not None:
             return tail
     for tile, tile_note in candidates:
@@ -312,7 +320,7 @@ def _wgrad_plan(
             cluster=cluster,
             splits=splits,
             reduction=reduction,
-            raster=raster("wgrad"),
+            raster=raster("wgrad", forced_raster),
             workspace_bytes=variants.workspace_bytes(splits, contract.REDUCTIONS[reduction], batch, m, n, out_dtype),
             reason=reason + cluster_note,
         )
@@ -337,7 +345,9 @@ def tail_splits(tiles: int, sm_count: int, k_tiles: int) -> tuple[int, float]:
     return best, best_cost
 
 
-def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why: str) -> Plan | None:
+def _split_tail_plan(
+    base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why: str, forced_raster: str | None
+) -> Plan | None:
     """A compute-bound wgrad on the largest split-tail tile, where that tile makes at
     least one whole wave and its last wave is under _WAVE_FILL full: whole waves as
     usual, the tail's tiles cut into K pieces. None where a plain pass fills its waves,
@@ -377,7 +387,7 @@ def _split_tail_plan(base: dict, dev: device_lib.DeviceInfo, out_dtype: str, why
         tile=tile,
         splits=splits,
         reduction="split_tail",
-        raster=raster("wgrad"),
+        raster=raster("wgrad", forced_raster),
         schedule="split_tail",
         workspace_bytes=variants.workspace_bytes(
             splits, code, batch, m, n, out_dtype, tile=tile, sm_count=dev.sm_count
@@ -461,8 +471,40 @@ def plan(
     DeviceInfo; None looks it up as a trace would (abstract mesh, else jax.devices()[0]).
     tile_rows: whether the plan table's fwd/dgrad tile rows apply; the fused planners
     (jax_cake.planner.gated, .residual) pass False: those rows timed the plain GEMM's
-    kernels, not the fused ones.
+    kernels, not the fused ones. Inside a `jax_cake.planner.force` block its pins apply.
     """
+    return plan_with(
+        overrides.active(),
+        op,
+        tokens=tokens,
+        d_in=d_in,
+        d_out=d_out,
+        batch=batch,
+        out_dtype=out_dtype,
+        deterministic=deterministic,
+        device=device,
+        tile_rows=tile_rows,
+        groups=groups,
+    )
+
+
+def plan_with(
+    block: overrides.Pins | None,
+    op: str,
+    *,
+    tokens: int,
+    d_in: int,
+    d_out: int,
+    batch: int = 1,
+    out_dtype: Any = "bfloat16",
+    deterministic: bool = True,
+    device: Any = None,
+    tile_rows: bool = True,
+    groups: Any = None,
+) -> Plan:
+    """plan() under `block`, the pins of a force block as read once where planning starts
+    (overrides.active(); None: no block). The fused planners (accumulate.py, gated.py,
+    residual.py) read the block once and plan their base GEMM under it."""
     import numpy as np
     from jax import export
 
@@ -511,6 +553,8 @@ def plan(
             out_dtype=out_dtype,
             dev=dev,
             symbolic=tuple(symbolic),
+            # the whole block's program: gemm= (a fwd, dgrad or wgrad GEMM) does not filter it
+            program_pin=None if block is None else block.program,
         )
 
     if op in ("fwd", "router_fwd"):
@@ -521,20 +565,8 @@ def plan(
         m, n, k = d_out, d_in, tokens
     args = (op, batch, m, n, k, out_dtype, dev)
 
-    if not overrides.applies(op, m, n, k):  # a force block that names another GEMM
-        with overrides.released():
-            return plan(
-                op,
-                tokens=tokens,
-                d_in=d_in,
-                d_out=d_out,
-                batch=batch,
-                out_dtype=out_dtype,
-                deterministic=deterministic,
-                device=dev,
-                tile_rows=tile_rows,
-            )
-    if forced("program") == "xla":
+    pins = overrides.for_gemm(block, op, m, n, k)  # None: the planner's own plan
+    if pins is not None and pins.program == "xla":
         return _xla_plan(*args, "forced by jax_cake.planner.force")
     if os.environ.get("JAX_CAKE_DISABLE", "") not in ("", "0"):  # read at trace time: debugging, bisecting
         return _xla_plan(*args, "JAX_CAKE_DISABLE is set: XLA dot_general with the same semantics")
@@ -571,30 +603,41 @@ def plan(
         dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens, op=op, batch=batch, deterministic=deterministic
     )
     # A forced program (the benchmark's arms) times the kernels: no xla row replaces them.
-    if verdict.program == "xla" and forced("program") is None:  # measured, not a fallback: no warning
+    if verdict.program == "xla" and pins is None:  # measured, not a fallback: no warning
         reason = f"{verdict.why}: XLA dot_general with the same semantics"
         return Plan(**_plan_fields(*args, backend="xla"), reason=reason)
 
     base = _plan_fields(*args)
     if op == "wgrad":
-        return _wgrad_plan(base, dev, bool(deterministic), out_dtype, tokens, d_in, d_out)
+        return _wgrad_plan(base, dev, bool(deterministic), out_dtype, tokens, d_in, d_out, pins)
+    return _fwd_dgrad_plan(base, dev, verdict if tile_rows else None, pins)
+
+
+def _fwd_dgrad_plan(
+    base: dict, dev: device_lib.DeviceInfo, verdict: tables.Verdict | None, pins: overrides.Pins | None
+) -> Plan:
+    """The fwd/dgrad plan: one pass over K. verdict: the plan table's at this point, whose
+    tile row (if any) wins over the rules (None: tile rows do not apply); `pins`: the force
+    block's pins for this GEMM (None: the rules'), which win over both."""
+    op, batch, m, n, k = base["op"], base["batch"], base["m"], base["n"], base["k"]
+    forced_tile, forced_schedule, forced_cluster, forced_raster = (
+        (pins.tile, pins.schedule, pins.cluster, pins.raster) if pins is not None else (None, None, None, None)
+    )
     tile, tile_note = _pick_tile(op, batch, m, n, dev.sm_count, "bfloat16")
-    forced_tile = forced("tile")
-    if forced("schedule") == "tiles" and forced_tile is not None and tuple(forced_tile) in compiled_tiles(op):
+    if forced_schedule == "tiles" and forced_tile is not None and tuple(forced_tile) in compiled_tiles(op):
         # A forced tile pins fwd/dgrad only together with a forced schedule (alone it is
         # the wgrad tile); the ping-pong tile follows in _pingpong_tile.
         tile, tile_note = tuple(forced_tile), f"{forced_tile[0]}x{forced_tile[1]} tiles (forced)"
-    walk = raster(op)
+    walk = raster(op, forced_raster)
     schedule = "tiles"
-    pp_tile = _pingpong_tile(op)
-    pingpong_note = pingpong_rule(op, n, k, pp_tile)
-    if not pingpong_note and forced("schedule") is None:
-        pp_tile, pingpong_note = _wide_pingpong_rule(op, batch, m, n, k, dev.sm_count, tile)
+    pp_tile = _pingpong_tile(op, forced_tile, forced_schedule)
+    pingpong_note = pingpong_rule(op, n, k, pp_tile, forced_schedule)
+    if not pingpong_note and forced_schedule is None:
+        pp_tile, pingpong_note = _wide_pingpong_rule(op, batch, m, n, k, dev.sm_count, tile, forced_cluster)
     one_pass = contract.REDUCTION_NONE
     if pingpong_note and pingpong_clusters(op, pp_tile):
         tile, schedule, tile_note = pp_tile, "pingpong", pingpong_note
     cluster, cluster_note = _pick_cluster(op, tile, m, n, k, "bfloat16", 1, "none", schedule)
-    forced_cluster = forced("cluster")
     if forced_cluster and variants.supports(op, tile, forced_cluster, "bfloat16", 1, one_pass, schedule=schedule):
         cluster, cluster_note = forced_cluster, f"; cluster {forced_cluster[0]}x{forced_cluster[1]} (forced)"
     if not variants.supports(op, tile, cluster, "bfloat16", 1, one_pass, schedule=schedule):
@@ -602,8 +645,8 @@ def plan(
         cluster = pingpong_clusters(op, tile)[0]
         cluster_note = f"; cluster {cluster[0]}x{cluster[1]} (the only one compiled for this tile)"
     note = tile_note + cluster_note
-    pinned = any(forced(key) is not None for key in ("tile", "schedule", "cluster"))
-    if tile_rows and verdict.variant is not None and not pinned:
+    pinned = any(pin is not None for pin in (forced_tile, forced_schedule, forced_cluster))
+    if verdict is not None and verdict.variant is not None and not pinned:
         tile, schedule, cluster, note = _table_variant(op, verdict, (tile, schedule, cluster), note)
     return Plan(
         **base,
@@ -633,18 +676,19 @@ def _table_variant(op: str, verdict: tables.Verdict, rule: tuple, rule_note: str
     return tile, schedule, cluster, f"{named}: {where} measured this variant fastest here ({measured}{row.source})"
 
 
-def _wide_pingpong_rule(op: str, batch: int, m: int, n: int, k: int, sm_count: int, tile) -> tuple[tuple, str]:
+def _wide_pingpong_rule(
+    op: str, batch: int, m: int, n: int, k: int, sm_count: int, tile, forced_cluster
+) -> tuple[tuple, str]:
     """(tile, why) of the wide ping-pong tile a compute-bound fwd/dgrad runs instead of the
-    cooperative `tile`: the best of op's _PINGPONG_WIDE_PRIORS compiled for op (in the
-    forced cluster, if one is), by utilization times prior, where it beats the cooperative
-    pick's; ((), "") where none does."""
+    cooperative `tile`: the best of op's _PINGPONG_WIDE_PRIORS compiled for op (in
+    `forced_cluster`, a force block's, if one is), by utilization times prior, where it
+    beats the cooperative pick's; ((), "") where none does."""
     if k < _PINGPONG_WIDE_MIN_K or n < _CLUSTER_MIN_N:
         return (), ""
-    cluster = forced("cluster")
     best, best_score, best_note = (), _tile_score(tile, batch, m, n, sm_count, _TILE_PRIOR.get(tile[:2], 0.8))[0], ""
     for wide, prior in _PINGPONG_WIDE_PRIORS.get(op, {}).items():
         clusters = pingpong_clusters(op, wide)
-        if not clusters or (cluster is not None and tuple(cluster) not in clusters):
+        if not clusters or (forced_cluster is not None and tuple(forced_cluster) not in clusters):
             continue
         score, note = _tile_score(wide, batch, m, n, sm_count, prior)
         if score > best_score:
@@ -669,19 +713,19 @@ def pingpong_clusters(op: str, tile) -> list[tuple[int, int]]:
     ]
 
 
-def _pingpong_tile(op: str) -> tuple[int, int, int]:
+def _pingpong_tile(op: str, forced_tile, forced_schedule: str | None) -> tuple[int, int, int]:
     """The ping-pong tile: _PINGPONG_TILE, or under force(tile=..., schedule="pingpong") the
     forced tile where the library holds a ping-pong variant of it for this op (the wide
     tiles' own rule is _wide_pingpong_rule)."""
-    ft = forced("tile")
-    if forced("schedule") == "pingpong" and ft is not None and op in ("fwd", "dgrad") and pingpong_clusters(op, ft):
-        return tuple(ft)
+    pinned = forced_schedule == "pingpong" and forced_tile is not None and op in ("fwd", "dgrad")
+    if pinned and pingpong_clusters(op, forced_tile):
+        return tuple(forced_tile)
     return _PINGPONG_TILE
 
 
-def pingpong_rule(op: str, n: int, k: int, tile=_PINGPONG_TILE) -> str:
-    """Why fwd/dgrad run the ping-pong tiles here ("": the cooperative tiles)."""
-    forced_schedule = forced("schedule")
+def pingpong_rule(op: str, n: int, k: int, tile=_PINGPONG_TILE, forced_schedule: str | None = None) -> str:
+    """Why fwd/dgrad run the ping-pong tiles here ("": the cooperative tiles);
+    forced_schedule: a force block's schedule pin, which wins over the rule."""
     if forced_schedule:
         return f"{tile[0]}x{tile[1]} ping-pong tiles (forced)" if forced_schedule == "pingpong" else ""
     if op == "dgrad" and _PINGPONG_DGRAD_MIN_K <= k <= _PINGPONG_DGRAD_MAX_K and n >= _PINGPONG_DGRAD_MIN_N:

@@ -106,10 +106,15 @@ def plan_gated(
     "fwd_gated" (the fused kernel), op "fwd" (a kernel forward plus an XLA pass) or an XLA
     plan.
     """
-    base = choose.plan("fwd", tokens=tokens, d_in=d_in, d_out=d_out, batch=batch, device=device, tile_rows=False)
+    block = overrides.active()
+    base = choose.plan_with(
+        block, "fwd", tokens=tokens, d_in=d_in, d_out=d_out, batch=batch, device=device, tile_rows=False
+    )
     if epilogue is None:
         epilogue = GATED_EPILOGUE_ENABLED
-    return _with_epilogue(base, OP, f"gated_{activation}", d_out // 2, activation, epilogue, "h = bf16({act}(g) * u)")
+    return _with_epilogue(
+        base, block, OP, f"gated_{activation}", d_out // 2, activation, epilogue, "h = bf16({act}(g) * u)"
+    )
 
 
 def plan_gate_grad(
@@ -131,24 +136,35 @@ def plan_gate_grad(
     XLA plan; the rule is plan_gated's. epilogue: whether the fused kernel may be planned
     (None: GATE_GRAD_EPILOGUE_ENABLED).
     """
-    base = choose.plan("dgrad", tokens=tokens, d_in=d_ff, d_out=d_out, batch=batch, device=device, tile_rows=False)
+    block = overrides.active()
+    base = choose.plan_with(
+        block, "dgrad", tokens=tokens, d_in=d_ff, d_out=d_out, batch=batch, device=device, tile_rows=False
+    )
     if epilogue is None:
         epilogue = GATE_GRAD_EPILOGUE_ENABLED
     return _with_epilogue(
-        base, GATE_GRAD_OP, f"gate_grad_{activation}", d_ff, activation, epilogue, "d[gate|up] from dh and gu"
+        base, block, GATE_GRAD_OP, f"gate_grad_{activation}", d_ff, activation, epilogue, "d[gate|up] from dh and gu"
     )
 
 
-def _with_epilogue(base: Plan, op: str, store: str, d_ff: int, activation: str, epilogue: bool, what: str) -> Plan:
-    """base (the plain GEMM's plan) turned into op's on the gated tile where epilogue (the
-    caller's resolved switch) allows it, or base itself with the reason the epilogue runs
-    as an XLA pass (module docstring)."""
+def _with_epilogue(
+    base: Plan,
+    block: overrides.Pins | None,
+    op: str,
+    store: str,
+    d_ff: int,
+    activation: str,
+    epilogue: bool,
+    what: str,
+) -> Plan:
+    """base (the plain GEMM's plan, planned under the force block `block`) turned into
+    op's on the gated tile where epilogue (the caller's resolved switch) allows it, or base
+    itself with the reason the epilogue runs as an XLA pass (module docstring)."""
     if not base.uses_kernel:
         return base
     program = base.program
-    pinned = overrides.applies(base.op, base.m, base.n, base.k) and (
-        overrides.forced("tile") is not None or overrides.forced("schedule") is not None
-    )
+    pins = overrides.for_gemm(block, base.op, base.m, base.n, base.k)
+    pinned = pins is not None and (pins.tile is not None or pins.schedule is not None)
     reason = None
     if not epilogue:
         reason = "the gated kernel epilogue is switched off"

@@ -23,7 +23,6 @@ import os
 from absl import logging
 
 from jax_cake.planner import device as device_lib
-from jax_cake.planner.overrides import forced
 from jax_cake.planner.plan_type import Plan
 
 _XLA_RAGGED = "XLA's ragged dot (lax.ragged_dot_general) with an FP32 result rounded once, the same semantics"
@@ -45,12 +44,21 @@ def gemm_dims(op: str, tokens, d_in, d_out) -> tuple:
 
 
 def plan_grouped(
-    op: str, *, tokens, groups, d_in, d_out, out_dtype: str, dev: device_lib.DeviceInfo, symbolic=()
+    op: str,
+    *,
+    tokens,
+    groups,
+    d_in,
+    d_out,
+    out_dtype: str,
+    dev: device_lib.DeviceInfo,
+    symbolic=(),
+    program_pin: str | None = None,
 ) -> Plan:
     """The Plan of grouped op `op` on validated sizes (jax_cake.planner.choose.plan checks
-    them): the XLA path, with the reason."""
+    them): the XLA path, with the reason. program_pin: a force block's program."""
     m, n, k = gemm_dims(op, tokens, d_in, d_out)
-    if forced("program") == "xla":
+    if program_pin == "xla":
         reason = "forced by jax_cake.planner.force"
     elif os.environ.get("JAX_CAKE_DISABLE", "") not in ("", "0"):
         reason = f"JAX_CAKE_DISABLE is set: {_XLA_RAGGED}"

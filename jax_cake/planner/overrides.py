@@ -1,45 +1,51 @@
 """Forcing overrides: `force(...)` pins parts of the plans traced inside its block.
 
 The benchmark and the tuner time each arm (an algorithm, tile, split count, schedule or
-cluster) this way; the planner (jax_cake.planner.choose) reads the pins with `forced`.
+cluster) this way. The planner reads the block once where a plan starts (`active`: one
+frozen `Pins`, or None outside a block), narrows it to the GEMM being planned
+(`for_gemm`) and passes the pins down to the rules they override (jax_cake.planner.choose).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import dataclasses
+from typing import Iterator
 
 import numpy as np
 
 from jax_cake import contract
 
-_forced: dict[str, Any] = {}
+
+@dataclasses.dataclass(frozen=True)
+class Pins:
+    """The pins of one `force` block (its arguments, checked): program "det", "split" or
+    "xla"; the others None where the block leaves them to the planner."""
+
+    program: str
+    splits: int | None = None
+    tile: tuple[int, int, int] | None = None
+    schedule: str | None = None
+    cluster: tuple[int, int] | None = None
+    raster: str | None = None
+    gemm: tuple[str, int, int, int] | None = None
 
 
-def forced(key: str) -> Any:
-    """The pinned value of `key` ("program", "splits", "tile", "schedule", "cluster",
-    "raster"), or
-    None outside a `force` block or where the block leaves it to the planner."""
-    return _forced.get(key)
+_active: Pins | None = None
 
 
-def applies(op: str, m: int, n: int, k: int) -> bool:
-    """Whether the pins of the current block apply to the GEMM (op, m, n, k) (Plan.op, m,
-    n, k): always, unless the block names one GEMM (`force(gemm=...)`)."""
-    gemm = _forced.get("gemm")
-    return gemm is None or tuple(gemm) == (op, m, n, k)
+def active() -> Pins | None:
+    """The pins of the current `force` block, None outside one."""
+    return _active
 
 
-@contextlib.contextmanager
-def released() -> Iterator[None]:
-    """No pins inside the block (a GEMM that the current block's `gemm` does not name)."""
-    saved = dict(_forced)
-    _forced.clear()
-    try:
-        yield
-    finally:
-        _forced.clear()
-        _forced.update(saved)
+def for_gemm(block: Pins | None, op: str, m: int, n: int, k: int) -> Pins | None:
+    """The pins of `block` that apply to the GEMM (op, m, n, k) (Plan.op, m, n, k): all of
+    them, unless the block names one GEMM (`force(gemm=...)`) and it is another; None
+    (the planner's own plan) there and outside a block."""
+    if block is None or (block.gemm is not None and block.gemm != (op, m, n, k)):
+        return None
+    return block
 
 
 def is_int(v) -> bool:
@@ -98,13 +104,18 @@ def force(
         len(gemm) == 4 and gemm[0] in ("fwd", "dgrad", "wgrad") and all(isinstance(d, int) and d > 0 for d in gemm[1:])
     ):
         raise ValueError(f"force: gemm must be None or (op, m, n, k) with op 'fwd', 'dgrad' or 'wgrad', got {gemm!r}")
-    saved = dict(_forced)
-    _forced.clear()
-    _forced.update(
-        program=program, splits=splits, tile=tile, schedule=schedule, cluster=cluster, raster=raster, gemm=gemm
+    global _active
+    saved = _active
+    _active = Pins(
+        program,
+        splits=splits,
+        tile=tile,
+        schedule=schedule,
+        cluster=cluster,
+        raster=raster,
+        gemm=None if gemm is None else tuple(gemm),
     )
     try:
         yield
     finally:
-        _forced.clear()
-        _forced.update(saved)
+        _active = saved

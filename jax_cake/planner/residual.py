@@ -54,14 +54,18 @@ def plan_residual(*, tokens: int, d_in: int, d_out: int, batch: int = 1, device:
     "fwd_residual" (the fused kernel), op "fwd" (a kernel forward plus a separate add) or
     an XLA plan.
     """
-    base = choose.plan("fwd", tokens=tokens, d_in=d_in, d_out=d_out, batch=batch, device=device, tile_rows=False)
+    block = overrides.active()
+    base = choose.plan_with(
+        block, "fwd", tokens=tokens, d_in=d_in, d_out=d_out, batch=batch, device=device, tile_rows=False
+    )
     if not base.uses_kernel:
         return base
     if not RESIDUAL_KERNELS_ENABLED:
         held = "the fused residual kernels are held back (RESIDUAL_KERNELS_ENABLED)"
         return dataclasses.replace(base, reason=f"{base.reason}; then a separate add of the residual ({held})")
     ranked = choose.ranked_tiles("fwd", batch, base.m, base.n, base.sm_count, "bfloat16")
-    pinned = overrides.forced("tile") if overrides.applies("fwd", base.m, base.n, base.k) else None
+    pins = overrides.for_gemm(block, "fwd", base.m, base.n, base.k)
+    pinned = None if pins is None else pins.tile
     if pinned is not None:
         ranked.insert(0, (tuple(pinned), f"{pinned[0]}x{pinned[1]} tiles (forced)"))
     for tile, tile_note in ranked:
