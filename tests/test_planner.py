@@ -12,7 +12,7 @@ import jax_cake as jc
 from jax_cake import contract
 from jax_cake.planner import DeviceInfo, tables, variants
 from jax_cake.planner.device import from_jax_device
-from jax_cake.planner.choose import compiled_tiles, tail_splits
+from jax_cake.planner.choose import PingPong, compiled_tiles, pingpong_rule, tail_splits
 from jax_cake.planner.variants import split_tail_slots
 from helpers import H200, faked_device
 
@@ -552,6 +552,17 @@ def test_force_schedule_overrides_the_pingpong_rule():
     with pytest.raises(ValueError, match="cluster"):
         with jc.planner.force("det", cluster=(1, 2)):
             pass
+
+
+def test_pingpong_rule_says_whether_and_why():
+    short_k = pingpong_rule("dgrad", 4096, 512)  # n = 4096, k = 512
+    assert (short_k.chosen, short_k.tile) == (True, (128, 128, 64)) and "K=512" in short_k.why
+    assert pingpong_rule("dgrad", 4096, 4096) == PingPong(False)  # a long K loop: the cooperative tiles
+    assert pingpong_rule("dgrad", 512, 512) == PingPong(False)  # N < 4096
+    assert pingpong_rule("fwd", 4096, 512) == PingPong(False)
+    assert pingpong_rule("dgrad", 4096, 512, forced_schedule="tiles") == PingPong(False)
+    forced = pingpong_rule("fwd", 4096, 4096, (128, 192, 64), forced_schedule="pingpong")
+    assert forced == PingPong(True, (128, 192, 64), "128x192 ping-pong tiles (forced)")
 
 
 @pytest.mark.parametrize(

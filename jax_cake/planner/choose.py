@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from absl import logging
 
@@ -630,13 +630,12 @@ def _fwd_dgrad_plan(
         tile, tile_note = tuple(forced_tile), f"{forced_tile[0]}x{forced_tile[1]} tiles (forced)"
     walk = raster(op, forced_raster)
     schedule = "tiles"
-    pp_tile = _pingpong_tile(op, forced_tile, forced_schedule)
-    pingpong_note = pingpong_rule(op, n, k, pp_tile, forced_schedule)
-    if not pingpong_note and forced_schedule is None:
-        pp_tile, pingpong_note = _wide_pingpong_rule(op, batch, m, n, k, dev.sm_count, tile, forced_cluster)
+    pingpong = pingpong_rule(op, n, k, _pingpong_tile(op, forced_tile, forced_schedule), forced_schedule)
+    if not pingpong.chosen and forced_schedule is None:
+        pingpong = _wide_pingpong_rule(op, batch, m, n, k, dev.sm_count, tile, forced_cluster)
     one_pass = contract.REDUCTION_NONE
-    if pingpong_note and pingpong_clusters(op, pp_tile):
-        tile, schedule, tile_note = pp_tile, "pingpong", pingpong_note
+    if pingpong.chosen and pingpong_clusters(op, pingpong.tile):
+        tile, schedule, tile_note = pingpong.tile, "pingpong", pingpong.why
     cluster, cluster_note = _pick_cluster(op, tile, m, n, k, "bfloat16", 1, "none", schedule)
     if forced_cluster and variants.supports(op, tile, forced_cluster, "bfloat16", 1, one_pass, schedule=schedule):
         cluster, cluster_note = forced_cluster, f"; cluster {forced_cluster[0]}x{forced_cluster[1]} (forced)"
@@ -676,15 +675,25 @@ def _table_variant(op: str, verdict: tables.Verdict, rule: tuple, rule_note: str
     return tile, schedule, cluster, f"{named}: {where} measured this variant fastest here ({measured}{row.source})"
 
 
-def _wide_pingpong_rule(
-    op: str, batch: int, m: int, n: int, k: int, sm_count: int, tile, forced_cluster
-) -> tuple[tuple, str]:
-    """(tile, why) of the wide ping-pong tile a compute-bound fwd/dgrad runs instead of the
-    cooperative `tile`: the best of op's _PINGPONG_WIDE_PRIORS compiled for op (in
-    `forced_cluster`, a force block's, if one is), by utilization times prior, where it
-    beats the cooperative pick's; ((), "") where none does."""
+class PingPong(NamedTuple):
+    """A ping-pong rule's verdict for a fwd/dgrad GEMM: whether it runs the ping-pong
+    schedule (else the cooperative tiles), on which tile, and why (for Plan.reason)."""
+
+    chosen: bool
+    tile: tuple = ()
+    why: str = ""
+
+
+_COOPERATIVE = PingPong(False)
+
+
+def _wide_pingpong_rule(op: str, batch: int, m: int, n: int, k: int, sm_count: int, tile, forced_cluster) -> PingPong:
+    """The wide ping-pong tile a compute-bound fwd/dgrad runs instead of the cooperative
+    `tile`: the best of op's _PINGPONG_WIDE_PRIORS compiled for op (in `forced_cluster`, a
+    force block's, if one is), by utilization times prior, where it beats the cooperative
+    pick's; not chosen where none does."""
     if k < _PINGPONG_WIDE_MIN_K or n < _CLUSTER_MIN_N:
-        return (), ""
+        return _COOPERATIVE
     best, best_score, best_note = (), _tile_score(tile, batch, m, n, sm_count, _TILE_PRIOR.get(tile[:2], 0.8))[0], ""
     for wide, prior in _PINGPONG_WIDE_PRIORS.get(op, {}).items():
         clusters = pingpong_clusters(op, wide)
@@ -694,8 +703,10 @@ def _wide_pingpong_rule(
         if score > best_score:
             best, best_score, best_note = wide, score, note
     if not best:
-        return (), ""
-    return best, f"{best_note}, ping-pong (K={k}: each tile's epilogue runs under the other warpgroup's MMAs)"
+        return _COOPERATIVE
+    return PingPong(
+        True, best, f"{best_note}, ping-pong (K={k}: each tile's epilogue runs under the other warpgroup's MMAs)"
+    )
 
 
 def is_wide_tile(tile) -> bool:
@@ -723,14 +734,19 @@ def _pingpong_tile(op: str, forced_tile, forced_schedule: str | None) -> tuple[i
     return _PINGPONG_TILE
 
 
-def pingpong_rule(op: str, n: int, k: int, tile=_PINGPONG_TILE, forced_schedule: str | None = None) -> str:
-    """Why fwd/dgrad run the ping-pong tiles here ("": the cooperative tiles);
-    forced_schedule: a force block's schedule pin, which wins over the rule."""
+def pingpong_rule(op: str, n: int, k: int, tile=_PINGPONG_TILE, forced_schedule: str | None = None) -> PingPong:
+    """Whether fwd/dgrad run the ping-pong `tile` here, and why: forced_schedule (a force
+    block's schedule pin) where one is, else the short-K dgrad rule (the wide tiles' own
+    rule is _wide_pingpong_rule)."""
     if forced_schedule:
-        return f"{tile[0]}x{tile[1]} ping-pong tiles (forced)" if forced_schedule == "pingpong" else ""
+        if forced_schedule != "pingpong":
+            return _COOPERATIVE
+        return PingPong(True, tuple(tile), f"{tile[0]}x{tile[1]} ping-pong tiles (forced)")
     if op == "dgrad" and _PINGPONG_DGRAD_MIN_K <= k <= _PINGPONG_DGRAD_MAX_K and n >= _PINGPONG_DGRAD_MIN_N:
-        return (
-            f"128x128 ping-pong tiles ({_PINGPONG_DGRAD_MIN_K} <= K={k} <= {_PINGPONG_DGRAD_MAX_K}: one warpgroup's epilogue "
-            "runs under the other's MMAs)"
+        return PingPong(
+            True,
+            tuple(tile),
+            f"128x128 ping-pong tiles ({_PINGPONG_DGRAD_MIN_K} <= K={k} <= {_PINGPONG_DGRAD_MAX_K}: one warpgroup's "
+            "epilogue runs under the other's MMAs)",
         )
-    return ""
+    return _COOPERATIVE
