@@ -16,9 +16,10 @@ projection's activation is its forward GEMM's "gated" epilogue (docs/architectur
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -32,25 +33,41 @@ from jax_cake.primitives import partitioning
 _log = logging.getLogger("jax_cake")
 
 
-def _run_projection(fn, x3, w3, residual, r3, acc3, deterministic, request, out, to_y):
-    """The validated projection with its epilogue options. r3 / acc3: the residual and the
-    running sum in the GEMM convention; to_y: y3 -> y in the caller's layout."""
-    if acc3 is not None:
-        validation.check_accumulator_varying(fn, x3, w3, acc3)
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ProjectionCall:
+    """A validated dense_projection or batched_projection call in the batched GEMM
+    convention (x3 [B, T, d_in], w3 [B, d_out, d_in]), with its epilogue options."""
+
+    fn: str  # the op's name, for the errors
+    x3: Any
+    w3: Any
+    deterministic: bool
+    residual: Any  # as given (None: no residual)
+    r3: Any  # the residual in the GEMM convention, [B, T, d_out]
+    acc3: Any  # None, or the running sum of w's gradient in the GEMM convention
+    out_request: Any  # None, or the PartitionSpec asked of y3 where y3 has it as it is
+    out_sharding: Any  # None, or validation.check_out_sharding's (spec, sharding)
+    to_y: Callable[[Any], Any]  # y3 -> y in the caller's layout
+
+
+def _run_projection(call: _ProjectionCall):
+    """The validated projection with its epilogue options."""
+    if call.acc3 is not None:
+        validation.check_accumulator_varying(call.fn, call.x3, call.w3, call.acc3)
     # The residual goes into the forward GEMM's epilogue unless the output is resharded
     # or the call accumulates: then it is added to the finished output.
-    fuse_residual = residual is not None and acc3 is None and out is None
+    fuse_residual = call.residual is not None and call.acc3 is None and call.out_sharding is None
     y3 = projection.project(
-        x3,
-        w3,
-        deterministic=deterministic,
-        residual=r3 if fuse_residual else None,
-        accumulator=acc3,
-        out_request=request,
+        call.x3,
+        call.w3,
+        deterministic=call.deterministic,
+        residual=call.r3 if fuse_residual else None,
+        accumulator=call.acc3,
+        out_request=call.out_request,
     )
-    y = partitioning.apply_out_sharding(to_y(y3), out)
-    if residual is not None and not fuse_residual:
-        y = projection.add_residual(residual, remat.name_output(y))
+    y = partitioning.apply_out_sharding(call.to_y(y3), call.out_sharding)
+    if call.residual is not None and not fuse_residual:
+        y = projection.add_residual(call.residual, remat.name_output(y))
     return remat.name_output(y)
 
 
@@ -102,16 +119,18 @@ def dense_projection(x, w, *, deterministic: bool = True, grad_accumulator=None,
     # The asked-for sharding reaches the GEMM where y3 has it as it is (x of rank 2).
     request = P(None, *out[0]) if out is not None and x.ndim == 2 else None
     return _run_projection(
-        fn,
-        partitioning.merge_leading(x),
-        jnp.reshape(w, one),
-        residual,
-        None if residual is None else partitioning.merge_leading(residual),
-        None if grad_accumulator is None else jnp.reshape(grad_accumulator, one),
-        deterministic,
-        request,
-        out,
-        lambda y3: jnp.reshape(y3, lead + (d_out,)),
+        _ProjectionCall(
+            fn=fn,
+            x3=partitioning.merge_leading(x),
+            w3=jnp.reshape(w, one),
+            deterministic=deterministic,
+            residual=residual,
+            r3=None if residual is None else partitioning.merge_leading(residual),
+            acc3=None if grad_accumulator is None else jnp.reshape(grad_accumulator, one),
+            out_request=request,
+            out_sharding=out,
+            to_y=lambda y3: jnp.reshape(y3, lead + (d_out,)),
+        )
     )
 
 
@@ -140,7 +159,18 @@ def batched_projection(x, w, *, deterministic: bool = True, grad_accumulator=Non
     out = validation.check_out_sharding(fn, out_sharding, (x.shape[0], x.shape[1], w.shape[1]))
     request = out[0] if out is not None else None
     return _run_projection(
-        fn, x, w, residual, residual, grad_accumulator, deterministic, request, out, lambda y3: y3
+        _ProjectionCall(
+            fn=fn,
+            x3=x,
+            w3=w,
+            deterministic=deterministic,
+            residual=residual,
+            r3=residual,
+            acc3=grad_accumulator,
+            out_request=request,
+            out_sharding=out,
+            to_y=lambda y3: y3,
+        )
     )
 
 
