@@ -46,6 +46,7 @@ from jax import lax
 
 from jax_cake import remat
 from jax_cake.pipeline import grouped
+from jax_cake.primitives import partitioning
 
 _BF16, _F32 = jnp.bfloat16, jnp.float32
 
@@ -159,6 +160,11 @@ def combine(outputs, expert_weights, valid):
 
 def moe_mlp(x, w_gate, w_up, w_down, expert_ids, expert_weights, *, activation: str, deterministic: bool):
     """y [T, d] bf16 of validated operands (module docstring)."""
+    # Inside shard_map every operand varies over the same manual axes (a replicated x next
+    # to device-dependent ids: pcast's transpose then sums dx over those axes).
+    x, w_gate, w_up, w_down, expert_ids, expert_weights = partitioning.to_common_varying(
+        x, w_gate, w_up, w_down, expert_ids, expert_weights
+    )
     t, k = expert_ids.shape
     groups = w_gate.shape[0]
     perm, inv, group_sizes, valid = route(expert_ids, groups)
