@@ -65,19 +65,19 @@ def test_train_step_fails_when_the_loss_does_not_fall():
     assert proc.returncode == 1 and "the loss did not fall" in proc.stderr, proc.stdout + proc.stderr
 
 
-def test_moe_router():
-    assert_loss_went_down(
-        run_example(
-            "moe_router.py",
-            "--steps=12",
-            "--tokens=128",
-            "--d_model=32",
-            "--d_ff=64",
-            "--experts=16",
-            "--lr=1e-2",
-            "--log_every=1",
-        )
-    )
+MOE_FLAGS = ("--steps=12", "--tokens=128", "--d_model=32", "--d_ff=64", "--experts=8", "--log_every=1")
+
+
+def test_moe_train():
+    """The dropless MoE block (router_logits, top-k, moe_mlp, the balance loss) trains."""
+    stdout = run_example("moe_train.py", *MOE_FLAGS, "--lr=1e-2")
+    assert_loss_went_down(stdout)
+    assert "E 8, top_k 2, dropless" in stdout
+
+
+def test_moe_train_fails_when_the_loss_does_not_fall():
+    proc = run_process("moe_train.py", *MOE_FLAGS[1:], "--steps=3", "--lr=0")
+    assert proc.returncode == 1 and "the loss did not fall" in proc.stderr, proc.stdout + proc.stderr
 
 
 def assert_gradients_matched(stdout):
@@ -97,7 +97,7 @@ def test_shard_map_projection():
 @pytest.mark.gpu
 @pytest.mark.full  # three examples, each in a fresh process
 def test_examples_on_gpu():
-    for name in ("train_step.py", "moe_router.py"):
+    for name in ("train_step.py", "moe_train.py"):
         stdout = run_example(name, platform="cuda")
         assert stdout.startswith("backend gpu"), stdout
         assert_loss_went_down(stdout)

@@ -28,3 +28,6 @@ def test_readme_python_snippets_run():
     # H v of 0.5 |x w^T|^2 is v x^T x: with x and v all ones, 512 tokens x 256 = 131072.
     assert scope["hvp"].dtype == jnp.float32 and scope["hvp"].shape == (48, 256)
     assert float(scope["hvp"].min()) == float(scope["hvp"].max()) == 512 * 256
+    # the dropless MoE MLP: FP32 gradients of the FP32 master experts, and of the routing weights
+    assert [g.dtype for g in scope["moe_grads"][0]] == [jnp.float32] * 3
+    assert scope["moe_grads"][1].dtype == jnp.float32 and scope["moe_grads"][1].shape == (64, 2)
