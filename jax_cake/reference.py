@@ -33,8 +33,10 @@ def _bmm(a, b, contract_a: int, contract_b: int, out_dtype):
     0.10.2 converts the BF16 operands to FP32 and runs an FP32 x FP32 dot, another
     summation order than its BF16 x BF16 -> FP32 dot: a few results land one BF16 step
     away; jaxlib 0.11.2 gives the FP32 dot's bits). On CUDA the dot asks for out_dtype
-    directly: cuBLAS rounds its FP32 accumulator once and writes the BF16 result itself,
-    with no FP32 result and convert pass behind it."""
+    directly, where XLA's GEMMs round their FP32 accumulator once (cuBLAS; a Triton GEMM's
+    split-K partial sums stay FP32 under XLA's default flags) and write the BF16 result
+    themselves, with no FP32 result and convert pass behind it (the plan table's xla rows
+    send BF16 forwards and input gradients to this dot on the H200)."""
     dims = (((contract_a,), (contract_b,)), ((0,), (0,)))
     if jnp.dtype(out_dtype) == jnp.dtype(_F32):
         return lax.dot_general(a, b, dims, preferred_element_type=_F32)
