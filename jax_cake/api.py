@@ -502,7 +502,9 @@ def grouped_gated_projection(x, w_gate, w_up, group_sizes, *, activation: str = 
     return remat.name_output(h)
 
 
-def moe_mlp(x, w_gate, w_up, w_down, expert_ids, expert_weights, *, activation: str = "silu", deterministic: bool = True):
+def moe_mlp(
+    x, w_gate, w_up, w_down, expert_ids, expert_weights, *, activation: str = "silu", deterministic: bool = True
+):
     """y[t] = sum_j expert_weights[t, j] * MLP_{expert_ids[t, j]}(x[t]): a dropless
     mixture-of-experts SwiGLU / GeGLU MLP (every routed token is computed; no capacity).
 

@@ -384,7 +384,8 @@ def test_bitwise_repeatable_and_eager_equals_jit():
     x, dy, ws = _x(), _dy(), _weights()
     ids, ew = _routing("empty_experts", 2)
     first = _moe_vjp_jit(x, *ws, ids, ew, dy)
-    for again in (_moe_vjp_jit(x, *ws, ids, ew, dy), jax.jit(_moe_vjp)(x, *ws, ids, ew, dy), _moe_vjp(x, *ws, ids, ew, dy)):
+    args = (x, *ws, ids, ew, dy)
+    for again in (_moe_vjp_jit(*args), jax.jit(_moe_vjp)(*args), _moe_vjp(*args)):
         for a, b in zip(first, again):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -350,7 +350,9 @@ def check_grouped_gated_operands(fn: str, x, w_gate, w_up, group_sizes, activati
     return activation, deterministic
 
 
-def check_moe_operands(fn: str, x, w_gate, w_up, w_down, expert_ids, expert_weights, activation: Any, deterministic: Any):
+def check_moe_operands(
+    fn: str, x, w_gate, w_up, w_down, expert_ids, expert_weights, activation: Any, deterministic: Any
+):
     """deterministic, activation; x [T, d] bf16; w_gate, w_up [G, d_ff, d] and w_down [G, d,
     d_ff] bf16 or f32 (G, d, d_ff consistent); expert_ids [T, k] of an integer dtype, k >=
     1; expert_weights [T, k] float32 or bfloat16. Returns (activation, deterministic)."""
@@ -380,7 +382,9 @@ def check_moe_operands(fn: str, x, w_gate, w_up, w_down, expert_ids, expert_weig
             f"got expert_ids of shape {tuple(expert_ids.shape)}"
         )
     if expert_ids.shape[1] < 1:
-        raise ValueError(f"{fn}: expert_ids must route each token to k >= 1 experts, got shape {tuple(expert_ids.shape)}")
+        raise ValueError(
+            f"{fn}: expert_ids must route each token to k >= 1 experts, got shape {tuple(expert_ids.shape)}"
+        )
     check_array(fn, "expert_weights", expert_weights)
     check_dtype(fn, "expert_weights", expert_weights, (jnp.float32, jnp.bfloat16), "")
     if tuple(expert_weights.shape) != tuple(expert_ids.shape):
