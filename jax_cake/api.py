@@ -527,6 +527,10 @@ def moe_mlp(
     the grouped GEMMs run XLA's ragged dot (with FP32 results) on every backend; no grouped
     kernel is built yet.
 
+    Sharding: jit with sharded tokens works (Auto axes: XLA partitions the routing; Explicit
+    axes: the tokens are gathered for the routing's sort and y gets x's sharding back, each
+    gradient its primal's); weights sharded on d_ff or d_in as in grouped_projection.
+
     Args:
       x: [T, d] bfloat16 tokens.
       w_gate, w_up: [G, d_ff, d] bfloat16 or float32 (master weights, as in

@@ -34,6 +34,13 @@ where today: the sort, the gathers and the combine are XLA ops, the grouped GEMM
 path of jax_cake.primitives.grouped (XLA's ragged dot with FP32 results) on every backend;
 fusing the gather into the first GEMM's loads and the routing weight into the down GEMM's
 epilogue waits for the grouped kernels.
+
+Sharding: under jit with Auto axes XLA partitions the sort and the gathers itself; under
+Explicit axes the tokens (x, expert_ids, expert_weights) are gathered for the routing, a
+sort over every token, and y gets x's sharding back (the weights keep theirs: the grouped
+GEMMs' rules). Inside shard_map each device routes its own tokens to the experts it
+holds: with ids shifted by the device's first expert, the others are out of range and
+contribute 0, and a psum over the expert axis completes the layer.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jax_cake import remat
 from jax_cake.pipeline import grouped
@@ -165,6 +173,19 @@ def moe_mlp(x, w_gate, w_up, w_down, expert_ids, expert_weights, *, activation: 
     x, w_gate, w_up, w_down, expert_ids, expert_weights = partitioning.to_common_varying(
         x, w_gate, w_up, w_down, expert_ids, expert_weights
     )
+    mesh = partitioning.explicit_mesh(x, expert_ids, expert_weights)
+    if mesh is not None:
+        # Explicit axes: the routing is a global sort over every token, so the tokens are
+        # gathered for it (the layer runs whole on every device) and y gets x's sharding back.
+        # Expert parallelism at scale is shard_map's (per-device routing, module docstring).
+        x_spec = jax.typeof(x).sharding.spec
+        x, expert_ids, expert_weights = (partitioning.reshard_to(a, P()) for a in (x, expert_ids, expert_weights))
+        y = _layer(x, w_gate, w_up, w_down, expert_ids, expert_weights, activation, deterministic)
+        return partitioning.reshard_to(y, x_spec)
+    return _layer(x, w_gate, w_up, w_down, expert_ids, expert_weights, activation, deterministic)
+
+
+def _layer(x, w_gate, w_up, w_down, expert_ids, expert_weights, activation: str, deterministic: bool):
     t, k = expert_ids.shape
     groups = w_gate.shape[0]
     perm, inv, group_sizes, valid = route(expert_ids, groups)
