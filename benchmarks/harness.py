@@ -307,6 +307,24 @@ def flush(buf):
     return buf ^ jnp.uint32(0x9E3779B9)
 
 
+# The oldest jax whose XLA keeps repeated identical steps apart across optimization
+# barriers: jaxlib 0.10.2's compiler merged three identical dots between barriers into one
+# (seen on CPU, 2026-12-06), so a steps program there would time fewer steps than it names.
+STEPS_KEPT_SINCE = (0, 11)
+
+
+def require_steps_kept() -> None:
+    """Refuses to time on a GPU with a jax older than STEPS_KEPT_SINCE (CPU runs, the
+    tests' smoke runs, go on: nothing is timed there)."""
+    import jax
+
+    if jax.__version_info__ < STEPS_KEPT_SINCE and jax.default_backend() == "gpu":
+        raise RuntimeError(
+            f"the benchmarks need jax >= {'.'.join(map(str, STEPS_KEPT_SINCE))} to time on a GPU "
+            f"(this is {jax.__version__}, whose XLA merges the repeated steps of a timed program)"
+        )
+
+
 def steps_program(step: Callable | None, steps: int) -> Callable:
     """(buf, x, w, dy) -> (buf, every step's outputs): `steps` x (step, flush).
 
@@ -319,6 +337,8 @@ def steps_program(step: Callable | None, steps: int) -> Callable:
     with them the step.
     """
     import jax
+
+    require_steps_kept()
 
     def program(buf, x, w, dy):
         outs = []

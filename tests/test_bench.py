@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import jax
 from absl.testing import absltest, parameterized
@@ -133,6 +134,8 @@ class StepsProgramTest(parameterized.TestCase):
         arm=["det", "xla"], op_and_dots=[("fwd", 1), ("dgrad", 1), ("wgrad", 1), ("bwd", 2), ("2fwd+bwd", 4)]
     )
     def test_every_step_runs_between_flushes(self, arm, op_and_dots):
+        if jax.__version_info__ < harness.STEPS_KEPT_SINCE:
+            self.skipTest(f"jax {jax.__version__} merges the repeated steps; the harness refuses to time on it")
         op, dots = op_and_dots
         steps = 3
         args = harness.make_inputs(harness.Point(64, 128, 32, "float32"), flush_mb=1)
@@ -144,6 +147,15 @@ class StepsProgramTest(parameterized.TestCase):
             elif re.search(r"= \S+ dot\(", line) or "kind=kCustom" in line:
                 sequence += "D"
         self.assertEqual(sequence, ("D" * dots + "F") * steps)
+
+
+class RequireStepsKeptTest(absltest.TestCase):
+    def test_refuses_to_time_on_a_gpu_with_an_old_jax(self):
+        with mock.patch.object(jax, "__version_info__", (0, 10, 2)):
+            harness.require_steps_kept()  # on the CPU: nothing is timed
+            with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+                with self.assertRaisesRegex(RuntimeError, "need jax >= 0.11 to time on a GPU"):
+                    harness.require_steps_kept()
 
 
 class ArmsLowerForTheH200Test(parameterized.TestCase):

@@ -46,6 +46,8 @@ def steps_program(step: Callable, n: int) -> Callable:
     (the step first, barriers around each step, the flush after it), with h carried."""
     import jax
 
+    harness.require_steps_kept()
+
     def program(buf, x, w, h):
         for _ in range(n):
             buf, x, w, h = jax.lax.optimization_barrier((buf, x, w, h))
