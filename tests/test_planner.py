@@ -73,6 +73,13 @@ def test_unsupported_device_runs_xla_and_says_why(device, words):
         assert w in text
 
 
+@pytest.mark.parametrize("op", ["fwd", "wgrad", "router_fwd", "router_dgrad", "router_wgrad"])
+def test_a_gpu_of_unknown_sm_count_runs_xla_and_says_why(op):
+    """Every op, the router's too (it once divided by the missing count)."""
+    p = jc.plan(op, tokens=4096, d_in=512, d_out=256, device=AbstractDevice("NVIDIA H200", None, "cuda"))
+    assert not p.uses_kernel and "the SM count of NVIDIA H200 is unknown" in jc.explain(p)
+
+
 def test_unaligned_shape_runs_xla_and_says_why():
     p = jc.plan("fwd", tokens=37, d_in=20, d_out=12, device=H200)
     assert not p.uses_kernel and "multiples of 8" in jc.explain(p)

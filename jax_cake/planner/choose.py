@@ -589,7 +589,10 @@ def plan_with(
         return _xla_plan(*args, reason)
     if min(batch, tokens, d_in, d_out) == 0:
         return _xla_plan(*args, "an empty dimension: nothing to compute on the GPU")
+    unknown_sms = f"the SM count of {dev.kind} is unknown"
     if op.startswith("router_"):
+        if dev.sm_count is None:
+            return _xla_plan(*args, unknown_sms)
         return _router_plan(op, batch, m, n, k, dev, d_in, d_out)
     if d_in % _ALIGN_ELEMENTS or d_out % _ALIGN_ELEMENTS:
         return _xla_plan(
@@ -597,7 +600,7 @@ def plan_with(
             f"d_in={d_in} and d_out={d_out} must be multiples of {_ALIGN_ELEMENTS} for the kernels' 16-byte TMA strides: XLA dot_general with the same semantics",
         )
     if dev.sm_count is None:
-        return _xla_plan(*args, f"the SM count of {dev.kind} is unknown")
+        return _xla_plan(*args, unknown_sms)
 
     verdict = tables.verdict(
         dev.arch, dev.sm_count, d_in, d_out, out_dtype, tokens, op=op, batch=batch, deterministic=deterministic
