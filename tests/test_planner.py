@@ -80,6 +80,22 @@ def test_a_gpu_of_unknown_sm_count_runs_xla_and_says_why(op):
     assert not p.uses_kernel and "the SM count of NVIDIA H200 is unknown" in jc.explain(p)
 
 
+def test_force_gemm_pins_only_the_gemm_it_names():
+    """force(gemm=...) leaves every other plan the planner's own: a grouped GEMM's reason
+    and a fused accumulating wgrad's raster."""
+    from jax_cake.planner.accumulate import plan_accumulate
+
+    sizes = dict(tokens=4096, d_in=512, d_out=256)
+    with jc.planner.force("xla", gemm=("fwd", 1, 1, 1)):
+        grouped = jc.plan("grouped_fwd", **sizes, groups=8, device=H200)
+    assert "forced" not in grouped.reason and "no grouped" in grouped.reason
+    own = plan_accumulate(**sizes, device=H200)
+    with jc.planner.force("det", raster="n", gemm=("fwd", 1, 1, 1)):
+        assert plan_accumulate(**sizes, device=H200) == own
+    with jc.planner.force("det", raster="n"):
+        assert plan_accumulate(**sizes, device=H200).raster == "n"
+
+
 def test_unaligned_shape_runs_xla_and_says_why():
     p = jc.plan("fwd", tokens=37, d_in=20, d_out=12, device=H200)
     assert not p.uses_kernel and "multiples of 8" in jc.explain(p)

@@ -65,6 +65,7 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
     if not base.uses_kernel:
         return base
     m, n, k, sm_count = base.m, base.n, base.k, base.sm_count
+    pins = overrides.for_gemm(block, "wgrad", m, n, k)  # the block's pins where they name this GEMM
     # As the wgrad planner: 64-row tiles (one consumer warpgroup) only where reading the
     # operands bounds the GEMM; ordered K splits to fill the SMs there, or to fill the
     # last wave where the GEMM is compute bound.
@@ -87,8 +88,7 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
             tile,
             splits=splits,
             reduction=reduction,
-            # the block's raster pin, whether or not its gemm= names this GEMM
-            raster=choose.raster("wgrad", None if block is None else block.raster),
+            raster=choose.raster("wgrad", None if pins is None else pins.raster),
             workspace_bytes=variants.workspace_bytes(splits, code, batch, m, n, "float32"),
             reason=f"gradient accumulation in the wgrad kernel, bitwise reproducible: {how}; {tile_note}",
         )

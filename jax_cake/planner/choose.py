@@ -544,6 +544,7 @@ def plan_with(
         raise ValueError(f"plan: out_dtype of {op} must be {' or '.join(allowed)}, got {out_dtype}")
     dev = device_lib.current() if device is None else device_lib.from_jax_device(device)
     if op in GROUPED_OPS:
+        pins = overrides.for_gemm(block, op, *grouped.gemm_dims(op, tokens, d_in, d_out))
         return grouped.plan_grouped(
             op,
             tokens=tokens,
@@ -553,8 +554,7 @@ def plan_with(
             out_dtype=out_dtype,
             dev=dev,
             symbolic=tuple(symbolic),
-            # the whole block's program: gemm= (a fwd, dgrad or wgrad GEMM) does not filter it
-            program_pin=None if block is None else block.program,
+            program_pin=None if pins is None else pins.program,
         )
 
     if op in ("fwd", "router_fwd"):
