@@ -91,7 +91,7 @@ ROUTER_XLA_MAX_EXPERTS = 16
 # whole weight once the weight's rows exceed a wave (B operand 4096 x 14336 bf16: 117 MB
 # against the H200's 60 MB L2), so fwd and dgrad walk in bands of _RASTER_BAND_FWD
 # cluster rows: a wave then covers about as many A rows as B rows. Measured on the H200
-# (jax 0.11.2, 2026-12-04, power_state, T 8192): bands of 8 beat the N-first walk by 1-10 %
+# (jax 0.11.2, 2026-12-04, a GEMM back to back, T 8192): bands of 8 beat the N-first walk by 1-10 %
 # at eight Llama shapes and tie at 4096 -> 4096, whose weight fits in L2; where all N tiles
 # fit in a band the walk is the N-first one's. Walking M first instead re-reads A (x, 134 MB
 # at T 16384, d_in 4096) once per N tile: the fwd at d_out 192 / 384 (3 N tiles) took 104 /
@@ -124,10 +124,10 @@ _PINGPONG_TILE = (128, 128, 64)
 # loop. The priors are fitted to the H200's measurements (jax 0.11.2, T 8192, bands of 8;
 # docs/planner.md): 128 x 192 ran 0.7-2 % faster than the cooperative 128 x 256 at N = 6144,
 # 8192 and 14336, a tie at 28672, and 2-4 % slower at N = 4096, whose last 192-wide tile is
-# a third full (2026-12-04, power_state). The fwd 128 x 160 ran 3 % faster than 128 x 192 at
+# a third full (2026-12-04, a GEMM back to back). The fwd 128 x 160 ran 3 % faster than 128 x 192 at
 # N = 14336 (median of 4 paired groups; 192 led two by under 0.3 %), 4.5 % slower at
 # N = 8192, 0.9 % slower at 4096 -> 28672 and within 0.1 % at 4096 -> 6144 and
-# 8192 -> 28672 (2026-12-04, core_bench), about as its score predicts. The dgrad
+# 8192 -> 28672 (2026-12-04, the benchmark's core family), about as its score predicts. The dgrad
 # 128 x 160 (a 64-byte swizzle of its N-major B tile) ran 3-4 % slower than its score
 # predicts at N = 8192 and 28672, and 0.6 % faster than 128 x 192 at N = 14336 with 192
 # winning two of the four groups: the rule leaves it to force().

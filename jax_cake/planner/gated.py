@@ -59,17 +59,16 @@ GATE_UP_DGRAD_ENABLED = True
 GATED_EPILOGUE_ENABLED = True
 # Whether plan_gate_grad may plan the gradient kernel by default (epilogue=None). Held back:
 # in the SwiGLU MLP step (H200, jax 0.11.2, 2026-12-03, T 8192, 4096 -> 14336 -> 4096,
-# `python -m jax_cake.tools.step_profile --case=mlp --timeline --gate_grad_epilogue`) the
+# each kernel's device time in the step, the gradient epilogue forced on) the
 # kernel ran 2388 us where the plain dgrad and the XLA passes it replaces took 1306 + 549,
 # and the step 13.84 ms against 13.15. Its epilogue's gu loads and doubled stores are not
 # hidden behind the other warpgroup's K loop (docs/benchmarks.md).
 GATE_GRAD_EPILOGUE_ENABLED = False
 # The tile the gated epilogue runs on unless a force() pins another: the ping-pong
 # 128 x 192, whose gu and h stores run under the other warpgroup's K loop. Measured on the
-# H200 (jax 0.11.2, 2026-12-03, `python -m jax_cake.tools.gated_bench --runs=2 --modes=g
-# --groups=8`, T 8192, 4096 -> 2 x 14336, device time): fused on it 2814 us, on the
-# cooperative 128 x 256 c2x1 tile 3168 us, the plain forward + XLA pass 3079 us, XLA's dot
-# + pass 3036 us. Where the forward planner picks a narrower tile than its wide ones
+# H200 (jax 0.11.2, 2026-12-03, the benchmark's gated family, 8 paired groups, T 8192,
+# 4096 -> 2 x 14336, device time): fused on it 2814 us, on the cooperative 128 x 256 c2x1
+# tile 3168 us, the plain forward + XLA pass 3079 us, XLA's dot + pass 3036 us. Where the forward planner picks a narrower tile than its wide ones
 # (choose.is_wide_tile; smaller shapes) the pass runs after the GEMM.
 GATED_TILE = (128, 192, 64)
 GATED_SCHEDULE = "pingpong"

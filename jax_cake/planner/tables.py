@@ -12,7 +12,7 @@ token counts excluded from the row, and where the verdict came from:
   a tile, schedule and cluster names the variant measured fastest at that point, which
   plan() runs instead of its rule's pick (under both values of `deterministic`: fwd and
   dgrad are one pass over K, reproducible either way); written by
-  `python -m jax_cake.tools.tune_tiles`.
+  `python -m benchmarks.tune_tiles`.
 The first row (in file order) that matches, covers the token count and does not exclude
 it wins; no such row: the deterministic program.
 """
@@ -249,7 +249,7 @@ def verdict(
 
 def is_tile_row(row: Mapping) -> bool:
     """Whether a row in its JSON form is a per-shape tile row (a det row naming its variant,
-    written by jax_cake.tools.tune_tiles)."""
+    written by benchmarks.tune_tiles)."""
     return row.get("program") == "det" and row.get("tile") is not None
 
 

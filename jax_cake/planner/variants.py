@@ -188,7 +188,7 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # local memory. 128 x 208: the widest ping-pong tile that fits in registers (208
     # accumulator registers per thread under the wide 24 / 240 split; no stack; 5 A/B
     # stages, 3 epilogue buffers of 16 columns), the fewest operand bytes per FLOP of the
-    # ping-pong tiles. On the H200 (core_bench, 2026-12-05; docs/benchmarks.md) 176 was the
+    # ping-pong tiles. On the H200 (the benchmark's core family, 2026-12-05; docs/benchmarks.md) 176 was the
     # best forward at 4096 -> 6144 (1.5 %) and 8192 -> 28672, 208 at 4096 -> 28672 (1.3 %
     # past the planner's 128 x 192), each slower elsewhere; the wide rule's tile score
     # cannot tell these apart, so the planner runs them only where a plan-table tile row
