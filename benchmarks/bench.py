@@ -14,6 +14,8 @@ Run it from the repository root (it imports this checkout's jax_cake). Families
 - residual: y = r + x w^T, the add in the forward kernel against a separate add and XLA;
 - accumulate: micro-batch gradient accumulation, the sum in the wgrad kernel;
 - gated: the SwiGLU / GeGLU forward, the activation in the GEMM epilogue;
+- grouped: grouped_projection (MoE experts) against XLA's, cuDNN's and tokamax's ragged dot
+  and a dense GEMM of the same FLOPs;
 - core: every fwd/dgrad GEMM variant forced against XLA's dot at the Llama shapes
   (its CSV feeds `python -m benchmarks.tune_tiles`);
 - model: whole training steps (value_and_grad and Adam) against idiomatic XLA.
@@ -32,7 +34,7 @@ import sys
 from absl import app, flags
 
 from benchmarks import harness, plan_rule
-from benchmarks.families import accumulate, batched, core, dense, gated, model, residual, router
+from benchmarks.families import accumulate, batched, core, dense, gated, grouped, model, residual, router
 from jax_cake.reference import ACTIVATIONS
 
 FAMILIES = {
@@ -44,6 +46,7 @@ FAMILIES = {
         residual.FAMILY,
         accumulate.FAMILY,
         gated.FAMILY,
+        grouped.FAMILY,
         core.FAMILY,
         model.FAMILY,
     )
@@ -68,6 +71,7 @@ def define_flags() -> None:
     flags.DEFINE_list("rasters", [], "core: also time each variant with these tile walks (m, n, m<B>).")
     flags.DEFINE_bool("allow_few_reps", False, "core: allow --groups x --steps < 15.")
     model.define_flags()
+    grouped.define_flags()
     flags.DEFINE_string("csv", None, "Write the table as CSV here.")
     flags.DEFINE_string("md", None, "Write the markdown table here.")
     flags.DEFINE_list("merge", None, "dense, router, batched: CSVs of earlier runs; print one table over their rows.")
