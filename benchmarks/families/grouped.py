@@ -422,9 +422,16 @@ def measure(point: GroupedPoint, routing: str, arms: Sequence[str], ops: Sequenc
         if not programs:
             continue
         timer = harness.make_timer(timer_kind, inputs.buf, FLAGS.steps)
-        for arm, program in programs.items():  # warm-up: graph instantiation, autotuning, lazy loading
-            timer.buf = program(timer.buf, *args[arm])[0]
-        jax.block_until_ready(timer.buf)
+        for arm, program in list(programs.items()):  # warm-up: graph instantiation, autotuning, lazy loading
+            try:
+                timer.buf = jax.block_until_ready(program(timer.buf, *args[arm])[0])
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: reported per (op, arm), not timed
+                out[op, arm] = (None, f"{op} failed to run ({first_line(e)})")
+                del programs[arm]
+                timer.buf = harness.flush_buffer(FLAGS.flush_mb)  # the failed call may have consumed it
+        if not programs:
+            inputs.buf = timer.buf
+            continue
         calls = {arm: (lambda b, p=program, a=args[arm]: p(b, *a)[0]) for arm, program in programs.items()}
         for arm, groups_us in harness.paired_groups(timer, calls, FLAGS.groups).items():
             out[op, arm] = (groups_us, notes.get(arm, ""))
