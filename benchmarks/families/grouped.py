@@ -55,6 +55,7 @@ dense/jax_cake is the share of the dense anchor's speed jax_cake reaches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -272,41 +273,62 @@ def _as_nk(arm: str, dw):
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
-    """float64 values of y, dx and dw at sampled entries: `rows` (ROWS_PER_GROUP rows of
-    every non-empty group) of y and dx, rows `js` (SAMPLED_DW_ROWS d_out indices) of every
-    group's dw [G, d_out, d_in] (an empty group's: 0)."""
+    """float64 values of y, dx and dw at sampled entries: rows `rows[g]` (ROWS_PER_GROUP
+    rows of group g, evenly spaced) of y and dx where `filled[g]` (a non-empty group), rows
+    `js` (SAMPLED_DW_ROWS d_out indices) of every group's dw [G, d_out, d_in] (an empty
+    group's: 0)."""
 
-    rows: object
-    js: object
-    y: object
-    dx: object
-    dw: object
+    rows: object  # [G, ROWS_PER_GROUP] row indices
+    filled: object  # [G] bool
+    js: object  # [SAMPLED_DW_ROWS]
+    y: object  # [G, ROWS_PER_GROUP, d_out]
+    dx: object  # [G, ROWS_PER_GROUP, d_in]
+    dw: object  # [G, SAMPLED_DW_ROWS, d_in]
+
+
+def _reference64(x, w, dy, owner, rows, js):
+    """Under enable_x64, on the device: y and dx at rows [G, k] (group g's rows times w[g]
+    rounded to bf16), and dw[:, js, :] as a one-hot sum over every row (owner[r]: its group)."""
+    import jax
+    import jax.numpy as jnp
+
+    f64, hi = jnp.float64, jax.lax.Precision.HIGHEST
+
+    def per_group(args):
+        xg, dyg, wg = args
+        wg = wg.astype(jnp.bfloat16).astype(f64)
+        return jnp.matmul(xg.astype(f64), wg.T, precision=hi), jnp.matmul(dyg.astype(f64), wg, precision=hi)
+
+    y, dx = jax.lax.map(per_group, (x[rows], dy[rows], w))
+    onehot = (owner[:, None] == jnp.arange(w.shape[0])[None, :]).astype(f64)  # [M, G]
+    dw = jnp.einsum("mg,mj,mk->gjk", onehot, dy[:, js].astype(f64), x.astype(f64), precision=hi)
+    return y, dx, dw
+
+
+@functools.cache
+def _reference64_jit():
+    import jax
+
+    return jax.jit(_reference64)
 
 
 def reference(x, w, dy, sizes) -> Reference:
-    """Reference values from the same operands, w [G, d_out, d_in] rounded to bf16 for y and
-    dx (as every arm rounds it), on the host in float64: each group's weight once."""
-    import jax.numpy as jnp
+    """Reference values from the same operands (w [G, d_out, d_in] rounded to bf16 for y and
+    dx, as every arm rounds it), in float64 on the device: one program, whatever G."""
+    import jax
     import numpy as np
 
     sizes = np.asarray(sizes, np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)])
-    js = np.unique(np.linspace(0, w.shape[1] - 1, SAMPLED_DW_ROWS).round().astype(np.int64))
-    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-    x_host, dy_js = f64(x), f64(dy[:, js])
-    rows, y_ref, dx_ref, dw_ref = [], [], [], []
-    for g, n in enumerate(sizes):
-        lo, hi = int(starts[g]), int(starts[g + 1])
-        dw_ref.append(dy_js[lo:hi].T @ x_host[lo:hi])
-        if not n:
-            continue
-        picked = np.unique(np.linspace(lo, hi - 1, ROWS_PER_GROUP).round().astype(np.int64))
-        wg = f64(w[g].astype(jnp.bfloat16))
-        rows.append(picked)
-        y_ref.append(x_host[picked] @ wg.T)
-        dx_ref.append(f64(dy[picked]) @ wg)
-    cat = np.concatenate
-    return Reference(cat(rows), js, cat(y_ref), cat(dx_ref), np.stack(dw_ref))
+    rows = np.stack(
+        [np.linspace(lo, max(lo, hi - 1), ROWS_PER_GROUP).round() for lo, hi in zip(starts[:-1], starts[1:])]
+    ).astype(np.int32)
+    rows = np.minimum(rows, x.shape[0] - 1)  # an empty last group's rows: any valid row, never compared
+    owner = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+    js = np.unique(np.linspace(0, w.shape[1] - 1, SAMPLED_DW_ROWS).round().astype(np.int32))
+    with jax.enable_x64(True):
+        y, dx, dw = (np.asarray(v) for v in _reference64_jit()(x, w, dy, owner, rows, js))
+    return Reference(rows, sizes > 0, js, y, dx, dw)
 
 
 def sampled_error(ref: Reference, y, dx, dw) -> dict[str, float]:
@@ -315,11 +337,13 @@ def sampled_error(ref: Reference, y, dx, dw) -> dict[str, float]:
     import jax.numpy as jnp
     import numpy as np
 
-    got = {"y": y[ref.rows], "dx": dx[ref.rows], "dw": dw[:, ref.js, :]}
+    rows = ref.rows[ref.filled]
+    got = {"y": y[rows], "dx": dx[rows], "dw": dw[:, ref.js, :]}
+    want = {"y": ref.y[ref.filled], "dx": ref.dx[ref.filled], "dw": ref.dw}
     out = {}
-    for name, want in (("y", ref.y), ("dx", ref.dx), ("dw", ref.dw)):
+    for name in ("y", "dx", "dw"):
         a = np.asarray(jnp.asarray(got[name], jnp.float32), np.float64)
-        err = np.linalg.norm(a - want) / max(float(np.linalg.norm(want)), 1e-300)
+        err = np.linalg.norm(a - want[name]) / max(float(np.linalg.norm(want[name])), 1e-300)
         out[name] = float(err) if np.all(np.isfinite(a)) else math.inf
     return out
 
