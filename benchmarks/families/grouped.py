@@ -5,8 +5,9 @@ d_in], group_sizes int32 [G])`, against XLA's and tokamax's ragged dot and a den
     python -m benchmarks.bench --family=grouped --moe_points=16384:8:4096:14336 --routings=balanced,skewed
 
 The tokamax arm on a machine without network: the wheels lie in `.whl/` at the repository
-root (git-ignored; tokamax 0.0.17 and the requirements jax does not bring; `--carry=.whl`
-where the tree is copied). Install them into a folder and put it on the path:
+root (tokamax 0.0.17 for jax >= 0.11.1 and the requirements jax does not bring, about 6 MB;
+git-ignored, so a copy of the tree must name it to take it along). Install them into a
+folder and put it on the path:
     python -m pip install --no-index --no-deps --target /tmp/tok .whl/*.whl
     PYTHONPATH=/tmp/tok python -m benchmarks.bench --family=grouped
 (`--no-deps`: pip would otherwise look for jax, flax and xprof in .whl/). tokamax's import
