@@ -1,6 +1,8 @@
-"""Test set-up: 8 fake CPU devices for the shard_map tests, the `gpu` marker, and the
-repository root on sys.path (the tests of the benchmark and the tuners import
-`benchmarks`, which lies beside the package and is not installed).
+"""Test set-up: 8 fake CPU devices for the shard_map tests, the `gpu` marker, and on
+sys.path the repository root (the tests of the benchmark and the tuners import
+`benchmarks`, which lies beside the package and is not installed) and tests/gpu (the GPU
+tests' gpu_helpers and kernel_cases, which CPU tests here import too: set here, as this
+file is loaded before any test module, whichever files a run collects).
 
 XLA_FLAGS must be set before jax starts its backends, so it is set here, at import.
 GPU tests (`@pytest.mark.gpu`) run with `pytest -m gpu` on a machine with an NVIDIA GPU
@@ -15,6 +17,9 @@ import sys
 _REPO = str(pathlib.Path(__file__).resolve().parents[1])
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
+_GPU_TESTS = str(pathlib.Path(__file__).resolve().parent / "gpu")
+if _GPU_TESTS not in sys.path:
+    sys.path.append(_GPU_TESTS)
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()

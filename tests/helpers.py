@@ -1,4 +1,7 @@
-"""Shared test utilities: random inputs, float64 references, the faked H200."""
+"""Shared test utilities (the CPU tests' and, through tests/gpu/gpu_helpers.py, the GPU
+tests'): random inputs, float64 conversion and relative error, the faked H200.
+
+Importing this module starts no backend."""
 
 import contextlib
 import os
@@ -24,13 +27,22 @@ def child_env(drop=(), **overrides) -> dict:
     return env
 
 
-def rand(key: int, shape, dtype):
-    """Fresh normal random values (never zeros), rounded to dtype."""
-    return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
+BF16 = jnp.bfloat16
+
+
+def rand(seed: int, shape, dtype=BF16, scale: float = 1.0):
+    """Normal values from jax.random.key(seed) (never all zeros), times `scale`, rounded to
+    dtype once (after the scaling)."""
+    v = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    if scale != 1.0:
+        v = v * scale
+    return v.astype(dtype)
 
 
 def f64(a) -> np.ndarray:
-    return np.asarray(jnp.asarray(a).astype(jnp.float32), dtype=np.float64)
+    """`a` (a jax or numpy array of any dtype, bf16 included; a device array is copied to
+    the host) as a float64 numpy array: every bf16 and fp32 value exactly."""
+    return np.asarray(a).astype(np.float64)
 
 
 def assert_raises_naming(error, prefix: str, words, call) -> None:
@@ -43,11 +55,51 @@ def assert_raises_naming(error, prefix: str, words, call) -> None:
         assert word in msg, msg
 
 
+def _rel_err_terms(xp, out, ref):
+    """||out - ref|| / ||ref|| with out's NaN/Inf counted as 0, and how many there are
+    (xp: numpy, or jax.numpy inside jit; out and ref already float64)."""
+    finite = xp.isfinite(out)
+    diff = xp.where(finite, out, 0.0) - ref
+    err = xp.linalg.norm(diff.ravel()) / xp.maximum(xp.linalg.norm(ref.ravel()), 1e-30)
+    return err, xp.sum(~finite)
+
+
+@jax.jit
+def _rel_err_jit(out, ref):
+    return _rel_err_terms(jnp, out.astype(jnp.float64), ref.astype(jnp.float64))
+
+
+def _rel_err_on_device(out, ref) -> tuple[float, int]:
+    """rel_err_nonfinite computed by XLA on out's device (float64 enabled for the call)."""
+    with jax.enable_x64(True):
+        err, nonfinite = _rel_err_jit(out, ref)
+        return float(err), int(nonfinite)
+
+
+def _on_accelerator(a) -> bool:
+    return isinstance(a, jax.Array) and any(d.platform != "cpu" for d in a.devices())
+
+
+def rel_err_nonfinite(out, ref) -> tuple[float, int]:
+    """(||out - ref|| / ||ref||, number of NaN/Inf in out), in float64, the non-finite
+    elements of out counted as 0 in the norm (an unwritten NaN-poisoned element shows in the
+    count, not as a NaN error). Raises AssertionError if the shapes differ.
+
+    An accelerator array is measured on its device (no float64 copy of a large output on the
+    host); anything else in numpy."""
+    if tuple(np.shape(out)) != tuple(np.shape(ref)):
+        raise AssertionError(f"shape {tuple(np.shape(out))} != reference {tuple(np.shape(ref))}")
+    if _on_accelerator(out):
+        return _rel_err_on_device(out, ref)
+    err, nonfinite = _rel_err_terms(np, f64(out), f64(ref))
+    return float(err), int(nonfinite)
+
+
 def rel_err(out, ref) -> float:
-    out, ref = f64(out), np.asarray(ref, np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert np.all(np.isfinite(out)), "non-finite values in the output"
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    """||out - ref|| / ||ref|| in float64 (rel_err_nonfinite), asserting out holds no NaN/Inf."""
+    err, nonfinite = rel_err_nonfinite(out, ref)
+    assert nonfinite == 0, f"{nonfinite} non-finite values in the output"
+    return err
 
 
 H200 = AbstractDevice("NVIDIA H200", 132, "cuda")

@@ -65,9 +65,9 @@ def test_dense_accumulated_gradient_is_the_sum_of_the_micro_batch_gradients(w_dt
     # A bf16 weight's own gradient is rounded to bf16; the sum takes the FP32 one, which is
     # what an FP32 copy of the weight gets (the products use the same bf16 values).
     grads = _plain_grads(lambda x, w: jc.dense_projection(x, w), w.astype(F32), xs, dys)
-    expected = np.asarray(acc0, np.float64) + sum(np.asarray(g, np.float64) for g in grads)
+    expected = f64(acc0) + sum(f64(g) for g in grads)
     assert total.dtype == F32 and total.shape == w.shape
-    np.testing.assert_allclose(np.asarray(total, np.float64), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    np.testing.assert_allclose(f64(total), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
     # and that sum is dw's: acc0 + sum over micro-batches of dy^T x, in float64
     assert rel_err(total, f64(acc0) + np.einsum("mbto,mbti->oi", f64(dys), f64(xs))) < 1e-5
 
@@ -79,8 +79,8 @@ def test_batched_accumulated_gradient_is_the_sum_of_the_micro_batch_gradients():
     acc0 = jnp.zeros((b, d_out, d_in), F32)
     total = jax.jit(lambda w, a, x, d: _scan_sum(_batched, w, a, x, d))(w, acc0, xs, dys)
     grads = _plain_grads(lambda x, w: jc.batched_projection(x, w), w, xs, dys)
-    expected = sum(np.asarray(g, np.float64) for g in grads)
-    np.testing.assert_allclose(np.asarray(total, np.float64), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    expected = sum(f64(g) for g in grads)
+    np.testing.assert_allclose(f64(total), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
     assert rel_err(total, np.einsum("mbto,mbti->boi", f64(dys), f64(xs))) < 1e-5
 
 

@@ -125,6 +125,4 @@ def test_bf16x3_split_survives_xla_simplification():
     a = rand(22, (64, 64), jnp.float32)
     hi, lo = jax.jit(split_bf16x3)(a)
     assert np.any(np.asarray(lo, np.float32) != 0)
-    np.testing.assert_allclose(
-        np.asarray(hi, np.float64) + np.asarray(lo, np.float64), np.asarray(a, np.float64), rtol=2e-5, atol=0
-    )
+    np.testing.assert_allclose(f64(hi) + f64(lo), f64(a), rtol=2e-5, atol=0)

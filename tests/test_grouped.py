@@ -568,7 +568,7 @@ def test_shard_map_runs_each_shard_with_its_local_group_sizes():
     parts = [jax.jit(_grouped_vjp)(x[32 * i : 32 * (i + 1)], w, sizes[i], dy[32 * i : 32 * (i + 1)]) for i in range(8)]
     np.testing.assert_array_equal(np.asarray(y), np.concatenate([np.asarray(p[0]) for p in parts]))
     np.testing.assert_array_equal(np.asarray(dx), np.concatenate([np.asarray(p[1]) for p in parts]))
-    np.testing.assert_allclose(np.asarray(dw), sum(np.asarray(p[2], np.float64) for p in parts), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), sum(f64(p[2]) for p in parts), rtol=1e-5, atol=1e-5)
 
 
 def test_expert_parallel_example():

@@ -25,12 +25,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cake
+
+from helpers import rel_err
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 AXIS = "d"
@@ -229,11 +230,6 @@ def activation_gathers(calls, token_dims) -> list[str]:
     return [f"{k} {s}" for k, s in calls if k == "all-gather" and dims(s) & set(token_dims)]
 
 
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 @functools.cache
 def inputs(model: str, sharding: str):
     n = len(jax.devices())
@@ -275,12 +271,12 @@ def test_sharded_step_matches_one_device_and_gathers_no_activation(model, mode, 
     dws, rdws = jax.tree.leaves(dparams), jax.tree.leaves(rdparams)
     assert dx.dtype == BF16 and all(a.dtype == F32 for a in dws)
     if model == "stack" and sharding != "tp":  # bitwise the one-device activations
-        assert rel(dx, rdx) <= DX_TOL
-        assert max(rel(a, b) for a, b in zip(dws, rdws)) <= DW_TOL
+        assert rel_err(dx, rdx) <= DX_TOL
+        assert max(rel_err(a, b) for a, b in zip(dws, rdws)) <= DW_TOL
     else:
         _, (tdx, tdparams) = one_device(model, sharding, truth=True)
         for got, ref, truth in zip([dx, *dws], [rdx, *rdws], [tdx, *jax.tree.leaves(tdparams)]):
-            assert rel(got, truth) <= ACC_FACTOR * max(rel(ref, truth), 1e-12)
+            assert rel_err(got, truth) <= ACC_FACTOR * max(rel_err(ref, truth), 1e-12)
     if model == "stack" and mode == "auto":  # the one reduction each sharding needs
         kinds = {(k, s) for k, s in calls}
         want = {

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_raises_naming, faked_device, rand
+from helpers import assert_raises_naming, f64, faked_device, rand
 
 import jax_cake as jc
 from jax_cake import primitives
@@ -34,10 +34,6 @@ def test_held_back_kernels_plan_fwd_and_an_add(monkeypatch):
     assert p.op == "fwd" and p.uses_kernel and "held back" in p.reason
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-
-
-def _f(a) -> np.ndarray:
-    return np.asarray(jnp.asarray(a).astype(F32), np.float64)
 
 
 def _bf16_ulp(v: np.ndarray) -> np.ndarray:
@@ -70,19 +66,19 @@ def test_dense_values_and_gradients_are_r_plus_the_projection(lead, w_dtype):
     y = jax.jit(_fused)(x, w, r)
     assert y.dtype == BF16 and y.shape == lead + (d_out,)
     # The unfused op's values (the reference path rounds as the kernel: bf16(r + bf16(x w^T))).
-    np.testing.assert_array_equal(_f(y), _f(_unfused(x, w, r)))
+    np.testing.assert_array_equal(f64(y), f64(_unfused(x, w, r)))
     # Within one bf16 rounding of the once-rounded r + x w^T (XLA's fused add): the
     # product's rounding (half a step at |x w^T|) on top of the sum's (half a step at |y|).
-    product = np.einsum("...k,nk->...n", _f(x), _f(w.astype(BF16)))
-    exact = _f(r) + product
-    bound = 0.5 * _bf16_ulp(np.maximum(np.abs(exact), np.abs(_f(y)))) + 0.5 * _bf16_ulp(product)
-    assert np.all(np.abs(_f(y) - exact) <= bound * (1 + 1e-6))
+    product = np.einsum("...k,nk->...n", f64(x), f64(w.astype(BF16)))
+    exact = f64(r) + product
+    bound = 0.5 * _bf16_ulp(np.maximum(np.abs(exact), np.abs(f64(y)))) + 0.5 * _bf16_ulp(product)
+    assert np.all(np.abs(f64(y) - exact) <= bound * (1 + 1e-6))
     grads = jax.jit(jax.grad(_loss(_fused), argnums=(0, 1, 2)))(x, w, r, dy)
     expected = jax.grad(_loss(_unfused), argnums=(0, 1, 2))(x, w, r, dy)
     for got, want, name in zip(grads, expected, ("dx", "dw", "dr")):
         assert got.dtype == want.dtype and got.shape == want.shape, name
-        np.testing.assert_array_equal(_f(got), _f(want), err_msg=name)
-    np.testing.assert_array_equal(_f(grads[2]), _f(dy))  # the residual's cotangent is dy
+        np.testing.assert_array_equal(f64(got), f64(want), err_msg=name)
+    np.testing.assert_array_equal(f64(grads[2]), f64(dy))  # the residual's cotangent is dy
     assert grads[1].dtype == w_dtype
 
 
@@ -97,22 +93,22 @@ def test_batched_values_and_gradients():
     def unfused(x, w, r):
         return r + jc.batched_projection(x, w)
 
-    np.testing.assert_array_equal(_f(jax.jit(fused)(x, w, r)), _f(unfused(x, w, r)))
+    np.testing.assert_array_equal(f64(jax.jit(fused)(x, w, r)), f64(unfused(x, w, r)))
     grads = jax.grad(_loss(fused), argnums=(0, 1, 2))(x, w, r, dy)
     expected = jax.grad(_loss(unfused), argnums=(0, 1, 2))(x, w, r, dy)
     for got, want in zip(grads, expected):
-        np.testing.assert_array_equal(_f(got), _f(want))
+        np.testing.assert_array_equal(f64(got), f64(want))
 
 
 def test_with_grad_accumulator_or_out_sharding_the_add_is_separate_with_the_same_values():
     x, w, r = rand(8, (16, 32), BF16), rand(9, (24, 32), F32), rand(10, (16, 24), BF16)
     acc = jnp.zeros((24, 32), F32)
-    want = _f(_unfused(x, w, r))
-    np.testing.assert_array_equal(_f(jc.dense_projection(x, w, residual=r, grad_accumulator=acc)), want)
+    want = f64(_unfused(x, w, r))
+    np.testing.assert_array_equal(f64(jc.dense_projection(x, w, residual=r, grad_accumulator=acc)), want)
     mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
     with jax.set_mesh(mesh):
         y = jc.dense_projection(x, w, residual=r, out_sharding=jax.P("d", None))
-    np.testing.assert_array_equal(_f(y), want)
+    np.testing.assert_array_equal(f64(y), want)
 
 
 def test_vmap_folds_into_the_kernel():
@@ -120,11 +116,11 @@ def test_vmap_folds_into_the_kernel():
     xs, rs = rand(11, (v, t, d_in), BF16), rand(12, (v, t, d_out), BF16)
     w = rand(13, (d_out, d_in), BF16)
     ys = jax.vmap(lambda x, r: jc.dense_projection(x, w, residual=r))(xs, rs)
-    np.testing.assert_array_equal(_f(ys), _f(jax.vmap(lambda x, r: _unfused(x, w, r))(xs, rs)))
+    np.testing.assert_array_equal(f64(ys), f64(jax.vmap(lambda x, r: _unfused(x, w, r))(xs, rs)))
     # A shared residual, per-entry weights.
     ws = rand(14, (v, d_out, d_in), BF16)
     ys = jax.vmap(lambda x, w: jc.dense_projection(x, w, residual=rs[0]), in_axes=(None, 0))(xs[0], ws)
-    np.testing.assert_array_equal(_f(ys), _f(jax.vmap(lambda w: _unfused(xs[0], w, rs[0]))(ws)))
+    np.testing.assert_array_equal(f64(ys), f64(jax.vmap(lambda w: _unfused(xs[0], w, rs[0]))(ws)))
     # On CUDA: one fused call for the whole vmapped batch, no loop.
     text = _cuda_text(
         jax.vmap(lambda x, w, r: jc.dense_projection(x, w, residual=r), in_axes=(0, None, 0)),
@@ -143,7 +139,7 @@ def test_under_a_mesh_of_several_devices_the_values_hold():
     xs, rs = jax.device_put(x, sharding), jax.device_put(r, sharding)
     with jax.set_mesh(mesh):
         y = jax.jit(_fused)(xs, w, rs)
-    np.testing.assert_array_equal(_f(y), _f(_unfused(x, w, r)))
+    np.testing.assert_array_equal(f64(y), f64(_unfused(x, w, r)))
 
 
 @pytest.mark.parametrize("r_spec", [jax.P(), jax.P(None, "data")], ids=["r_replicated", "r_on_d_out"])
@@ -166,13 +162,13 @@ def test_under_explicit_axes_a_residual_sharded_unlike_y_gives_the_unsharded_val
         # op on the same x and w sums in that order (r replicated, so its own add is legal).
         r_rep = jax.device_put(r, jax.NamedSharding(mesh, jax.P()))
         dw_same_order = jax.jit(jax.grad(_loss(_unfused), argnums=1))(xs, ws, r_rep, dy)
-    np.testing.assert_array_equal(_f(y), _f(want))
+    np.testing.assert_array_equal(f64(y), f64(want))
     for got, primal in zip(grads, (xs, ws, rs)):
         assert jax.typeof(got).sharding.spec == jax.typeof(primal).sharding.spec
-    np.testing.assert_array_equal(_f(grads[0]), _f(want_grads[0]), err_msg="dx")
-    np.testing.assert_array_equal(_f(grads[2]), _f(want_grads[2]), err_msg="dr")
-    np.testing.assert_array_equal(_f(grads[1]), _f(dw_same_order), err_msg="dw")
-    np.testing.assert_allclose(_f(grads[1]), _f(want_grads[1]), rtol=1e-5, atol=1e-5, err_msg="dw")
+    np.testing.assert_array_equal(f64(grads[0]), f64(want_grads[0]), err_msg="dx")
+    np.testing.assert_array_equal(f64(grads[2]), f64(want_grads[2]), err_msg="dr")
+    np.testing.assert_array_equal(f64(grads[1]), f64(dw_same_order), err_msg="dw")
+    np.testing.assert_allclose(f64(grads[1]), f64(want_grads[1]), rtol=1e-5, atol=1e-5, err_msg="dw")
 
 
 def test_output_keeps_the_checkpoint_name():
@@ -350,7 +346,7 @@ def test_under_a_mesh_of_several_devices_the_fused_call_falls_back_to_fwd_and_an
         assert not partitioning.unpartitioned(x, w, r)
         y = primitives.fwd(x, w, plan, add_to=r)
     assert [p.op for p in seen] == ["fwd"]
-    np.testing.assert_array_equal(_f(y), _f(_unfused(x[0], w[0], r[0]))[None])
+    np.testing.assert_array_equal(f64(y), f64(_unfused(x[0], w[0], r[0]))[None])
 
 
 def test_sharded_inputs_under_jit_without_a_mesh_set_fall_back_to_fwd_and_an_add(monkeypatch):
@@ -370,4 +366,4 @@ def test_sharded_inputs_under_jit_without_a_mesh_set_fall_back_to_fwd_and_an_add
     monkeypatch.setattr(gemm_calls, "call_sharded", lambda local, *a, **kw: seen.append(local.plan) or real(local, *a, **kw))
     y = jax.jit(lambda x, w, r: primitives.fwd(x, w, plan, add_to=r))(xs, w, rs)
     assert [p.op for p in seen] == ["fwd"]
-    np.testing.assert_array_equal(_f(y), _f(_unfused(x[0], w[0], r[0]))[None])
+    np.testing.assert_array_equal(f64(y), f64(_unfused(x[0], w[0], r[0]))[None])

@@ -8,15 +8,12 @@ tests/conftest.py). Tiers:
 - `pytest -m gpu tests`: the full tier, the quick tier and every `full` case;
 - `pytest -m "gpu and slow" tests`: the `slow` cases (the seed grid beyond its first T),
   skipped unless the -m expression names them.
+
+gpu_helpers and kernel_cases are importable by name: tests/conftest.py puts this folder on
+sys.path.
 """
 
-import pathlib
-import sys
-
 import pytest
-
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # gpu_helpers, kernel_cases
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,6 +9,9 @@ element the kernel fails to write stays NaN and fails the check. A compiled prog
 does not alias the donated buffer to the result raises (the check would otherwise pass
 on fresh memory).
 
+The random inputs, the float64 conversion and the relative error are tests/helpers.py's
+(rand, f64, rel_err_nonfinite, rel_err), imported here so the GPU tests reach them as h.*.
+
 Importing this module starts no backend and needs neither a GPU nor the library.
 """
 
@@ -27,12 +30,14 @@ import numpy as np
 from jax_cake import contract, primitives
 from jax_cake.planner import router_variants, variants
 
+from helpers import f64, rand, rel_err, rel_err_nonfinite  # noqa: F401 (the tests' h.f64, h.rel_err)
+
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 F64 = jnp.float64
 
 # The accuracy contract: bf16 outputs 1e-2, fp32 dw 1e-5 (the tuner gives a plan table row
-# only to a program within it: benchmarks/plan_rule.py, which test_helpers_cpu.py holds to
+# only to a program within it: benchmarks/plan_rule.py, which test_gpu_machinery.py holds to
 # these numbers).
 BF16_TOL = 1e-2
 F32_TOL = 1e-5
@@ -53,14 +58,6 @@ def dtype_of(name: str):
 def seed_of(*parts) -> int:
     """A constant seed derived from a case's description (never from the time)."""
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
-
-
-def rand(seed: int, shape, dtype=BF16, scale: float = 1.0):
-    """Normal values from jax.random.key(seed), scaled, rounded to dtype."""
-    v = jax.random.normal(jax.random.key(seed), shape, F32)
-    if scale != 1.0:
-        v = v * scale
-    return v.astype(dtype)
 
 
 @functools.lru_cache(maxsize=2)
@@ -106,30 +103,10 @@ DGRAD2 = "tn,nk->tk"
 WGRAD2 = "tn,tk->nk"
 
 
-@jax.jit
-def _rel_err64(out, ref):
-    o = out.astype(F64)
-    finite = jnp.isfinite(o)
-    bad = jnp.sum(~finite)
-    o = jnp.where(finite, o, 0.0)
-    err = jnp.linalg.norm((o - ref).ravel()) / jnp.maximum(jnp.linalg.norm(ref.ravel()), 1e-30)
-    return err, bad
-
-
-def rel_err(out, ref) -> tuple[float, int]:
-    """(||out - ref|| / ||ref|| in float64 with non-finite values counted as 0, number of
-    NaN/Inf in out)."""
-    if tuple(out.shape) != tuple(ref.shape):
-        raise AssertionError(f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
-    with jax.enable_x64(True):
-        err, bad = _rel_err64(out, ref)
-        return float(err), int(bad)
-
-
 def assert_close(out, ref, tol: float, what: str = "") -> float:
     """out matches the float64 reference within tol, with no NaN/Inf (an unwritten poisoned
     element is a NaN). Returns the error."""
-    err, bad = rel_err(out, ref)
+    err, bad = rel_err_nonfinite(out, ref)
     assert bad == 0 and err < tol, f"{what} rel_err={err:.2e} (tol {tol:.0e}) nonfinite={bad}"
     return err
 

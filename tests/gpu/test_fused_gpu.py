@@ -4,9 +4,10 @@ T = 16231, FP32 masters) in one compiled gradient step.
 Checks, on the optimized HLO of the compiled step: exactly three jax_cake custom calls
 (fwd, dgrad, wgrad) and no concatenate fed by the forward's output (the y_i are slices
 of it, never stacked again; a deliberately stacking step is the control that the check
-sees one; the analysis is also checked at a tiny size on CPU). Values: y_i, dx and every dw_i against separate dense_projection calls and
-float64 (see tests/test_fused.py for why these are tolerances and not bitwise: the
-fused GEMMs have other shapes, so other tiles and K splits).
+sees one; tests/test_gpu_machinery.py checks the analysis at a tiny size on CPU).
+Values: y_i, dx and every dw_i against separate dense_projection calls and float64 (see
+tests/test_fused.py for why these are tolerances and not bitwise: the fused GEMMs have
+other shapes, so other tiles and K splits).
 
     pytest -m gpu tests/gpu/test_fused_gpu.py -s
 """
@@ -22,7 +23,9 @@ import pytest
 
 import jax_cake as jc
 
-BF, F32, F64 = jnp.bfloat16, jnp.float32, np.float64
+from helpers import f64, rel_err
+
+BF, F32 = jnp.bfloat16, jnp.float32
 T, D_IN, HEADS = 16231, 4096, (48, 64, 48, 64)
 
 
@@ -154,20 +157,6 @@ def _hlo(step, *args) -> str:
 # --- tests -----------------------------------------------------------------------------------
 
 
-def _on_gpu() -> bool:
-    return jax.devices()[0].platform == "gpu"
-
-
-def test_the_restack_check_sees_concatenates_of_the_outputs():
-    """The HLO analysis itself, at a tiny size on any backend (on CPU the forward is the
-    reference's FP32 dot of [37, 48], rounded to bf16 after it): silent on the fused step,
-    finds the control's."""
-    x, ws, cs = _inputs(37, 64, (8, 16, 8, 16))
-    source = fed_by_custom_call("jax_cake_fwd") if _on_gpu() else (lambda op, line: op == "dot" and "= f32[37,48]" in line)
-    assert concatenates_fed_by(_hlo(_fused_step, x, ws, cs), source) == []
-    assert concatenates_fed_by(_hlo(_stacking_step, x, ws, cs), source)
-
-
 @pytest.mark.gpu
 def test_fused_skinny_heads_step_is_three_custom_calls_and_never_restacks_the_outputs():
     d_out = sum(HEADS)
@@ -190,11 +179,6 @@ def test_fused_skinny_heads_step_is_three_custom_calls_and_never_restacks_the_ou
     assert control, "the check found no concatenate in a step that stacks the outputs"
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, F64), np.asarray(b, F64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @pytest.mark.gpu
 def test_fused_values_match_separate_calls_and_float64():
     x, ws, cs = _inputs()
@@ -204,25 +188,25 @@ def test_fused_values_match_separate_calls_and_float64():
     loss, (dx, dws) = jax.jit(_fused_step)(x, ws, cs)
     loss_sep, (dx_sep, dws_sep) = jax.jit(_separate_step)(x, ws, cs)
 
-    x64 = np.asarray(x.astype(F32), F64)
-    w64 = [np.asarray(w.astype(BF).astype(F32), F64) for w in ws]
+    x64 = f64(x)
+    w64 = [f64(w.astype(BF)) for w in ws]
     # The op's cotangents are y's dtype: bf16(c_i) is what the GEMMs multiply.
-    c64 = [np.asarray(c.astype(BF).astype(F32), F64) for c in cs]
+    c64 = [f64(c.astype(BF)) for c in cs]
     for y, y_sep, w in zip(ys, ys_sep, w64):
         assert y.dtype == BF
-        assert _rel(y.astype(F32), y_sep.astype(F32)) < 4e-3  # a few bf16 roundings flipped at most
-        assert _rel(y.astype(F32), x64 @ w.T) < 1e-2
+        assert rel_err(y.astype(F32), y_sep.astype(F32)) < 4e-3  # a few bf16 roundings flipped at most
+        assert rel_err(y.astype(F32), x64 @ w.T) < 1e-2
     assert abs(float(loss) - float(loss_sep)) <= 1e-2 * abs(float(loss_sep)) + 1e-3
 
     # dx: one FP32 sum over K = 224 (rounded once) vs four bf16 partials added in bf16.
     dx64 = sum(c @ w for c, w in zip(c64, w64))
-    err, err_sep = _rel(dx.astype(F32), dx64), _rel(dx_sep.astype(F32), dx64)
+    err, err_sep = rel_err(dx.astype(F32), dx64), rel_err(dx_sep.astype(F32), dx64)
     print(f"\ndx rel err vs float64: fused {err:.3e}, separate {err_sep:.3e}")
     assert dx.dtype == BF and err < 1e-2 and err <= 1.05 * err_sep
     for dw, dw_sep, c in zip(dws, dws_sep, c64):
         assert dw.dtype == F32  # FP32 masters: FP32 gradients straight from the accumulator
-        assert _rel(dw, dw_sep) < 1e-6  # same sums, other K splits
-        assert _rel(dw, c.T @ x64) < 1e-5
+        assert rel_err(dw, dw_sep) < 1e-6  # same sums, other K splits
+        assert rel_err(dw, c.T @ x64) < 1e-5
 
 
 @pytest.mark.gpu

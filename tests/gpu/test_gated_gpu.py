@@ -39,12 +39,8 @@ def _inputs(t, d_in, f):
     return x, wg, wu, dh
 
 
-def _f64(a):
-    return np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
-
-
 def _within(out, ref, tol):
-    err, nonfinite = h.rel_err(out, ref)
+    err, nonfinite = h.rel_err_nonfinite(out, ref)
     return nonfinite == 0 and err < tol
 
 
@@ -81,9 +77,9 @@ def test_gated_projection_on_the_kernels(case, activation):
     # defined activation gradient, so only the wgrad's FP32 sum is left.
     g, u = jax.jit(lambda x, wg, wu: jax_cake.fused_projections(x, (wg, wu)))(x, wg, wu)
     dg, du = jax.jit(lambda dh, g, u: reference.gate_grad(dh, g, u, activation))(dh, g, u)
-    x64 = _f64(x)
-    assert _within(dwg, _f64(dg).T @ x64, h.F32_TOL)
-    assert _within(dwu, _f64(du).T @ x64, h.F32_TOL)
+    x64 = h.f64(x)
+    assert _within(dwg, h.f64(dg).T @ x64, h.F32_TOL)
+    assert _within(dwu, h.f64(du).T @ x64, h.F32_TOL)
 
 
 def test_swiglu_mlp_on_the_kernels_with_the_fused_residual():
@@ -101,7 +97,7 @@ def test_swiglu_mlp_on_the_kernels_with_the_fused_residual():
     assert h.custom_calls(text, gate_up) == 1 and h.custom_calls(text, "jax_cake_fwd_residual") == 1
     y = jax.jit(mlp)(x, wg, wu, wd, r)
     hidden = jax.jit(jax_cake.gated_projection)(x, wg, wu)
-    ref = _f64(r) + _f64(hidden) @ _f64(wd.astype(jnp.bfloat16)).T
+    ref = h.f64(r) + h.f64(hidden) @ h.f64(wd.astype(jnp.bfloat16)).T
     assert _within(y, ref, h.BF16_TOL)
 
 
@@ -153,11 +149,11 @@ def test_gated_kernel_epilogue(variant, shape, monkeypatch):
     out, gu = gated(x, w)
     assert out.shape == (1, t, f) and gu.shape == (1, t, 2 * f)
     np.testing.assert_array_equal(np.asarray(gu), np.asarray(plain(x, w)))
-    ref_gu = _f64(x) @ _f64(w).T
+    ref_gu = h.f64(x) @ h.f64(w).T
     assert _within(gu[0], ref_gu, h.BF16_TOL)
-    g, u = (_f64(v[0]) for v in reference.deinterleave(gu, -1, contract.GATE_BLOCK))
+    g, u = (h.f64(v[0]) for v in reference.deinterleave(gu, -1, contract.GATE_BLOCK))
     ref = _act_and_slope64(g, variant.activation)[0] * u
-    got = _f64(out[0])
+    got = h.f64(out[0])
     assert np.all(np.isfinite(got))
     fp32_error = (16.0 + 8.0 * np.abs(_exp_argument(g, variant.activation))) * 2.0**-24
     bound = (2.0**-8 + fp32_error) * np.abs(ref) + 1e-30
@@ -217,11 +213,11 @@ def test_gate_grad_kernel_epilogue(variant, shape):
     d_gu = h.assert_repeatable(run, what=variant.name)
     dh = jax.jit(lambda dy, wd: gemm.dgrad(dy, wd, plan.unfused()))(dy, wd)
     for i in range(b):
-        assert _within(dh[i], _f64(dy[i]) @ _f64(wd[i]), h.BF16_TOL)
-        g, u = (_f64(v[i]) for v in reference.deinterleave(gu, -1, contract.GATE_BLOCK))
+        assert _within(dh[i], h.f64(dy[i]) @ h.f64(wd[i]), h.BF16_TOL)
+        g, u = (h.f64(v[i]) for v in reference.deinterleave(gu, -1, contract.GATE_BLOCK))
         value, slope = _act_and_slope64(g, variant.gate_grad)
-        dh64 = _f64(dh[i])
-        got_dg, got_du = _f64(d_gu[0, i]), _f64(d_gu[1, i])
+        dh64 = h.f64(dh[i])
+        got_dg, got_du = h.f64(d_gu[0, i]), h.f64(d_gu[1, i])
         assert np.all(np.isfinite(got_dg)) and np.all(np.isfinite(got_du)), f"unwritten (NaN) elements in batch {i}"
         for name, got, ref in (("dg", got_dg, dh64 * u * slope), ("du", got_du, dh64 * value)):
             bound = (2.0**-8 + 2.0**-20) * np.abs(ref) + 1e-30
@@ -258,12 +254,12 @@ def test_swiglu_mlp_backward_through_the_gradient_epilogue(monkeypatch):
     assert h.custom_calls(step().lower(*args).as_text(), "jax_cake_dgrad_gated") == 0
     composed = step()(*args)
     np.testing.assert_array_equal(np.asarray(fused[0]), np.asarray(composed[0]))  # y: the same forward
-    assert _within(fused[1], _f64(composed[1]), h.BF16_TOL)  # dx
+    assert _within(fused[1], h.f64(composed[1]), h.BF16_TOL)  # dx
     for got, ref in zip(fused[2:], composed[2:]):  # dWg, dWu, dWd
         assert got.dtype == ref.dtype == jnp.float32
-        assert _within(got, _f64(ref), h.F32_TOL)
+        assert _within(got, h.f64(ref), h.F32_TOL)
     hidden = jax.jit(jax_cake.gated_projection)(x, wg, wu)
-    assert _within(fused[4], _f64(dy).T @ _f64(hidden), h.F32_TOL)
+    assert _within(fused[4], h.f64(dy).T @ h.f64(hidden), h.F32_TOL)
 
 
 # --- dx from the cotangent's halves (jax_cake_dgrad_gate_up), each compiled variant forced ----
@@ -296,6 +292,6 @@ def test_gate_up_dgrad_kernel(variant, shape):
     body = _ffi_body(contract.DGRAD_GATE_UP_TARGET, tuple(sorted((k, int(v)) for k, v in attrs.items())))
     run = lambda: h.run_poisoned(body, (1, t, d_in), jnp.bfloat16, dg, du, w)
     dx = h.assert_repeatable(run, what=variant.name)
-    wg, wu = (_f64(v[0]) for v in reference.deinterleave(w, 1, contract.GATE_BLOCK))
-    assert np.all(np.isfinite(_f64(dx[0]))), "unwritten (NaN) elements"
-    assert _within(dx[0], _f64(dg[0]) @ wg + _f64(du[0]) @ wu, h.BF16_TOL)
+    wg, wu = (h.f64(v[0]) for v in reference.deinterleave(w, 1, contract.GATE_BLOCK))
+    assert np.all(np.isfinite(h.f64(dx[0]))), "unwritten (NaN) elements"
+    assert _within(dx[0], h.f64(dg[0]) @ wg + h.f64(du[0]) @ wu, h.BF16_TOL)

@@ -1,7 +1,11 @@
 """CPU checks of the GPU tests' own machinery (no `gpu` marker: these run everywhere), so
 the GPU tests cannot pass for the wrong reason: the float64 references are float64 and
 right, a NaN (an unwritten poisoned element) or a lost donation fails, bitwise
-comparison sees one bit, seeds are fixed, and the cases cover every compiled program."""
+comparison sees one bit, seeds are fixed, the cases cover every compiled program, and
+the HLO analysis of tests/gpu/test_fused_gpu.py sees a restacked output.
+
+The modules of tests/gpu (gpu_helpers, kernel_cases, the GPU test files) are importable
+here because tests/conftest.py puts that folder on sys.path."""
 
 import collections
 
@@ -14,14 +18,12 @@ from jax_cake import contract
 from jax_cake.planner import router_variants, variants
 
 import gpu_helpers as h
+import helpers
 import kernel_cases as cases
+import test_fused_gpu
 import test_gated_gpu
 
 CPU = jax.devices("cpu")[0]
-
-
-def _np64(a):
-    return np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
 
 
 @pytest.mark.parametrize(
@@ -40,22 +42,64 @@ def test_ref64_is_a_float64_matmul(spec, a_shape, b_shape):
         a, b = h.rand(1, a_shape), h.rand(2, b_shape, h.F32)
         ref = h.ref64(spec, a, b)
     assert ref.dtype == np.float64
-    np.testing.assert_allclose(np.asarray(ref), np.einsum(spec, _np64(a), _np64(b)), rtol=1e-13, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(ref), np.einsum(spec, h.f64(a), h.f64(b)), rtol=1e-13, atol=1e-12)
+
+
+def test_gpu_helpers_are_the_shared_helpers():
+    """gpu_helpers defines no input, conversion or error of its own: tests/helpers.py's."""
+    for name in ("rand", "f64", "rel_err", "rel_err_nonfinite"):
+        assert getattr(h, name) is getattr(helpers, name), name
+
+
+def test_rand_is_seeded_scaled_then_rounded():
+    with jax.default_device(CPU):
+        v = jax.random.normal(jax.random.key(11), (5, 7), jnp.float32)
+        assert h.rand(11, (5, 7)).dtype == h.BF16
+        assert h.same_bits(h.rand(11, (5, 7)), v.astype(h.BF16))
+        assert h.same_bits(h.rand(11, (5, 7), h.F32), v)
+        assert h.same_bits(h.rand(11, (5, 7), h.BF16, scale=0.02), (v * 0.02).astype(h.BF16))
+        assert not h.same_bits(h.rand(11, (5, 7)), h.rand(12, (5, 7)))
+
+
+def test_f64_is_exact():
+    with jax.default_device(CPU):
+        for dtype in (h.BF16, h.F32):
+            a = h.rand(13, (6, 9), dtype, scale=1e3)
+            got = h.f64(a)
+            assert isinstance(got, np.ndarray) and got.dtype == np.float64 and got.shape == a.shape
+            assert h.same_bits(jnp.asarray(got.astype(np.float32)).astype(dtype), a)
+        assert h.f64(np.float64(1) + 2.0**-40) == 1 + 2.0**-40  # float64 in, nothing rounded
 
 
 def test_rel_err_and_nonfinite_count():
     with jax.default_device(CPU):
         ref = h.ref64(h.FWD2, h.rand(3, (8, 16)), h.rand(4, (8, 16)))
         out = ref.astype(jnp.float32)
-        err, bad = h.rel_err(out, ref)
-        assert bad == 0 and err < 1e-7
         ref_np = np.asarray(ref)
         scaled = jnp.asarray((ref_np * 1.01).astype(np.float32))
-        err, bad = h.rel_err(scaled, ref)
-        assert bad == 0 and abs(err - 0.01) < 1e-6
         poisoned = out.at[3, 5].set(jnp.nan).at[0, 0].set(jnp.inf)
-        err, bad = h.rel_err(poisoned, ref)
-        assert bad == 2 and np.isfinite(err)
+        # the host (numpy) path and the device (jit) path a GPU array takes agree
+        for rel_err_nonfinite in (h.rel_err_nonfinite, helpers._rel_err_on_device):
+            err, bad = rel_err_nonfinite(out, ref)
+            assert bad == 0 and err < 1e-7
+            err, bad = rel_err_nonfinite(scaled, ref)
+            assert bad == 0 and abs(err - 0.01) < 1e-6
+            err, bad = rel_err_nonfinite(poisoned, ref)
+            assert bad == 2 and np.isfinite(err)
+            assert abs(err - rel_err_nonfinite(out.at[3, 5].set(0).at[0, 0].set(0), ref)[0]) < 1e-15
+        assert h.rel_err_nonfinite(scaled, ref_np)[0] == pytest.approx(helpers._rel_err_on_device(scaled, ref)[0])
+        with pytest.raises(AssertionError, match="shape"):
+            h.rel_err_nonfinite(out[:4], ref)
+
+
+def test_rel_err_asserts_finite_output():
+    with jax.default_device(CPU):
+        ref = h.ref64(h.FWD2, h.rand(3, (8, 16)), h.rand(4, (8, 16)))
+        out = ref.astype(jnp.float32)
+        assert h.rel_err(out, ref) == h.rel_err_nonfinite(out, ref)[0] < 1e-7
+        assert h.rel_err(out, np.asarray(ref)) < 1e-7  # a numpy reference, as most CPU tests pass
+        with pytest.raises(AssertionError, match="1 non-finite"):
+            h.rel_err(out.at[2, 2].set(jnp.nan), ref)
         with pytest.raises(AssertionError, match="shape"):
             h.rel_err(out[:4], ref)
 
@@ -146,6 +190,18 @@ def test_command_buffer_detection():
     assert h.command_buffer_holds_custom_calls(inside)
     assert not h.command_buffer_holds_custom_calls(beside)
     assert not h.command_buffer_holds_custom_calls("kCustomCall jax_cake_fwd\n")
+
+
+def test_the_restack_check_sees_concatenates_of_the_outputs():
+    """test_fused_gpu's HLO analysis itself, at a tiny size on any backend (on CPU the
+    forward is the reference's FP32 dot of [37, 48], rounded to bf16 after it): silent on
+    the fused step, finds the control's."""
+    f = test_fused_gpu
+    x, ws, cs = f._inputs(37, 64, (8, 16, 8, 16))
+    on_gpu = jax.devices()[0].platform == "gpu"
+    source = f.fed_by_custom_call("jax_cake_fwd") if on_gpu else (lambda op, line: op == "dot" and "= f32[37,48]" in line)
+    assert f.concatenates_fed_by(f._hlo(f._fused_step, x, ws, cs), source) == []
+    assert f.concatenates_fed_by(f._hlo(f._stacking_step, x, ws, cs), source)
 
 
 def _all_gemm_cases():
