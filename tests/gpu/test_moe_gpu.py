@@ -21,10 +21,6 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 T, D, F, G, K = 1037, 512, 768, 16, 2  # T not a multiple of 128
 
 
-def _np64(a):
-    return np.asarray(jnp.asarray(a).astype(F32), np.float64)
-
-
 def _act64(z, activation):
     if activation == "silu":
         return z / (1.0 + np.exp(-z))
@@ -72,8 +68,8 @@ def _own_intermediates(x, ws, ids, ew, dy, activation):
     (dh,) = pullback(dout)
     dg, du = jc.reference.gate_grad(dh, g, u, activation)
     outs = np.zeros((T * K, D))
-    outs[perm] = _np64(out_sorted)
-    return perm, sizes, valid, _np64(xs), _np64(hh), outs.reshape(T, K, D), _np64(dout), _np64(dg), _np64(du)
+    outs[perm] = h.f64(out_sorted)
+    return perm, sizes, valid, h.f64(xs), h.f64(hh), outs.reshape(T, K, D), h.f64(dout), h.f64(dg), h.f64(du)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
@@ -84,7 +80,7 @@ def test_moe_mlp_against_float64(w_dtype, activation):
     y, dx, dwg, dwu, dwd, dew = _moe_vjp(x, *ws, ids, ew, dy, activation=activation)
     assert (y.dtype, dx.dtype, dew.dtype) == (BF16, BF16, F32) and dwg.dtype == dwu.dtype == dwd.dtype == w_dtype
     perm, sizes, valid, xs, hh, outs, dout, dg, du = _own_intermediates(x, ws, ids, ew, dy, activation)
-    wg64, wu64, wd64 = (_np64(w.astype(BF16)) for w in ws)
+    wg64, wu64, wd64 = (h.f64(w.astype(BF16)) for w in ws)
     # y against the float64 layer
     y64 = np.zeros((T * K, D))
     start = 0
@@ -95,10 +91,10 @@ def test_moe_mlp_against_float64(w_dtype, activation):
         start += s
     y_copies = np.zeros((T * K, D))
     y_copies[perm] = y64
-    ew64 = np.where(valid.reshape(T, K), _np64(ew), 0.0)
+    ew64 = np.where(valid.reshape(T, K), h.f64(ew), 0.0)
     h.assert_close(y, np.einsum("tk,tkd->td", ew64, y_copies.reshape(T, K, D)), h.BF16_TOL, "y")
     # d ew: FP32 from the op's own outputs
-    h.assert_close(dew, np.where(valid.reshape(T, K), np.einsum("td,tkd->tk", _np64(dy), outs), 0.0), h.F32_TOL, "dew")
+    h.assert_close(dew, np.where(valid.reshape(T, K), np.einsum("td,tkd->tk", h.f64(dy), outs), 0.0), h.F32_TOL, "dew")
     # weight gradients and dx from the op's own bf16 intermediates
     want = [np.zeros(dwg.shape), np.zeros(dwu.shape), np.zeros(dwd.shape)]
     dxs = np.zeros((T * K, D))
@@ -141,9 +137,9 @@ def test_grouped_gated_projection_against_float64_and_repeatable():
 
     hh, dx, dwg, dwu = run(x, wg, wu, dh)
     live = sum(sizes)
-    x64, wg64, wu64 = _np64(x), _np64(wg.astype(BF16)), _np64(wu.astype(BF16))
+    x64, wg64, wu64 = h.f64(x), h.f64(wg.astype(BF16)), h.f64(wu.astype(BF16))
     gu = jc.grouped_projection(x, jc.pipeline.grouped.stack_gated(wg, wu, 1), gs)
-    dg, du = (_np64(a) for a in jc.reference.gate_grad(dh, *jc.reference.deinterleave(gu, -1, 1), "silu"))
+    dg, du = (h.f64(a) for a in jc.reference.gate_grad(dh, *jc.reference.deinterleave(gu, -1, 1), "silu"))
     h64, dx64 = np.zeros((m, F)), np.zeros((m, D))
     dwg64, dwu64 = np.zeros(dwg.shape), np.zeros(dwu.shape)
     start = 0
