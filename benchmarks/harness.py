@@ -235,6 +235,10 @@ def split_arm_name(splits: int | None, tile: Sequence[int] | None) -> str:
 # --- one step of each op, per arm ----------------------------------------------------------
 
 
+# The ops op_fn times, in the order the projection families report them.
+ALL_OPS = ("fwd", "dgrad", "wgrad", "bwd", "fwd+bwd", "2fwd+bwd")
+
+
 def op_fn(op: str, project: Callable) -> Callable:
     """(x, w, dy) -> the op's outputs, built from a projection y = project(x, w).
 

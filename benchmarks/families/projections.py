@@ -21,7 +21,6 @@ from benchmarks import harness, plan_rule
 from benchmarks import markdown as md
 
 FLAGS = flags.FLAGS
-ALL_OPS = ("fwd", "dgrad", "wgrad", "bwd", "fwd+bwd", "2fwd+bwd")
 # Flags every projection family reads (beyond the protocol's); each adds its grid's.
 READS = ("tokens", "ops", "arms")
 _ARM_LABEL = {"det": "det", "split": "split", "new": "new", "xla": "XLA", "cublas": "cuBLAS"}
@@ -66,7 +65,7 @@ def table_rows(table: OpTable, header: dict, samples: Sequence[dict]) -> list[di
         k[0].d_out,
         harness.OUT_DTYPES.index(k[0].out),
         k[0].tokens,
-        ALL_OPS.index(k[1]),
+        harness.ALL_OPS.index(k[1]),
     )
     # Arms with options (split/sN/tMxNxK) get their own columns after the family's, in
     # the order first seen, so every arm asked for is reported.

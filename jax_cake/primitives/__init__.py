@@ -30,6 +30,7 @@ __all__ = [
     "dgrad_gated",
     "fwd",
     "fwd_gated",
+    "grouped",
     "router_dgrad",
     "router_ffi_operands",
     "router_fwd",
