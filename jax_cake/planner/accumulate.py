@@ -48,11 +48,14 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
     fused kernel), op "wgrad" (a kernel wgrad plus a separate add) or an XLA plan.
     """
     block = overrides.active()
-    # A plan table's xla rows compare the plain wgrad with XLA's dot; the add into the sum
-    # that the fused kernel saves is not in that comparison, so the kernels' own ranking
-    # decides here (pinning "det" skips the table rows, as the benchmark's arms do).
+    # The block's pins where they name this GEMM (Plan.op "wgrad": m = d_out, n = d_in, k =
+    # tokens); else the planner's own choice. A plan table's xla rows compare the plain
+    # wgrad with XLA's dot; the add into the sum that the fused kernel saves is not in that
+    # comparison, so the kernels' own ranking decides here (pinning "det" skips the table
+    # rows, as the benchmark's arms do).
+    pins = overrides.for_gemm(block, "wgrad", d_out, d_in, tokens)
     base = choose.plan_with(
-        block if block is not None else overrides.Pins("det"),
+        pins if pins is not None else overrides.Pins("det"),
         "wgrad",
         tokens=tokens,
         d_in=d_in,
@@ -65,7 +68,6 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
     if not base.uses_kernel:
         return base
     m, n, k, sm_count = base.m, base.n, base.k, base.sm_count
-    pins = overrides.for_gemm(block, "wgrad", m, n, k)  # the block's pins where they name this GEMM
     # As the wgrad planner: 64-row tiles (one consumer warpgroup) only where reading the
     # operands bounds the GEMM; ordered K splits to fill the SMs there, or to fill the
     # last wave where the GEMM is compute bound.
