@@ -68,6 +68,17 @@ def sizes(op: str, a_shape, b_shape) -> dict:
     return out
 
 
+def _store_plan(op: str, a_shape, b_shape, device, out_dtype, deterministic: bool) -> Plan:
+    """The plan of the "store" GEMM `op` on operands of these shapes (out_dtype: wgrad's and
+    the router's; deterministic: the weight gradients')."""
+    kwargs = dict(sizes(op, a_shape, b_shape), device=device)
+    if op == "wgrad" or op.startswith("router_"):
+        kwargs["out_dtype"] = out_dtype
+    if op.endswith("wgrad"):
+        kwargs["deterministic"] = deterministic
+    return make_plan(op, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class PlannedGemm:
     """One GEMM (`op`, `epilogue`) with the plan made at trace time for the whole operands.
@@ -88,14 +99,10 @@ class PlannedGemm:
         return jnp.dtype(self.plan.out_dtype)
 
     def replan(self, a_shape, b_shape, device, out_dtype=None) -> Plan:
-        kwargs = dict(sizes(self.op, a_shape, b_shape), device=device)
         if self.epilogue == "add":
-            return _ADD_PLANNERS[self.op](**kwargs)
-        if self.op == "wgrad" or self.op.startswith("router_"):
-            kwargs["out_dtype"] = out_dtype if out_dtype is not None else self.out_dtype
-        if self.op.endswith("wgrad"):
-            kwargs["deterministic"] = self.deterministic
-        return make_plan(self.op, **kwargs)
+            return _ADD_PLANNERS[self.op](**sizes(self.op, a_shape, b_shape), device=device)
+        out_dtype = out_dtype if out_dtype is not None else self.out_dtype
+        return _store_plan(self.op, a_shape, b_shape, device, out_dtype, self.deterministic)
 
     def for_shapes(self, a_shape, b_shape, device) -> "PlannedGemm":
         return dataclasses.replace(self, plan=self.replan(a_shape, b_shape, device))
@@ -189,7 +196,13 @@ def _public(op: str, a, b, plan: Plan, deterministic, out_sharding, add_to=None)
     if deterministic is None:
         deterministic = plan.deterministic
     epilogue = "store" if add_to is None else "add"
-    return _role(PlannedGemm(op, plan, bool(deterministic), epilogue), out_sharding, a, b, add_to)
+    # The addend's dtype and Explicit spec: its cotangent's type (static, so the addend itself
+    # is not kept for a second-order backward, which would cost the fused add its buffer).
+    addend = None
+    if add_to is not None:
+        (spec,) = partitioning.explicit_specs(add_to) or (None,)
+        addend = (jnp.dtype(add_to.dtype).name, spec)
+    return _role(PlannedGemm(op, plan, bool(deterministic), epilogue), out_sharding, addend, a, b, add_to)
 
 
 # --- second order: the gradient of a GEMM role is the other two roles ----------------------
@@ -206,38 +219,31 @@ def _public(op: str, a, b, plan: Plan, deterministic, out_sharding, add_to=None)
 # gets g. Each cotangent is made in its operand's dtype and, under Explicit axes, sharding.
 
 
-def _second_order_plan(op: str, a, b, out_dtype, deterministic: bool) -> Plan:
-    kwargs = dict(sizes(op, a.shape, b.shape), device=device_lib.current(a, b))
-    if op == "wgrad" or op.startswith("router_"):
-        kwargs["out_dtype"] = out_dtype
-    if op.endswith("wgrad"):
-        kwargs["deterministic"] = deterministic
-    return make_plan(op, **kwargs)
-
-
 def _run_role(op: str, a, b, out_dtype, deterministic: bool, out_sharding):
-    plan = _second_order_plan(op, a, b, out_dtype, deterministic)
+    plan = _store_plan(op, a.shape, b.shape, device_lib.current(a, b), out_dtype, deterministic)
     return _public(op, a, b, plan, deterministic, out_sharding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _role(planned: PlannedGemm, out_sharding, a, b, c):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _role(planned: PlannedGemm, out_sharding, addend, a, b, c):
+    del addend
     return call(planned, a, b, c, out_sharding)
 
 
-def _role_fwd(planned, out_sharding, a, b, c):
-    return call(planned, a, b, c, out_sharding), (a, b, c)
+def _role_fwd(planned, out_sharding, addend, a, b, c):
+    del addend
+    return call(planned, a, b, c, out_sharding), (a, b)
 
 
-def _role_bwd(planned, out_sharding, saved, g):
+def _role_bwd(planned, out_sharding, addend, saved, g):
     del out_sharding
-    a, b, c = saved
+    a, b = saved
     prefix = "router_" if planned.op.startswith("router_") else ""
     role = planned.op.removeprefix(prefix)
     # The router's roles are FP32 throughout; the bf16 roles take a bf16 cotangent (the
-    # addend's cotangent is g itself).
-    a_spec, b_spec, c_spec = partitioning.explicit_specs(a, b, c) or (None, None, None)
-    dc = None if c is None else partitioning.to_specs((g.astype(c.dtype),), (c_spec,))[0]
+    # addend's cotangent is g itself, in the addend's dtype and spec).
+    a_spec, b_spec = partitioning.explicit_specs(a, b) or (None, None)
+    dc = None if addend is None else partitioning.to_specs((g.astype(addend[0]),), (addend[1],))[0]
     g = g.astype(a.dtype)
 
     def run(op, p, q, out_dtype, spec):
@@ -289,7 +295,8 @@ def _fused_or(fused_call, fallback, out_batched, *operands):
 
     # Differentiated (only reverse-over-reverse reaches here: a pipeline's custom_vjp
     # differentiates it once) through the unfused form: its GEMM roles and XLA's
-    # elementwise gradient of the epilogue.
+    # elementwise gradient of the epilogue (the unfused forward runs again in that
+    # backward: a cost of second order only).
     @jax.custom_vjp
     def differentiable(*operands):
         return call(*operands)
