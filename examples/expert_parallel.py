@@ -147,7 +147,8 @@ def main(argv):
         diff = max_rel_diff(a, b)
         good = a.dtype == b.dtype and diff <= TOLERANCE[jnp.dtype(b.dtype)]
         ok &= good
-        print(f"{name:3s} {jnp.dtype(a.dtype).name:9s} max rel diff vs unsharded {diff:.2e} {'ok' if good else 'MISMATCH'}")
+        verdict = "ok" if good else "MISMATCH"
+        print(f"{name:3s} {jnp.dtype(a.dtype).name:9s} max rel diff vs unsharded {diff:.2e} {verdict}")
     if not ok:
         sys.exit(1)
     print("expert-parallel results and gradients match the unsharded layer")
