@@ -247,6 +247,21 @@ def check_out_sharding(fn: str, out_sharding: Any, shape: tuple[int, ...]):
     return spec, out_sharding
 
 
+def _check_group_sizes(fn: str, group_sizes, w, w_name: str) -> None:
+    """group_sizes: int32 [G], one size per group of w (w.shape[0] is G)."""
+    if jnp.dtype(group_sizes.dtype) != jnp.dtype(jnp.int32):
+        raise TypeError(
+            f"{fn}: group_sizes must be int32, got {jnp.dtype(group_sizes.dtype).name} "
+            "(cast it with group_sizes.astype(jnp.int32))"
+        )
+    check_rank(fn, "group_sizes", group_sizes, 1, "[G], one size per group")
+    if group_sizes.shape[0] != w.shape[0]:
+        raise ValueError(
+            f"{fn}: group_sizes must hold one size per group of {w_name}: {w_name}.shape[0] is G={w.shape[0]}, "
+            f"got group_sizes of shape {tuple(group_sizes.shape)}"
+        )
+
+
 def check_grouped_operands(
     fn: str, x, w, group_sizes, deterministic: Any, names=("x", "w"), layout: str = "nk"
 ) -> bool:
@@ -272,17 +287,7 @@ def check_grouped_operands(
         )
     if w.shape[0] < 1:
         raise ValueError(f"{fn}: {w_name} must hold at least one group, got shape {tuple(w.shape)} ({w_layout})")
-    if jnp.dtype(group_sizes.dtype) != jnp.dtype(jnp.int32):
-        raise TypeError(
-            f"{fn}: group_sizes must be int32, got {jnp.dtype(group_sizes.dtype).name} "
-            "(cast it with group_sizes.astype(jnp.int32))"
-        )
-    check_rank(fn, "group_sizes", group_sizes, 1, "[G], one size per group")
-    if group_sizes.shape[0] != w.shape[0]:
-        raise ValueError(
-            f"{fn}: group_sizes must hold one size per group of {w_name}: {w_name}.shape[0] is G={w.shape[0]}, "
-            f"got group_sizes of shape {tuple(group_sizes.shape)}"
-        )
+    _check_group_sizes(fn, group_sizes, w, w_name)
     return deterministic
 
 
@@ -336,17 +341,7 @@ def check_grouped_gated_operands(fn: str, x, w_gate, w_up, group_sizes, activati
     check_rank(fn, "x", x, 2, "[M, d_in] with its rows sorted by group")
     _check_gate_up_experts(fn, w_gate, w_up, x.shape[1], "x")
     check_array(fn, "group_sizes", group_sizes)
-    if jnp.dtype(group_sizes.dtype) != jnp.dtype(jnp.int32):
-        raise TypeError(
-            f"{fn}: group_sizes must be int32, got {jnp.dtype(group_sizes.dtype).name} "
-            "(cast it with group_sizes.astype(jnp.int32))"
-        )
-    check_rank(fn, "group_sizes", group_sizes, 1, "[G], one size per group")
-    if group_sizes.shape[0] != w_gate.shape[0]:
-        raise ValueError(
-            f"{fn}: group_sizes must hold one size per group of w_gate: w_gate.shape[0] is G={w_gate.shape[0]}, "
-            f"got group_sizes of shape {tuple(group_sizes.shape)}"
-        )
+    _check_group_sizes(fn, group_sizes, w_gate, "w_gate")
     return activation, deterministic
 
 
