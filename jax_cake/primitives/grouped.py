@@ -194,75 +194,40 @@ def _plan(op: str, a, b, groups: int, call: Call, out_dtype="bfloat16") -> Plan:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fwd(x, w, group_sizes, call: Call):
-    return _gemm(call, x.astype(_BF16), w.astype(_BF16), group_sizes)
+def _role(a, b, group_sizes, call: Call):
+    """The grouped GEMM of role call.plan.op on a, b (rounded to bf16 for the product)."""
+    return _gemm(call, a.astype(_BF16), b.astype(_BF16), group_sizes)
 
 
-def _fwd_fwd(x, w, group_sizes, call):
-    return _fwd(x, w, group_sizes, call), (x, w, group_sizes)
+def _role_fwd(a, b, group_sizes, call):
+    return _role(a, b, group_sizes, call), (a, b, group_sizes)
 
 
-def _fwd_bwd(call, saved, dy):
-    x, w, group_sizes = saved
-    groups = w.shape[-3]
-    dy = dy.astype(_BF16)
-    x_spec, w_spec = _cotangent_specs(x, w)
-    dx = dgrad(dy, w, group_sizes, _plan("grouped_dgrad", dy, w, groups, call), **_opts(call, x_spec))
-    weight_plan = _plan("grouped_wgrad", dy, x, groups, call, out_dtype=jnp.dtype(w.dtype).name)
-    dw = wgrad(dy, x, group_sizes, weight_plan, **_opts(call, w_spec))
-    return dx.astype(x.dtype), dw.astype(w.dtype), None
+def _role_bwd(call, saved, g):
+    a, b, group_sizes = saved
+    op = call.plan.op
+    a_spec, b_spec = _cotangent_specs(a, b)
+    # G from the weight-like operand: b of fwd and dgrad, the cotangent of wgrad (which
+    # takes that place in fwd and dgrad; an FP32 one is rounded to bf16 by the GEMM).
+    groups = (g if op == "grouped_wgrad" else b).shape[-3]
+    if op != "grouped_wgrad":
+        g = g.astype(_BF16)
+    w_dtype = jnp.dtype(b.dtype).name
+
+    def run(role, p, q, spec, out_dtype="bfloat16"):
+        plan = _plan(role, p, q, groups, call, out_dtype=out_dtype)
+        return _role(p, q, group_sizes, Call(plan, call.deterministic, spec))
+
+    if op == "grouped_fwd":  # a = x, b = w
+        da, db = run("grouped_dgrad", g, b, a_spec), run("grouped_wgrad", g, a, b_spec, w_dtype)
+    elif op == "grouped_dgrad":  # a = dy, b = w
+        da, db = run("grouped_fwd", g, b, a_spec), run("grouped_wgrad", a, g, b_spec, w_dtype)
+    else:  # a = dy, b = x
+        da, db = run("grouped_fwd", b, g, a_spec), run("grouped_dgrad", a, g, b_spec)
+    return da.astype(a.dtype), db.astype(b.dtype), None
 
 
-_fwd.defvjp(_fwd_fwd, _fwd_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dgrad(dy, w, group_sizes, call: Call):
-    return _gemm(call, dy.astype(_BF16), w.astype(_BF16), group_sizes)
-
-
-def _dgrad_fwd(dy, w, group_sizes, call):
-    return _dgrad(dy, w, group_sizes, call), (dy, w, group_sizes)
-
-
-def _dgrad_bwd(call, saved, ddx):
-    dy, w, group_sizes = saved
-    groups = w.shape[-3]
-    ddx = ddx.astype(_BF16)
-    dy_spec, w_spec = _cotangent_specs(dy, w)
-    d_dy = fwd(ddx, w, group_sizes, _plan("grouped_fwd", ddx, w, groups, call), **_opts(call, dy_spec))
-    weight_plan = _plan("grouped_wgrad", dy, ddx, groups, call, out_dtype=jnp.dtype(w.dtype).name)
-    dw = wgrad(dy, ddx, group_sizes, weight_plan, **_opts(call, w_spec))
-    return d_dy.astype(dy.dtype), dw.astype(w.dtype), None
-
-
-_dgrad.defvjp(_dgrad_fwd, _dgrad_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _wgrad(dy, x, group_sizes, call: Call):
-    return _gemm(call, dy.astype(_BF16), x.astype(_BF16), group_sizes)
-
-
-def _wgrad_fwd(dy, x, group_sizes, call):
-    return _wgrad(dy, x, group_sizes, call), (dy, x, group_sizes)
-
-
-def _wgrad_bwd(call, saved, ddw):
-    dy, x, group_sizes = saved
-    groups = ddw.shape[-3]
-    dy_spec, x_spec = _cotangent_specs(dy, x)
-    # ddw is the weight-like operand of fwd and dgrad (an FP32 cotangent is rounded to bf16)
-    d_dy = fwd(x, ddw, group_sizes, _plan("grouped_fwd", x, ddw, groups, call), **_opts(call, dy_spec))
-    dx = dgrad(dy, ddw, group_sizes, _plan("grouped_dgrad", dy, ddw, groups, call), **_opts(call, x_spec))
-    return d_dy.astype(dy.dtype), dx.astype(x.dtype), None
-
-
-_wgrad.defvjp(_wgrad_fwd, _wgrad_bwd)
-
-
-def _opts(call: Call, out_spec) -> dict:
-    return dict(deterministic=call.deterministic, out_spec=out_spec)
+_role.defvjp(_role_fwd, _role_bwd)
 
 
 def fwd(x, w, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None):
@@ -271,14 +236,14 @@ def fwd(x, w, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=N
     plans of its backward. out_spec: y's PartitionSpec under Explicit axes (None: the
     rule's)."""
     _check(plan, "grouped_fwd")
-    return _fwd(x, w, group_sizes, Call(plan, bool(deterministic), out_spec))
+    return _role(x, w, group_sizes, Call(plan, bool(deterministic), out_spec))
 
 
 def dgrad(dy, w, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None):
     """dx [M, K] bf16, dx[r] = dy[r] . w[g(r)]: dy [M, N] bf16, w [G, N, K] bf16 or an FP32
     master; rows past the groups are 0. plan: op "grouped_dgrad"."""
     _check(plan, "grouped_dgrad")
-    return _dgrad(dy, w, group_sizes, Call(plan, bool(deterministic), out_spec))
+    return _role(dy, w, group_sizes, Call(plan, bool(deterministic), out_spec))
 
 
 def wgrad(dy, x, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None):
@@ -286,4 +251,4 @@ def wgrad(dy, x, group_sizes, plan: Plan, *, deterministic: bool = True, out_spe
     g]: dy [M, N], x [M, K] bf16; exactly 0 for an empty group. plan: op "grouped_wgrad"
     (G = plan.groups)."""
     _check(plan, "grouped_wgrad")
-    return _wgrad(dy, x, group_sizes, Call(plan, bool(deterministic), out_spec))
+    return _role(dy, x, group_sizes, Call(plan, bool(deterministic), out_spec))
