@@ -121,3 +121,31 @@ def cuda_text(fn, *args) -> str:
 def custom_call_lines(text: str, target: str) -> list[str]:
     """The lines of a lowered text that call `target` (a whole target name)."""
     return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
+
+
+def effective_group_sizes(sizes, m: int) -> list[int]:
+    """The group sizes a grouped GEMM uses for the rows [0, m): negative sizes count as 0,
+    the groups are cut where their running sum reaches m."""
+    out, total = [], 0
+    for s in sizes:
+        take = min(max(int(s), 0), m - total)
+        out.append(take)
+        total += take
+    return out
+
+
+def grouped_reference64(x, w, sizes, dy):
+    """float64 y, dx, dw (numpy) of the grouped projection of the bf16 operands x [M, K],
+    w [G, N, K] (rounded to bf16), dy [M, N] with these group sizes; rows past the groups 0."""
+    x64, w64, dy64 = f64(x), f64(jnp.asarray(w).astype(jnp.bfloat16)), f64(dy)
+    y = np.zeros((x64.shape[0], w64.shape[1]))
+    dx = np.zeros_like(x64)
+    dw = np.zeros(w64.shape)
+    start = 0
+    for g, s in enumerate(effective_group_sizes(sizes, x64.shape[0])):
+        rows = slice(start, start + s)
+        y[rows] = x64[rows] @ w64[g].T
+        dx[rows] = dy64[rows] @ w64[g]
+        dw[g] = dy64[rows].T @ x64[rows]
+        start += s
+    return y, dx, dw

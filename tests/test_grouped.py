@@ -18,7 +18,18 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cake as jc
-from helpers import REPO, assert_raises_naming, child_env, cuda_text, custom_call_lines, f64, rand, rel_err
+from helpers import (
+    REPO,
+    assert_raises_naming,
+    child_env,
+    cuda_text,
+    custom_call_lines,
+    effective_group_sizes,
+    f64,
+    grouped_reference64,
+    rand,
+    rel_err,
+)
 from second_order_cases import check, hvp
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -34,31 +45,6 @@ SIZES = {
     "int32_max": ([2**31 - 1, 5, 2**31 - 1, -(2**31), 7, 2**31 - 1], [200, 0, 0, 0, 0, 0]),
     "all_empty": ([0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]),
 }
-
-
-def _effective(sizes, m):
-    out, total = [], 0
-    for s in sizes:
-        take = min(max(int(s), 0), m - total)
-        out.append(take)
-        total += take
-    return out
-
-
-def _reference(x, w, sizes, dy):
-    """float64 y, dx, dw of the grouped projection of the bf16 operands (w rounded to bf16)."""
-    x64, w64, dy64 = f64(x), f64(jnp.asarray(w).astype(BF16)), f64(dy)
-    y = np.zeros((x64.shape[0], w64.shape[1]))
-    dx = np.zeros_like(x64)
-    dw = np.zeros(w64.shape)
-    start = 0
-    for g, s in enumerate(_effective(sizes, x64.shape[0])):
-        rows = slice(start, start + s)
-        y[rows] = x64[rows] @ w64[g].T
-        dx[rows] = dy64[rows] @ w64[g]
-        dw[g] = dy64[rows].T @ x64[rows]
-        start += s
-    return y, dx, dw
 
 
 def _operands(w_dtype=F32, m=M, g=G):
@@ -85,7 +71,7 @@ def _grouped_vjp(x, w, gs, dy):
 @pytest.mark.parametrize("case", sorted(SIZES))
 def test_group_sizes_rules(case):
     given, want = SIZES[case]
-    assert _effective(given, M) == want
+    assert effective_group_sizes(given, M) == want
     got = jc.reference.grouped_sizes(jnp.asarray(given, jnp.int32), M)
     assert got.dtype == jnp.int32 and list(np.asarray(got)) == want
 
@@ -106,8 +92,8 @@ def test_values_and_gradients_against_float64(case, w_dtype):
     sizes = SIZES[case][0]
     y, dx, dw = jax.jit(_grouped_vjp)(x, w, jnp.asarray(sizes, jnp.int32), dy)
     assert (y.dtype, dx.dtype, dw.dtype) == (BF16, BF16, w_dtype)
-    ry, rdx, rdw = _reference(x, w, sizes, dy)
-    effective = _effective(sizes, M)
+    ry, rdx, rdw = grouped_reference64(x, w, sizes, dy)
+    effective = effective_group_sizes(sizes, M)
     if sum(effective):
         assert rel_err(y, ry) < 4e-3 and rel_err(dx, rdx) < 4e-3
         # FP32 dw straight from the FP32 sum: float64's to FP32 precision; bf16 dw rounded once
@@ -148,7 +134,7 @@ def test_group_sizes_change_without_recompiling():
     for case in ("ragged", "negative", "sum_above_m"):
         sizes = SIZES[case][0]
         y, _, dw = step(x, w, jnp.asarray(sizes, jnp.int32), dy)
-        ry, _, rdw = _reference(x, w, sizes, dy)
+        ry, _, rdw = grouped_reference64(x, w, sizes, dy)
         assert rel_err(y, ry) < 4e-3 and rel_err(dw, rdw) < 1e-5
     assert len(traces) == 1
 
@@ -344,7 +330,7 @@ def test_ragged_dot_float32_master_rhs_with_a_bf16_result():
     lax_y = jax.lax.ragged_dot(x, rhs.astype(BF16), gs, preferred_element_type=BF16)
     np.testing.assert_allclose(f64(y), f64(lax_y), rtol=2.0**-7, atol=1e-6)
     assert drhs.dtype == F32
-    _, rdx, rdw = _reference(x, w, SIZES["ragged"][0], dy)
+    _, rdx, rdw = grouped_reference64(x, w, SIZES["ragged"][0], dy)
     assert rel_err(drhs, np.swapaxes(rdw, 1, 2)) < 1e-5 and rel_err(dx, rdx) < 4e-3
 
 
@@ -441,7 +427,7 @@ def _plain_grouped(sizes):
     """The same computation in plain JAX: every group's product, the row's own kept."""
     onehot = np.zeros((M, G), np.float32)
     start = 0
-    for g, s in enumerate(_effective(sizes, M)):
+    for g, s in enumerate(effective_group_sizes(sizes, M)):
         onehot[start : start + s, g] = 1.0
         start += s
 

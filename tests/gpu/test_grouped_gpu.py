@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jax_cake as jc
+from helpers import effective_group_sizes, grouped_reference64
 from second_order_cases import check, hvp
 
 import gpu_helpers as h
@@ -27,27 +28,6 @@ SIZES = {
     # negative sizes count as 0; the sum passes M: cut there
     "negative_and_above_m": [-5, 1000, 2000, -1, 1500, 700, 0, 3, 9, 9, 9, 9, 9, 9, 9, 9],
 }
-
-
-def _effective(sizes, m):
-    out, total = [], 0
-    for s in sizes:
-        take = min(max(int(s), 0), m - total)
-        out.append(take)
-        total += take
-    return out
-
-
-def _reference(x, w, sizes, dy):
-    """float64 y, dx, dw (numpy) of the bf16 operands, w rounded to bf16."""
-    x64, w64, dy64 = h.f64(x), h.f64(w.astype(BF16)), h.f64(dy)
-    y, dx, dw = np.zeros((M, N)), np.zeros((M, K)), np.zeros(w64.shape)
-    start = 0
-    for g, s in enumerate(_effective(sizes, M)):
-        rows = slice(start, start + s)
-        y[rows], dx[rows], dw[g] = x64[rows] @ w64[g].T, dy64[rows] @ w64[g], dy64[rows].T @ x64[rows]
-        start += s
-    return y, dx, dw
 
 
 def _operands(w_dtype, groups=16):
@@ -72,11 +52,11 @@ def test_values_and_gradients_against_float64(case, w_dtype):
     gs = jnp.asarray(SIZES[case], jnp.int32)
     y, dx, dw = _vjp(_grouped, x, w, gs, dy)
     assert (y.dtype, dx.dtype, dw.dtype) == (BF16, BF16, w_dtype)
-    ry, rdx, rdw = _reference(x, w, SIZES[case], dy)
+    ry, rdx, rdw = grouped_reference64(x, w, SIZES[case], dy)
     h.assert_close(y, ry, h.BF16_TOL, f"{case} y")
     h.assert_close(dx, rdx, h.BF16_TOL, f"{case} dx")
     h.assert_close(dw, rdw, h.F32_TOL if w_dtype == F32 else h.BF16_TOL, f"{case} dw")
-    effective = _effective(SIZES[case], M)
+    effective = effective_group_sizes(SIZES[case], M)
     past = sum(effective)
     assert not np.asarray(y[past:]).any() and not np.asarray(dx[past:]).any()
     for g, s in enumerate(effective):
@@ -105,7 +85,7 @@ def test_ragged_dot_equals_lax_on_the_gpu():
     gs = jnp.asarray(SIZES["ragged"], jnp.int32)
     ours = _vjp(jc.ragged_dot, x, rhs, gs, dy)
     theirs = _vjp(jax.lax.ragged_dot, x, rhs, gs, dy)
-    ry, rdx, rdw = _reference(x, w, SIZES["ragged"], dy)
+    ry, rdx, rdw = grouped_reference64(x, w, SIZES["ragged"], dy)
     for a, b, ref, what in zip(ours, theirs, (ry, rdx, np.swapaxes(rdw, 1, 2)), ("y", "dx", "drhs")):
         assert a.dtype == b.dtype == BF16
         h.assert_close(a, ref, h.BF16_TOL, f"jc.ragged_dot {what}")
@@ -123,7 +103,7 @@ def test_grad_of_grad_on_the_gpu():
     m = 128
     onehot = np.zeros((m, len(sizes)), np.float32)
     start = 0
-    for g, s in enumerate(_effective(sizes, m)):
+    for g, s in enumerate(effective_group_sizes(sizes, m)):
         onehot[start : start + s, g] = 1.0
         start += s
 
