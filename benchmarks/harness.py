@@ -703,6 +703,25 @@ def paired_groups(timer, calls: dict[str, Callable], groups: int, keep: Callable
     return out
 
 
+def geomean_lines(rows: Sequence[dict], ops: Sequence[str], ratio_columns: Callable) -> list[str]:
+    """Markdown lines "- op mode (n rows): column geomean (min to max); ..." per op and timing
+    mode, over the ratio columns `ratio_columns(picked rows)` names (rows without a value
+    are left out)."""
+    lines = []
+    for op in ops:
+        for mode in plan_rule.MODES:
+            picked = [r for r in rows if r["op"] == op and r["mode"] == mode]
+            parts = []
+            for column in ratio_columns(picked):
+                vals = [r[column] for r in picked if r.get(column)]
+                if vals:
+                    gm = math.exp(sum(math.log(v) for v in vals) / len(vals))
+                    parts.append(f"{column} {gm:.3f} ({min(vals):.3f} to {max(vals):.3f})")
+            if parts:
+                lines.append(f"- {op} {mode} ({len(picked)} rows): " + "; ".join(parts))
+    return lines
+
+
 def measure_arms(
     programs: dict[str, Callable], buf, args: Sequence, timer_kind: str, steps: int, groups: int
 ) -> dict[str, list[float]]:

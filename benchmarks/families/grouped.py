@@ -599,19 +599,10 @@ def routing_lines(samples: Sequence[dict]) -> list[str]:
 
 
 def geomean_lines(rows: Sequence[dict]) -> list[str]:
-    lines = []
-    for op in OPS:
-        for mode in plan_rule.MODES:
-            picked = [r for r in rows if r["op"] == op and r["mode"] == mode]
-            parts = []
-            for column in dict.fromkeys(c for r in picked for c in r if c.endswith("/jax_cake")):
-                vals = [r[column] for r in picked if r.get(column)]
-                if vals:
-                    gm = math.exp(sum(math.log(v) for v in vals) / len(vals))
-                    parts.append(f"{column} {gm:.3f} ({min(vals):.3f} to {max(vals):.3f})")
-            if parts:
-                lines.append(f"- {op} {mode} ({len(picked)} rows): " + "; ".join(parts))
-    return lines
+    def ratios(picked):
+        return dict.fromkeys(c for r in picked for c in r if c.endswith("/jax_cake"))
+
+    return harness.geomean_lines(rows, OPS, ratios)
 
 
 def report(header: dict, samples: Sequence[dict]) -> harness.Report:

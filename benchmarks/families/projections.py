@@ -11,7 +11,6 @@ harness.measure_point: the arms in paired groups, every step followed by an L2 f
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Callable, Mapping, Sequence
 
@@ -93,19 +92,8 @@ def report_columns(table: OpTable, rows: Sequence[dict]) -> list[str]:
 
 
 def geomean_lines(table: OpTable, rows: Sequence[dict]) -> list[str]:
-    lines = []
-    for op in table.ops:
-        for mode in plan_rule.MODES:
-            picked = [r for r in rows if r["op"] == op and r["mode"] == mode]
-            parts = []
-            for column in [c for c in report_columns(table, rows) if c.endswith("/new")]:
-                vals = [r[column] for r in picked if r.get(column)]
-                if vals:
-                    gm = math.exp(sum(math.log(v) for v in vals) / len(vals))
-                    parts.append(f"{column} {gm:.3f} ({min(vals):.3f} to {max(vals):.3f})")
-            if parts:
-                lines.append(f"- {op} {mode} ({len(picked)} rows): " + "; ".join(parts))
-    return lines
+    new_ratios = [c for c in report_columns(table, rows) if c.endswith("/new")]
+    return harness.geomean_lines(rows, table.ops, lambda picked: new_ratios)
 
 
 def markdown(table: OpTable, header: dict | None, rows: Sequence[dict], title: str | None = None) -> str:
