@@ -17,7 +17,6 @@ projection's activation is its forward GEMM's "gated" epilogue (docs/architectur
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,11 +25,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_cake import remat
+from jax_cake import logs, remat
 from jax_cake.pipeline import fused, gated, grouped, moe, projection, router, validation
 from jax_cake.primitives import partitioning
-
-_log = logging.getLogger("jax_cake")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -366,11 +363,6 @@ def grouped_projection(x, w, group_sizes, *, deterministic: bool = True):
     return remat.name_output(grouped.project_grouped(x, w, group_sizes, deterministic=deterministic))
 
 
-@functools.cache
-def _log_ragged_dot_fallback_once(reason: str) -> None:
-    _log.info("jax_cake: ragged_dot runs jax.lax.ragged_dot: %s", reason)
-
-
 def _ragged_dot_fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, out_sharding) -> str:
     """Why jax_cake does not serve this ragged_dot call ("" where it does; see ragged_dot)."""
     if not all(hasattr(v, "shape") and hasattr(v, "dtype") for v in (lhs, rhs, group_sizes)):
@@ -447,7 +439,7 @@ def ragged_dot(
     deterministic = validation.check_deterministic(fn, deterministic)
     reason = _ragged_dot_fallback(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, out_sharding)
     if reason:
-        _log_ragged_dot_fallback_once(reason)
+        logs.once(logging.INFO, "jax_cake: ragged_dot runs jax.lax.ragged_dot: %s", reason)
         return lax.ragged_dot(
             lhs,
             rhs,

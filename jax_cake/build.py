@@ -12,7 +12,7 @@ Runs on a CPU machine (no GPU, no driver needed):
      headers of the oldest supported jaxlib (--ffi_headers_jaxlib), because a handler
      built with newer headers fails on an older runtime while older headers work on
      newer ones;
-  4. links build/lib/libjax_cake_ffi.so with the static CuTe DSL runtime from the
+  4. links build/native/libjax_cake_ffi.so with the static CuTe DSL runtime from the
      installed nvidia-cutlass-dsl-libs wheel and the static CUDA runtime.
 The library path is printed as the last line of output.
 
@@ -41,7 +41,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "arch", list(contract.KERNEL_ARCHS), "GPU architectures to build for (only sm_90a kernels exist so far)."
 )
-flags.DEFINE_string("out_dir", str(REPO_ROOT / "build" / "lib"), "Where libjax_cake_ffi.so is written.")
+flags.DEFINE_string("out_dir", str(REPO_ROOT / "build" / "native"), "Where libjax_cake_ffi.so is written.")
 flags.DEFINE_string("obj_dir", None, "Where exported kernel objects go (default: <out_dir>/../obj).")
 flags.DEFINE_bool("compile_only", False, "Compile and export the kernels only; skip the C++ build and link.")
 flags.DEFINE_string(

@@ -5,7 +5,7 @@ CPU-only machine without the library imports this module without error.
 
 Where the library is looked for, first hit wins:
   1. $JAX_CAKE_LIBRARY (a path to the .so);
-  2. <repo>/build/lib/libjax_cake_ffi.so (what `python -m jax_cake.build` writes);
+  2. <repo>/build/native/libjax_cake_ffi.so (what `python -m jax_cake.build` writes);
   3. libjax_cake_ffi.so next to this package (an installed copy);
   4. the per-user cache, `cache_dir()`: $JAX_CAKE_CACHE_DIR/<key>, else
      $XDG_CACHE_HOME/jax_cake/<key>, else ~/.cache/jax_cake/<key>, where <key> is
@@ -87,7 +87,7 @@ def library_path() -> pathlib.Path | None:
     if env:
         p = pathlib.Path(env)
         return p if p.is_file() else None
-    for cand in (_REPO_ROOT / "build" / "lib" / LIBRARY_NAME, _PACKAGE_DIR / LIBRARY_NAME, cache_dir() / LIBRARY_NAME):
+    for cand in (_REPO_ROOT / "build" / "native" / LIBRARY_NAME, _PACKAGE_DIR / LIBRARY_NAME, cache_dir() / LIBRARY_NAME):
         if cand.is_file():
             return cand
     return None
@@ -163,7 +163,7 @@ def _load() -> ctypes.CDLL:
         path = _build_into_cache()  # first use on this machine
     if path is None:
         where = os.environ.get("JAX_CAKE_LIBRARY") or (
-            f"{_REPO_ROOT / 'build' / 'lib' / LIBRARY_NAME}, {_PACKAGE_DIR / LIBRARY_NAME} and {cache_dir()}"
+            f"{_REPO_ROOT / 'build' / 'native' / LIBRARY_NAME}, {_PACKAGE_DIR / LIBRARY_NAME} and {cache_dir()}"
         )
         raise RuntimeError(
             f"jax_cake native library not found (looked at {where}). Install the CuTe DSL with "

@@ -19,9 +19,27 @@ from jax import lax
 
 from jax_cake import contract
 
-
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
+
+
+def round_once(x, dtype):
+    """x rounded once to dtype (to nearest even), a rounding that stays when a later op
+    reads the result back in FP32.
+
+    A plain convert does not promise that inside a jit: XLA drops a f32 -> bf16 -> f32
+    round trip within a fusion as excess precision (--xla_allow_excess_precision, on by
+    default; it does on GPU), so the next op would read the unrounded FP32 value. Measured
+    on an H100 with jax 0.11.2 (2026-12-06): moe_mlp's FP32 weight gradients were 2.8e-3
+    from the float64 wgrads of its own bf16 intermediates with plain converts, 1.9e-7 with
+    the flag off. `reduce_precision` to dtype's bits first is kept by XLA."""
+    dtype = jnp.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < jnp.finfo(x.dtype).bits:
+        info = jnp.finfo(dtype)
+        x = lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return x.astype(dtype)
 
 
 def _bmm(a, b, contract_a: int, contract_b: int, out_dtype):
@@ -40,7 +58,7 @@ def _bmm(a, b, contract_a: int, contract_b: int, out_dtype):
     dims = (((contract_a,), (contract_b,)), ((0,), (0,)))
     if jnp.dtype(out_dtype) == jnp.dtype(_F32):
         return lax.dot_general(a, b, dims, preferred_element_type=_F32)
-    once = lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=_F32).astype(out_dtype)
+    once = lambda a, b: round_once(lax.dot_general(a, b, dims, preferred_element_type=_F32), out_dtype)
     direct = lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
     return lax.platform_dependent(a, b, default=once, cuda=direct)
 
@@ -64,19 +82,18 @@ def add_into(c, y):
     """c + y rounded once to c's dtype: the "add" epilogue's value. For the residual of
     the forward (bf16 c and y) bf16(r + y), for the running sum of the weight gradient
     (FP32 c) c + y in FP32."""
-    return (c.astype(_F32) + y.astype(_F32)).astype(c.dtype)
+    return round_once(c.astype(_F32) + y.astype(_F32), c.dtype)
 
 
 def split_bf16x3(a):
     """FP32 a -> (hi, lo) in BF16 with hi + lo carrying about 16 mantissa bits of a.
 
-    hi is rounded with `reduce_precision`, not a convert pair: XLA may drop a
-    f32 -> bf16 -> f32 round trip as excess precision (it does on GPU), which would make
-    lo zero and the result a single BF16 pass (2.3e-3 error, seen on the H200).
+    hi is rounded with `round_once`, not a convert pair: were the f32 -> bf16 -> f32 round
+    trip dropped as excess precision, lo would be zero and the result a single BF16 pass
+    (2.3e-3 error, seen on the H200).
     """
-    hi = lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7)
-    lo = a - hi
-    return hi.astype(_BF16), lo.astype(_BF16)
+    hi = round_once(a, _BF16)
+    return hi, round_once(a - hi.astype(_F32), _BF16)
 
 
 def _bf16x3(a, b, contract_a: int, contract_b: int):
@@ -140,14 +157,14 @@ def _act_and_slope(z, activation: str):
 def gate(g, u, activation: str):
     """h = bf16(act(g) * u), in FP32 from bf16 g, u (the gated epilogue's forward value)."""
     value, _ = _act_and_slope(g.astype(_F32), activation)
-    return (value * u.astype(_F32)).astype(_BF16)
+    return round_once(value * u.astype(_F32), _BF16)
 
 
 def gate_grad(dh, g, u, activation: str):
     """(dg, du) = (bf16(dh * u * act'(g)), bf16(dh * act(g))), in FP32 from bf16 dh, g, u."""
     value, slope = _act_and_slope(g.astype(_F32), activation)
     dh = dh.astype(_F32)
-    return (dh * u.astype(_F32) * slope).astype(_BF16), (dh * value).astype(_BF16)
+    return round_once(dh * u.astype(_F32) * slope, _BF16), round_once(dh * value, _BF16)
 
 
 def interleave(a, b, axis: int, block: int = 1):
@@ -236,7 +253,7 @@ def _grouped(a, b, group_sizes, role: str, out_dtype):
     else:  # rows past the groups' sum are 0, whatever the backend's ragged dot leaves there
         live = lax.broadcasted_iota(jnp.int32, out.shape[:-1] + (1,), nb) < jnp.sum(sizes, axis=-1)[..., None, None]
         out = jnp.where(live, out, jnp.zeros((), _F32))
-    out = out.astype(out_dtype)
+    out = round_once(out, out_dtype)
     return jnp.reshape(out, lead + out.shape[nb:])
 
 

@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cake as jc
+from jax_cake import logs
 from helpers import (
     REPO,
     assert_raises_naming,
@@ -345,7 +346,7 @@ def test_ragged_dot_float32_master_rhs_with_a_bf16_result():
     ],
 )
 def test_ragged_dot_falls_back_to_lax_and_says_why(caplog, kwargs, lhs_dtype, rhs_dtype, reason):
-    jc.api._log_ragged_dot_fallback_once.cache_clear()
+    logs.forget()
     x, w, dy = _operands(F32)
     x, rhs = x.astype(lhs_dtype), _kn(w).astype(rhs_dtype)
     gs = jnp.asarray(SIZES["ragged"][0], jnp.int32)

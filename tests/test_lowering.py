@@ -4,10 +4,11 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from helpers import cuda_text, custom_call_lines, faked_device
 
 import jax_cake as jc
-from helpers import faked_device, cuda_text, custom_call_lines
 
 
 def _attr(call: str, name: str) -> int:
@@ -77,6 +78,46 @@ def test_a_bf16_result_dot_has_the_bits_of_an_fp32_dot_rounded_once():
     y = reference.fwd(x, w)
     assert y.dtype == jnp.bfloat16
     assert bool(jnp.array_equal(y, once.astype(jnp.bfloat16)))
+
+
+def test_round_once_has_the_bits_of_a_convert():
+    """reference.round_once rounds as a convert does (to nearest even), specials included."""
+    from jax_cake import reference
+
+    x = jax.random.normal(jax.random.key(5), (4096,), jnp.float32) * 1e3
+    ties = jnp.asarray([1.00390625, 1.01171875, -1.00390625], jnp.float32)  # halfway between bf16 steps
+    specials = jnp.asarray([jnp.inf, -jnp.inf, jnp.nan, 3.4e38, 1e-40, -0.0, 0.0], jnp.float32)
+    x = jnp.concatenate([x, ties, specials])
+    got = jax.jit(reference.round_once, static_argnums=1)(x, jnp.bfloat16)
+    want = np.asarray(x).astype(jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16))
+
+
+def _rounding_cases():
+    from jax_cake import reference
+    from jax_cake.pipeline import moe
+
+    bf = lambda *s: jnp.zeros(s, jnp.bfloat16)
+    sizes = jnp.zeros((4,), jnp.int32)
+    return {
+        "fwd": (lambda x, w: reference.fwd(x, w), (bf(1, 8, 16), bf(1, 4, 16))),
+        "grouped_fwd": (lambda x, w, s: reference.grouped_fwd(x, w, s), (bf(8, 16), bf(4, 4, 16), sizes)),
+        "gate": (lambda g, u: reference.gate(g, u, "silu"), (bf(8, 4), bf(8, 4))),
+        "gate_grad": (lambda d, g, u: reference.gate_grad(d, g, u, "gelu"), (bf(8, 4), bf(8, 4), bf(8, 4))),
+        "add_into": (reference.add_into, (bf(8, 4), bf(8, 4))),
+        "combine": (lambda o, e: moe.combine(o, e, jnp.ones(e.shape, bool)), (bf(8, 2, 4), jnp.zeros((8, 2)))),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_rounding_cases()))
+def test_every_bf16_rounding_of_the_xla_path_survives_excess_precision(case):
+    """Each bf16 result the XLA path computes in FP32 is rounded by a reduce_precision, which
+    XLA keeps, not by a bare convert, which XLA's excess-precision pass may drop when the next
+    op reads the value back in FP32 (it does on GPU: moe_mlp's FP32 dw were 2.8e-3 off)."""
+    fn, args = _rounding_cases()[case]
+    text = jax.jit(fn).lower(*args).as_text()
+    assert re.search(r"stablehlo.reduce_precision .*format = e8m7", text), text
 
 
 def test_cpu_lowering_has_no_custom_calls():

@@ -55,7 +55,7 @@ def test_library_path_finds_the_cached_build(no_library):
     lib.write_bytes(b"")
     assert native.library_path() == lib
     # A repo build comes first.
-    repo_lib = no_library / "repo" / "build" / "lib" / contract.LIBRARY_NAME
+    repo_lib = no_library / "repo" / "build" / "native" / contract.LIBRARY_NAME
     repo_lib.parent.mkdir(parents=True)
     repo_lib.write_bytes(b"")
     assert native.library_path() == repo_lib

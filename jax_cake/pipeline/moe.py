@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_cake import remat
+from jax_cake import reference, remat
 from jax_cake.pipeline import grouped
 from jax_cake.primitives import partitioning
 
@@ -133,7 +133,7 @@ def sum_copies(c):
     acc = c[:, 0].astype(_F32)
     for j in range(1, c.shape[1]):
         acc = acc + c[:, j].astype(_F32)
-    return acc.astype(c.dtype)
+    return reference.round_once(acc, c.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -163,7 +163,7 @@ def combine(outputs, expert_weights, valid):
     acc = ew[:, 0, None] * outputs[:, 0].astype(_F32)
     for j in range(1, outputs.shape[1]):
         acc = acc + ew[:, j, None] * outputs[:, j].astype(_F32)
-    return acc.astype(_BF16)
+    return reference.round_once(acc, _BF16)
 
 
 def moe_mlp(x, w_gate, w_up, w_down, expert_ids, expert_weights, *, activation: str, deterministic: bool):

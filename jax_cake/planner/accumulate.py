@@ -20,24 +20,15 @@ GPU, or where the kernels do not apply, it is the XLA plan (the reference
 from __future__ import annotations
 
 import dataclasses
-import functools
+import logging
 import math
 from typing import Any
 
-from absl import logging
-
-from jax_cake import contract
+from jax_cake import contract, logs
 from jax_cake.planner import choose, overrides, variants
 from jax_cake.planner.plan_type import Plan
 
 OP = "wgrad_accumulate"
-
-
-@functools.cache
-def _log_separate_add_once(device: str, shape: str, reason: str) -> None:
-    logging.warning(
-        "jax_cake: gradient accumulation of %s on %s runs the wgrad and then a separate add: %s", shape, device, reason
-    )
 
 
 def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, device: Any = None) -> Plan:
@@ -95,7 +86,13 @@ def plan_accumulate(*, tokens: int, d_in: int, d_out: int, batch: int = 1, devic
             reason=f"gradient accumulation in the wgrad kernel, bitwise reproducible: {how}; {tile_note}",
         )
     reason = "no compiled accumulating wgrad variant (fp32 reduce-add, or ordered partials) fits the ranked tiles"
-    _log_separate_add_once(base.device, f"{batch}x{d_out}x{d_in}", reason)
+    logs.once(
+        logging.WARNING,
+        "jax_cake: gradient accumulation of %s on %s runs the wgrad and then a separate add: %s",
+        f"{batch}x{d_out}x{d_in}",
+        base.device,
+        reason,
+    )
     # Without the fused add, the plain wgrad's best plan is the planner's own (table rows included).
     sizes = dict(tokens=tokens, d_in=d_in, d_out=d_out, batch=batch)
     plain = choose.plan_with(block, "wgrad", **sizes, out_dtype="float32", deterministic=True, device=device)

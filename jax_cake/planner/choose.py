@@ -15,14 +15,12 @@ behind it: docs/planner.md.
 
 from __future__ import annotations
 
-import functools
+import logging
 import math
 import os
 from typing import Any, NamedTuple
 
-from absl import logging
-
-from jax_cake import contract
+from jax_cake import contract, logs
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import grouped, overrides, router_variants, tables, variants
 from jax_cake.planner.plan_type import GROUPED_OPS, OPS, Plan
@@ -153,11 +151,6 @@ def _pick_cluster(
     return (2, 1), "; CTA pairs (cluster 2x1) share the B tile by TMA multicast"
 
 
-@functools.cache
-def _log_fallback_once(device: str, reason: str) -> None:
-    logging.warning("jax_cake: on %s the XLA path runs instead of the kernels: %s", device, reason)
-
-
 def _plan_fields(op, batch, m, n, k, out_dtype, dev, backend: str = "sm90a") -> dict:
     """The Plan fields every plan of this GEMM shares (kernel plans carry the SM count)."""
     fields = dict(op=op, backend=backend, batch=batch, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe())
@@ -168,7 +161,7 @@ def _plan_fields(op, batch, m, n, k, out_dtype, dev, backend: str = "sm90a") -> 
 
 def _xla_plan(op, batch, m, n, k, out_dtype, dev, reason) -> Plan:
     if dev.platform == "cuda":  # a GPU user expects the kernels: say once why not
-        _log_fallback_once(dev.describe(), reason)
+        logs.once(logging.WARNING, "jax_cake: on %s the XLA path runs instead of the kernels: %s", dev.describe(), reason)
     return Plan(**_plan_fields(op, batch, m, n, k, out_dtype, dev, backend="xla"), reason=reason)
 
 

@@ -39,12 +39,10 @@ fused ones, and a row's tile would move the fused kernels off their measured til
 from __future__ import annotations
 
 import dataclasses
-import functools
+import logging
 from typing import Any
 
-from absl import logging
-
-from jax_cake import contract
+from jax_cake import contract, logs
 from jax_cake.planner import choose, overrides, variants
 from jax_cake.planner.plan_type import Plan
 
@@ -73,17 +71,6 @@ GATE_GRAD_EPILOGUE_ENABLED = False
 GATED_TILE = (128, 192, 64)
 GATED_SCHEDULE = "pingpong"
 _GATED_TILE_NAME = f"ping-pong {GATED_TILE[0]}x{GATED_TILE[1]}"
-
-
-@functools.cache
-def _log_separate_pass_once(device: str, program: str, shape: str, reason: str) -> None:
-    logging.info(
-        "jax_cake: the gated epilogue of the %s GEMM %s on %s runs as an XLA pass after it: %s",
-        program,
-        shape,
-        device,
-        reason,
-    )
 
 
 def plan_gated(
@@ -193,18 +180,15 @@ def _with_epilogue(
                 ),
             )
         reason = f"no compiled {store} variant of the {tile[0]}x{tile[1]} {schedule} tile"
-    _log_separate_pass_once(base.device, program, f"{base.batch}x{base.m}x{base.k}->{base.n}", reason)
-    return dataclasses.replace(base, reason=f"{base.reason}; then an XLA pass ({reason})")
-
-
-@functools.cache
-def _log_interleaved_dx_once(device: str, shape: str, reason: str) -> None:
-    logging.info(
-        "jax_cake: the gated projection's dx %s on %s runs over its cotangent interleaved by an XLA pass: %s",
-        shape,
-        device,
+    logs.once(
+        logging.INFO,
+        "jax_cake: the gated epilogue of the %s GEMM %s on %s runs as an XLA pass after it: %s",
+        program,
+        f"{base.batch}x{base.m}x{base.k}->{base.n}",
+        base.device,
         reason,
     )
+    return dataclasses.replace(base, reason=f"{base.reason}; then an XLA pass ({reason})")
 
 
 def plan_gate_up_dgrad(base: Plan, block: int) -> Plan:
@@ -231,7 +215,13 @@ def plan_gate_up_dgrad(base: Plan, block: int) -> Plan:
         (tm, tn, _), (cm, cn) = base.tile, base.cluster
         reason = f"no gate_up_halves variant of the {tm}x{tn} {base.schedule} tile, cluster {cm}x{cn}"
     if reason is not None:
-        _log_interleaved_dx_once(base.device, f"{base.batch}x{base.m}x{base.k}->{base.n}", reason)
+        logs.once(
+            logging.INFO,
+            "jax_cake: the gated projection's dx %s on %s runs over its cotangent interleaved by an XLA pass: %s",
+            f"{base.batch}x{base.m}x{base.k}->{base.n}",
+            base.device,
+            reason,
+        )
         return dataclasses.replace(base, reason=f"{base.reason}; dg and du interleaved by an XLA pass first ({reason})")
     return dataclasses.replace(
         base,

@@ -17,21 +17,15 @@ the same API.
 
 from __future__ import annotations
 
-import functools
+import logging
 import os
 
-from absl import logging
-
+from jax_cake import logs
 from jax_cake.planner import device as device_lib
 from jax_cake.planner.plan_type import Plan
 
 _XLA_RAGGED = "XLA's ragged dot (lax.ragged_dot_general) with an FP32 result rounded once, the same semantics"
 NO_KERNEL = f"no grouped (ragged) GEMM kernel is built in this version of jax_cake: {_XLA_RAGGED}"
-
-
-@functools.cache
-def _log_fallback_once(device: str, reason: str) -> None:
-    logging.warning("jax_cake: on %s the grouped GEMMs run the XLA path: %s", device, reason)
 
 
 def gemm_dims(op: str, tokens, d_in, d_out) -> tuple:
@@ -67,7 +61,7 @@ def plan_grouped(
     else:
         reason = NO_KERNEL
     if dev.platform == "cuda":  # a GPU user expects the kernels: say once why not
-        _log_fallback_once(dev.describe(), reason)
+        logs.once(logging.WARNING, "jax_cake: on %s the grouped GEMMs run the XLA path: %s", dev.describe(), reason)
     return Plan(
         op=op,
         backend="xla",

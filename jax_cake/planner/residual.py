@@ -22,12 +22,10 @@ a separate XLA add (one log line says so). Off the GPU, or where the kernels do 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import logging
 from typing import Any
 
-from absl import logging
-
-from jax_cake import contract
+from jax_cake import contract, logs
 from jax_cake.planner import choose, overrides, variants
 from jax_cake.planner.plan_type import Plan
 
@@ -37,13 +35,6 @@ OP = "fwd_residual"
 # shape on the H200, the down projection 8192 x 14336 -> 4096 included (docs/benchmarks.md,
 # "Residual add in the forward").
 RESIDUAL_KERNELS_ENABLED = True
-
-
-@functools.cache
-def _log_separate_add_once(device: str, shape: str, reason: str) -> None:
-    logging.warning(
-        "jax_cake: the residual add of %s on %s runs the forward and then a separate add: %s", shape, device, reason
-    )
 
 
 def plan_residual(*, tokens: int, d_in: int, d_out: int, batch: int = 1, device: Any = None) -> Plan:
@@ -80,5 +71,11 @@ def plan_residual(*, tokens: int, d_in: int, d_out: int, batch: int = 1, device:
             ),
         )
     reason = "no compiled residual-add (bf16 reduce-add) fwd variant fits the ranked tiles"
-    _log_separate_add_once(base.device, f"{batch}x{tokens}x{d_in}->{d_out}", reason)
+    logs.once(
+        logging.WARNING,
+        "jax_cake: the residual add of %s on %s runs the forward and then a separate add: %s",
+        f"{batch}x{tokens}x{d_in}->{d_out}",
+        base.device,
+        reason,
+    )
     return dataclasses.replace(base, reason=f"{base.reason}; then a separate add of the residual ({reason})")

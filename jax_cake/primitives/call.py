@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from jax_cake import reference, remat
+from jax_cake import logs, reference, remat
 from jax_cake.contract import GATE_BLOCK
 from jax_cake.planner import Plan
 from jax_cake.planner import device as device_lib
@@ -36,20 +36,6 @@ from jax_cake.primitives import batching, gemm, partitioning
 
 # The plan of each GEMM role's "add" epilogue, for given sizes and device.
 _ADD_PLANNERS = {"fwd": plan_residual, "wgrad": plan_accumulate}
-
-_log = logging.getLogger("jax_cake")
-
-
-@functools.cache
-def _log_fp32_partials_once(op: str, shape: str) -> None:
-    _log.info(
-        "jax_cake: %s %s is a partial sum over a sharded contraction; it runs XLA's dot with FP32 output "
-        "(the %s kernels write bf16) so the shards' partials are summed in FP32 and rounded once",
-        op,
-        shape,
-        op,
-    )
-
 
 def sizes(op: str, a_shape, b_shape) -> dict:
     """The planner's sizes (tokens, d_in, d_out[, batch]) of GEMM `op` on operand shapes.
@@ -113,7 +99,14 @@ class PlannedGemm:
         over the shards is rounded once."""
         plan = self.plan
         if reduce_dtype is not None and self.op in ("fwd", "dgrad"):
-            _log_fp32_partials_once(self.op, f"{tuple(a.shape)} x {tuple(b.shape)}")
+            logs.once(
+                logging.INFO,
+                "jax_cake: %s %s is a partial sum over a sharded contraction; it runs XLA's dot with FP32 output "
+                "(the %s kernels write bf16) so the shards' partials are summed in FP32 and rounded once",
+                self.op,
+                f"{tuple(a.shape)} x {tuple(b.shape)}",
+                self.op,
+            )
             return getattr(reference, self.op)(a, b, reduce_dtype)
         if reduce_dtype is not None and self.op != "wgrad":
             reduce_dtype = None  # the router writes FP32 already

@@ -45,8 +45,10 @@ from typing import Any, Protocol
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jax_cake import logs
 from jax_cake.planner import device as device_lib
 
 Axes = tuple[str, ...]  # the mesh axes one dimension is sharded on, major first
@@ -331,18 +333,14 @@ def merge_leading(a):
     sharded = [bool(axes) for axes in spec[:-1]]
     if sharded == sorted(sharded, reverse=True):
         return jax.numpy.reshape(a, shape)
-    _log_gathered_leading_once(str(to_pspec(spec)), str(a.shape))
-    return jax.numpy.reshape(a, shape, out_sharding=to_pspec(((), (), spec[-1])))
-
-
-@functools.cache
-def _log_gathered_leading_once(spec: str, shape: str) -> None:
-    logging.getLogger("jax_cake").warning(
+    logs.once(
+        logging.WARNING,
         "jax_cake: an operand %s sharded %s has a sharded leading dimension after an unsharded one; "
         "its tokens are gathered for the GEMM (shard the first leading dimension to keep them local)",
-        shape,
-        spec,
+        str(a.shape),
+        str(to_pspec(spec)),
     )
+    return jax.numpy.reshape(a, shape, out_sharding=to_pspec(((), (), spec[-1])))
 
 
 def explicit_call(name: str, local: ShardGemm, a, b, *, mesh, device, out_request: Any = None):
