@@ -28,6 +28,18 @@ Cases (`--cases`; sizes are flags, defaults below):
 - router: DeepSeek-V3-shaped router logits x [16384, 7168] f32 . w [256, 7168]^T f32,
   a top-8 softmax gating loss plus a z-loss; jax_cake.router_logits against jnp.dot
   with precision=DotAlgorithmPreset.BF16_BF16_F32_X3.
+- moe, moe_capacity, moe_tokamax: a dropless MoE layer, Mixtral-8x7B-shaped by default
+  (T = 8192 tokens, d = 4096, G = 8 SwiGLU experts of d_ff = 14336, top-2; Qwen3-30B-A3B:
+  --moe_experts=128 --moe_d=2048 --moe_d_ff=768 --moe_top_k=8; a DeepSeek-V3 expert-parallel
+  shard: --moe_tokens=2048 --moe_experts=32 --moe_d=7168 --moe_d_ff=2048 --moe_top_k=8):
+  router logits (a bf16 dot, the same in both arms), top-k of their softmax, the experts'
+  MLP, loss = mean square of y; gradients for x, the router and the three expert weights
+  (FP32 masters), through the routing weights. jax_cake.moe_mlp against the same layer
+  written without jax_cake (benchmarks/moe_layers.py): moe against lax.ragged_dot
+  (dropless), moe_capacity against a capacity-factor-1.25 layer (dispatch by index, a
+  batched einsum over [G, C, *]: 1.25x the rows, tokens past the capacity dropped, so its
+  loss differs), moe_tokamax against tokamax.ragged_dot (dropless; needs tokamax, not in
+  the default --cases). The XLA columns are the baseline's.
 - cold: a fresh process per (run, arm) (no compilation cache): host wall time from the
   spawn to the first result of the jitted step of case --cold_case (import, backend
   start, trace, compile and run; jax_cake includes loading its library).
@@ -55,8 +67,10 @@ from absl import app, flags
 from benchmarks import harness
 from benchmarks import markdown as md
 
-CASES = ("skinny", "block", "block_remat", "mlp", "router", "cold")
+CASES = ("skinny", "block", "block_remat", "mlp", "router", "moe", "moe_capacity", "moe_tokamax", "cold")
 TIMED_CASES = CASES[:-1]
+DEFAULT_CASES = tuple(c for c in CASES if c != "moe_tokamax")  # tokamax is not a requirement
+MOE_BASELINES = {"moe": "dropless lax.ragged_dot", "moe_capacity": "capacity 1.25", "moe_tokamax": "dropless tokamax"}
 COLUMNS = ("step", "mode", "XLA ms", "jax_cake ms", "XLA/jax_cake", "loss rel diff", "XLA temp MiB", "jax_cake temp MiB")
 COLD_ENV = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
 
@@ -79,6 +93,11 @@ class Sizes:
     router_d: int = 7168
     router_experts: int = 256
     top_k: int = 8
+    moe_tokens: int = 8192
+    moe_d: int = 4096
+    moe_d_ff: int = 14336
+    moe_experts: int = 8
+    moe_top_k: int = 2
 
 
 # --- the models ---------------------------------------------------------------------------
@@ -214,6 +233,31 @@ def router_loss(arm: str, top_k: int, deterministic: bool):
     return loss
 
 
+def moe_loss(baseline: str | None, top_k: int, deterministic: bool):
+    """The MoE layer's loss: jax_cake.moe_mlp (baseline None) or the baseline layer."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_cake
+    from benchmarks import moe_layers
+
+    if baseline is None:
+        layer = lambda *a: jax_cake.moe_mlp(*a, deterministic=deterministic)
+    elif baseline == "moe":
+        layer = moe_layers.dropless(moe_layers.lax_ragged)
+    elif baseline == "moe_capacity":
+        layer = moe_layers.capacity()
+    else:
+        layer = moe_layers.dropless(moe_layers.tokamax_ragged())
+
+    def loss(params, x):
+        logits = jnp.dot(x, params["router"].astype(jnp.bfloat16).T, preferred_element_type=jnp.float32)
+        weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+        return _mean_square(layer(x, params["wg"], params["wu"], params["wd"], ids, weights))
+
+    return loss
+
+
 def adam(params, grads, opt, lr=1e-4, b1=0.9, b2=0.999, eps=1e-8):
     """One Adam update (the first: bias corrections of step 1) on FP32 masters."""
     import jax
@@ -250,6 +294,11 @@ def case_label(name: str, s: Sizes) -> str:
         return f"SwiGLU MLP T={s.mlp_tokens} {s.d_model}->{s.d_ff}->{s.d_model}"
     if name == "router":
         return f"router T={s.router_tokens} {s.router_d}->{s.router_experts} top-{s.top_k}"
+    if name in MOE_BASELINES:
+        return (
+            f"MoE T={s.moe_tokens} d={s.moe_d} G={s.moe_experts} d_ff={s.moe_d_ff} top-{s.moe_top_k} "
+            f"vs {MOE_BASELINES[name]}"
+        )
     raise ValueError(f"case {name!r}: expected one of {TIMED_CASES}")
 
 
@@ -324,6 +373,23 @@ def make_case(name: str, s: Sizes, deterministic: bool) -> Case:
         return Case(
             name, label, ("xla", "jax_cake"), inputs, lambda arm: router_loss(arm, s.top_k, deterministic)
         )
+    if name in MOE_BASELINES:
+
+        def inputs():
+            x = jax.random.normal(key_x, (s.moe_tokens, s.moe_d), f32).astype(bf16)
+            shapes = dict(wg=(s.moe_d_ff, s.moe_d), wu=(s.moe_d_ff, s.moe_d), wd=(s.moe_d, s.moe_d_ff))
+            keys = jax.random.split(key_w, len(shapes) + 1)
+            p = {
+                n: jax.random.normal(k, (s.moe_experts, *shape), f32) / shape[1] ** 0.5
+                for k, (n, shape) in zip(keys, shapes.items())
+            }
+            p["router"] = jax.random.normal(keys[-1], (s.moe_experts, s.moe_d), f32) / s.moe_d**0.5
+            return _with_opt(x, p)
+
+        def loss(arm):
+            return moe_loss(name if arm == "xla" else None, s.moe_top_k, deterministic)
+
+        return Case(name, label, ("xla", "jax_cake"), inputs, loss)
     raise AssertionError(name)
 
 
@@ -500,7 +566,7 @@ def define_flags() -> None:
             flags.DEFINE_list(name, [str(v) for v in value], f"model: size {name}.")
         else:
             flags.DEFINE_integer(name, value, f"model: size {name}.")
-    flags.DEFINE_list("cases", list(CASES), f"model: cases, from {CASES}.")
+    flags.DEFINE_list("cases", list(DEFAULT_CASES), f"model: cases, from {CASES}.")
     flags.DEFINE_string("cold_case", "block", f"model: the case the cold row times the first step of, {TIMED_CASES}.")
     flags.DEFINE_integer("cold_runs", 2, "model: fresh processes per arm for the cold row.")
     flags.DEFINE_bool("deterministic", True, "model: the jax_cake arms' deterministic flag (the library's default).")
@@ -518,12 +584,21 @@ def sizes_from_flags() -> Sizes:
         raise app.UsageError(f"--d_q={s.d_q} must be a multiple of --d_kv={s.d_kv} (GQA)")
     if s.top_k > s.router_experts:
         raise app.UsageError(f"--top_k={s.top_k} must be at most --router_experts={s.router_experts}")
+    if s.moe_top_k > s.moe_experts:
+        raise app.UsageError(f"--moe_top_k={s.moe_top_k} must be at most --moe_experts={s.moe_experts}")
     return s
 
 
 def check() -> None:
     sizes_from_flags()
     harness.selected("cases", CASES)
+    if "moe_tokamax" in FLAGS.cases:
+        from benchmarks import moe_layers
+
+        try:
+            moe_layers.tokamax_ragged()
+        except ImportError as e:
+            raise app.UsageError(f"--cases=moe_tokamax: tokamax does not import ({e})") from e
     if FLAGS.cold_case not in TIMED_CASES:
         raise app.UsageError(f"--cold_case: {FLAGS.cold_case!r} not in {list(TIMED_CASES)}")
 
