@@ -7,6 +7,7 @@ f32 and bf16 weights, out-of-range expert ids, validation, JAX_CAKE_DISABLE, jit
 sharding / expert parallelism under shard_map, determinism, grad of grad and remat."""
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cake as jc
+from jax_cake import logs
 from helpers import assert_raises_naming, cuda_text, f64, rand, rel_err
 from second_order_cases import check, hvp
 
@@ -593,9 +595,11 @@ def test_grouped_gated_with_sharded_inputs_equals_the_unsharded_call(x_spec, w_s
 
 
 @pytest.mark.parametrize("w_spec", [P(), P(None, "data")])
-def test_moe_mlp_under_explicit_axes(w_spec):
-    """Tokens sharded on an Explicit mesh: the routing gathers them (a global sort), y and
-    every gradient come back in their primal's sharding, with the unsharded call's values."""
+def test_moe_mlp_under_explicit_axes(w_spec, caplog):
+    """Tokens sharded on an Explicit mesh: the routing gathers them (a global sort, said in a
+    log line), y and every gradient come back in their primal's sharding, with the
+    unsharded call's values."""
+    logs.forget()
     x, ws = _x(), _weights(f=32)
     ids, ew = _routing("random", 2)
 
@@ -613,9 +617,11 @@ def test_moe_mlp_under_explicit_axes(w_spec):
             jax.device_put(ws[2], d_spec),
             jax.device_put(ew, P("data")),
         )
-        got = jax.jit(step)(*operands)
+        with caplog.at_level(logging.INFO, logger="jax_cake"):
+            got = jax.jit(step)(*operands)
         for grad, operand in zip(got[1], operands):
             assert jax.typeof(grad).sharding.spec == jax.typeof(operand).sharding.spec
+    assert any("moe_mlp under Explicit axes gathers its tokens" in r.getMessage() for r in caplog.records)
     assert abs(float(got[0]) - float(want[0])) <= 1e-5 * abs(float(want[0]))
     for a, b in zip(got[1], want[1]):
         tol = 1e-5 if a.dtype == F32 else 2.0**-7

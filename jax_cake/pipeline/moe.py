@@ -36,7 +36,7 @@ fusing the gather into the first GEMM's loads and the routing weight into the do
 epilogue waits for the grouped kernels.
 
 Sharding: under jit with Auto axes XLA partitions the sort and the gathers itself; under
-Explicit axes the tokens (x, expert_ids, expert_weights) are gathered for the routing, a
+Explicit axes the tokens (x, expert_ids, expert_weights) are gathered (logged once) for the routing, a
 sort over every token, and y gets x's sharding back (the weights keep theirs: the grouped
 GEMMs' rules). Inside shard_map each device routes its own tokens to the experts it
 holds: with ids shifted by the device's first expert, the others are out of range and
@@ -46,13 +46,14 @@ contribute 0, and a psum over the expert axis completes the layer.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_cake import reference, remat
+from jax_cake import logs, reference, remat
 from jax_cake.pipeline import grouped
 from jax_cake.primitives import partitioning
 
@@ -179,6 +180,14 @@ def moe_mlp(x, w_gate, w_up, w_down, expert_ids, expert_weights, *, activation: 
         # gathered for it (the layer runs whole on every device) and y gets x's sharding back.
         # Expert parallelism at scale is shard_map's (per-device routing, module docstring).
         x_spec = jax.typeof(x).sharding.spec
+        if any(axis is not None for axis in x_spec):
+            logs.once(
+                logging.INFO,
+                "jax_cake: moe_mlp under Explicit axes gathers its tokens %s (sharded %s) for the routing, a sort "
+                "over every token; for expert parallelism route per device under shard_map",
+                str(x.shape),
+                str(x_spec),
+            )
         x, expert_ids, expert_weights = (partitioning.reshard_to(a, P()) for a in (x, expert_ids, expert_weights))
         y = _layer(x, w_gate, w_up, w_down, expert_ids, expert_weights, activation, deterministic)
         return partitioning.reshard_to(y, x_spec)
