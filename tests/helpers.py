@@ -102,6 +102,19 @@ def rel_err(out, ref) -> float:
     return err
 
 
+def assert_same_values(out, want) -> None:
+    """out == want bitwise, except that float32 arrays may differ in the order their FP32
+    products were summed: within 1e-6 relative (||out - want|| / ||want||). XLA's CPU dot
+    picks its summation order by the operands' shapes (seen with jax 0.12.1: a vmapped,
+    sharded or reshaped dot and the plain call's dot differ in the last bits of 1-30 % of an
+    FP32 result's elements); a bf16 result is that sum rounded once and compared bitwise."""
+    assert out.dtype == want.dtype and out.shape == want.shape, (out.dtype, out.shape, want.dtype, want.shape)
+    if out.dtype == jnp.float32:
+        assert rel_err(out, want) < 1e-6, rel_err(out, want)
+    else:
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
 H200 = AbstractDevice("NVIDIA H200", 132, "cuda")
 
 

@@ -22,6 +22,7 @@ from jax_cake import logs
 from helpers import (
     REPO,
     assert_raises_naming,
+    assert_same_values,
     child_env,
     cuda_text,
     custom_call_lines,
@@ -385,7 +386,7 @@ def test_vmap_gives_the_per_call_results():
     for i in range(3):
         want = jax.jit(_grouped_vjp)(xs[i], ws[i], sizes[i], dys[i])
         for a, b in zip(got, want):
-            np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
+            assert_same_values(a[i], b)
     # x alone mapped (a shared weight and sizes), and a nested vmap
     ys = jax.vmap(jc.grouped_projection, in_axes=(0, None, None))(xs, w, sizes[0])
     ys2 = jax.vmap(jax.vmap(jc.grouped_projection, in_axes=(0, None, None)), in_axes=(None, 0, 0))(xs, ws, sizes)
