@@ -1,6 +1,7 @@
 // XLA FFI handlers of jax_cake: jax_cake_fwd, jax_cake_dgrad, jax_cake_wgrad,
 // jax_cake_wgrad_accumulate, jax_cake_fwd_residual, jax_cake_fwd_gated,
-// jax_cake_dgrad_gated, jax_cake_dgrad_gate_up.
+// jax_cake_dgrad_gated, jax_cake_dgrad_gate_up, jax_cake_grouped_fwd, jax_cake_grouped_dgrad,
+// jax_cake_grouped_wgrad.
 //
 // The contract (operands, attributes, workspace) is docs/ffi_contract.md. Each handler
 // maps its buffers onto one GEMM C[M, N] = sum_k A[m, k] B[n, k] (batch L), picks the
@@ -120,8 +121,11 @@ struct GatedAttrs {
   int64_t activation;  // a kActivation* code: silu or gelu (tanh form)
 };
 
+// A grouped variant (its second tensor is the groups' table).
+bool IsGrouped(const Variant* v) { return std::strncmp(v->program, "grouped_", 8) == 0; }
+
 ffi::Error Launch(const char* target, const Variant* v, GemmArgs args, cudaStream_t stream) {
-  if (v->schedule != kScheduleSplitTail && (v->store == kStorePlain || v->store == kStoreAdd))
+  if (!IsGrouped(v) && v->schedule != kScheduleSplitTail && (v->store == kStorePlain || v->store == kStoreAdd))
     args.aux = {args.c.data, {1, 1, 1}, {8, 8}};  // never read
   return LaunchEntry(target, v, args, g_modules, stream);
 }
@@ -540,6 +544,123 @@ ffi::Error DgradGateUpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dg, ffi::
   return LaunchOnePass(target, at, "dgrad", kStoreGateUpHalves, g, stream);
 }
 
+
+// ------------------------------------------------------------------ grouped (MoE experts)
+// Size letters: M the padded rows (each group starts at a multiple of kGroupRowAlign rows),
+// G groups, I d_in, O d_out, R the table's entries. One pass over K on the cooperative
+// grouped variant of the tile, cluster 1x1 (docs/ffi_contract.md).
+
+// The grouped targets' attributes: whole tiles, no split.
+ffi::Error BeginGrouped(const char* target, const Attrs& at) {
+  JC_RETURN_IF_ERROR(BeginOnePass(target, at));
+  if (at.schedule != kScheduleTiles)
+    return Invalid(target, "schedule must be " + std::to_string(kScheduleTiles) + ", got " +
+                               std::to_string(at.schedule));
+  return ffi::Error::Success();
+}
+
+// The padded rows M a multiple of kGroupRowAlign, and the table as long as the kernel
+// reads (`entries` int32 values, `what` says which).
+ffi::Error CheckGroupedRows(const char* target, int64_t rows, int64_t table_len, int64_t entries,
+                            const char* what) {
+  if (rows % kGroupRowAlign != 0)
+    return Invalid(target, "the padded rows M must be a multiple of " + std::to_string(kGroupRowAlign) + ", got " +
+                               std::to_string(rows));
+  if (table_len != entries)
+    return Invalid(target, "table must have " + std::to_string(entries) + " entries (" + what + "), got " +
+                               std::to_string(table_len));
+  return ffi::Error::Success();
+}
+
+// The table as the kernel's second tensor: `n` int32 values, unit stride.
+Operand Table(ffi::Buffer<ffi::S32>& table, int64_t n) {
+  const int64_t pitch = (n + 7) / 8 * 8;
+  return {table.untyped_data(), {n, 1, 1}, {pitch, pitch}};
+}
+
+// y[M, d_out] = x[M, d_in] . w[table[m / 128], d_out, d_in]^T per 128-row tile m / 128 <
+// table[M / 128]; the tiles past those are not written.   (M = rows, N = d_out, K = d_in)
+ffi::Error GroupedFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                          ffi::Buffer<ffi::S32> table, ffi::Result<ffi::Buffer<ffi::BF16>> y, Attrs at) {
+  const char* target = kGroupedFwdTarget;
+  JC_RETURN_IF_ERROR(BeginGrouped(target, at));
+  JC_RETURN_IF_ERROR(CheckMinDim(target, "w", w.dimensions(), 1));
+  Shapes s;
+  if (!s.Bind("x", x.dimensions(), "MI") || !s.Bind("w", w.dimensions(), "GOI") ||
+      !s.Bind("table", table.dimensions(), "R") || !s.Bind("y", y->dimensions(), "MO"))
+    return s.Mismatch(target, "x[M,d_in], w[G,d_out,d_in], table[M/128+1], y[M,d_out]");
+  const int64_t M = s['M'], G = s['G'], d_in = s['I'], d_out = s['O'];
+  JC_RETURN_IF_ERROR(CheckGroupedRows(target, M, s['R'], M / kGroupRowAlign + 1, "each row tile's group, then the count"));
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "d_out", d_out));
+  if (M == 0) return ffi::Error::Success();
+  GemmArgs g;
+  g.a = KMajor(x.untyped_data(), M, d_in, 1);
+  g.b = KMajor(w.untyped_data(), d_out, d_in, G);
+  g.c = KMajor(y->untyped_data(), M, d_out, 1);
+  g.aux = Table(table, s['R']);
+  return LaunchOnePass(target, at, "grouped_fwd", kStorePlain, g, stream);
+}
+
+// dx[M, d_in] = dy[M, d_out] . w[table[m / 128], d_out, d_in] per 128-row tile m / 128 <
+// table[M / 128]; the tiles past those are not written.   (M = rows, N = d_in, K = d_out)
+ffi::Error GroupedDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w,
+                            ffi::Buffer<ffi::S32> table, ffi::Result<ffi::Buffer<ffi::BF16>> dx, Attrs at) {
+  const char* target = kGroupedDgradTarget;
+  JC_RETURN_IF_ERROR(BeginGrouped(target, at));
+  JC_RETURN_IF_ERROR(CheckMinDim(target, "w", w.dimensions(), 1));
+  Shapes s;
+  if (!s.Bind("dy", dy.dimensions(), "MO") || !s.Bind("w", w.dimensions(), "GOI") ||
+      !s.Bind("table", table.dimensions(), "R") || !s.Bind("dx", dx->dimensions(), "MI"))
+    return s.Mismatch(target, "dy[M,d_out], w[G,d_out,d_in], table[M/128+1], dx[M,d_in]");
+  const int64_t M = s['M'], G = s['G'], d_in = s['I'], d_out = s['O'];
+  JC_RETURN_IF_ERROR(CheckGroupedRows(target, M, s['R'], M / kGroupRowAlign + 1, "each row tile's group, then the count"));
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "d_out", d_out));
+  if (M == 0) return ffi::Error::Success();
+  GemmArgs g;
+  g.a = KMajor(dy.untyped_data(), M, d_out, 1);
+  g.b = MnMajor(w.untyped_data(), d_in, d_out, G);  // N-major: stride(N) = 1
+  g.c = KMajor(dx->untyped_data(), M, d_in, 1);
+  g.aux = Table(table, s['R']);
+  return LaunchOnePass(target, at, "grouped_dgrad", kStorePlain, g, stream);
+}
+
+// dw[g, d_out, d_in] = dy[rows of g]^T . x[rows of g], the rows of group g being the K
+// tiles [table[g], table[g + 1]) of 64 rows; 0 for an empty group. In dw's dtype from the
+// FP32 sum, in K order.                           (M = d_out, N = d_in, K = the group's rows)
+ffi::Error GroupedWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> x,
+                            ffi::Buffer<ffi::S32> table, ffi::Result<ffi::AnyBuffer> dw, Attrs at) {
+  const char* target = kGroupedWgradTarget;
+  JC_RETURN_IF_ERROR(BeginGrouped(target, at));
+  int out_dtype;
+  if (dw->element_type() == ffi::DataType::F32) {
+    out_dtype = kF32;
+  } else if (dw->element_type() == ffi::DataType::BF16) {
+    out_dtype = kBf16;
+  } else {
+    return Invalid(target, "dw must be float32 or bfloat16, got " + DtypeText(dw->element_type()));
+  }
+  JC_RETURN_IF_ERROR(CheckMinDim(target, "dw", dw->dimensions(), 1));
+  Shapes s;
+  if (!s.Bind("dy", dy.dimensions(), "MO") || !s.Bind("x", x.dimensions(), "MI") ||
+      !s.Bind("table", table.dimensions(), "R") || !s.Bind("dw", dw->dimensions(), "GOI"))
+    return s.Mismatch(target, "dy[M,d_out], x[M,d_in], table[G+1], dw[G,d_out,d_in]");
+  const int64_t M = s['M'], G = s['G'], d_in = s['I'], d_out = s['O'];
+  JC_RETURN_IF_ERROR(CheckGroupedRows(target, M, s['R'], G + 1, "each group's first K tile, then the end"));
+  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "d_out", d_out));
+  if (M == 0) return ZeroFill(target, dw->untyped_data(), static_cast<int64_t>(dw->size_bytes()), stream);
+  const VariantKey key = at.Key("grouped_wgrad", out_dtype, kStorePlain, kScheduleTiles);
+  const Variant* v = FindVariant(key);
+  if (!v) return NoVariant(target, key);
+  GemmArgs g;
+  g.a = MnMajor(dy.untyped_data(), d_out, M, 1);  // M-major: stride(M) = 1
+  g.b = MnMajor(x.untyped_data(), d_in, M, 1);    // N-major: stride(N) = 1
+  g.c = KMajor(dw->untyped_data(), d_out, d_in, G);
+  g.aux = Table(table, s['R']);
+  g.splits = 1;
+  g.raster = static_cast<int32_t>(at.raster);
+  return Launch(target, v, g, stream);
+}
+
 }  // namespace
 }  // namespace jax_cake
 
@@ -643,6 +764,39 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::BF16>>()  // w  bf16 [B, 2F, d_in]: jax_cake_fwd_gated's weight (B, N-major)
         .Ret<ffi::Buffer<ffi::BF16>>()  // dx bf16 [B, T, d_in]: x's gradient
         .Attrs<jax_cake::Attrs>(),      // the nine GEMM attributes (splits 1, reduction 0)
+    jax_cake::kGraphSafe);
+
+// jax_cake_grouped_fwd: y = x w[g]^T per group of rows (M = padded rows, N = d_out, K = d_in).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_GROUPED_FWD_HANDLER, jax_cake::GroupedFwdImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()  // x     bf16 [M, d_in]: the rows, each group from a multiple of 128 (A, K-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()  // w     bf16 [G, d_out, d_in]: the groups' weights (B, K-major)
+        .Arg<ffi::Buffer<ffi::S32>>()   // table s32 [M / 128 + 1]: each row tile's group, then the tiles with rows
+        .Ret<ffi::Buffer<ffi::BF16>>()  // y     bf16 [M, d_out]: x w[g]^T in the tiles with rows
+        .Attrs<jax_cake::Attrs>(),      // the nine GEMM attributes (schedule 0, splits 1, reduction 0)
+    jax_cake::kGraphSafe);
+
+// jax_cake_grouped_dgrad: dx = dy w[g] per group of rows (M = padded rows, N = d_in, K = d_out).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_GROUPED_DGRAD_HANDLER, jax_cake::GroupedDgradImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()  // dy    bf16 [M, d_out]: y's cotangent, rows as x's (A, K-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()  // w     bf16 [G, d_out, d_in]: the groups' weights (B, N-major)
+        .Arg<ffi::Buffer<ffi::S32>>()   // table s32 [M / 128 + 1]: each row tile's group, then the tiles with rows
+        .Ret<ffi::Buffer<ffi::BF16>>()  // dx    bf16 [M, d_in]: dy w[g] in the tiles with rows
+        .Attrs<jax_cake::Attrs>(),      // the nine GEMM attributes (schedule 0, splits 1, reduction 0)
+    jax_cake::kGraphSafe);
+
+// jax_cake_grouped_wgrad: dw[g] = dy[rows of g]^T x[rows of g] (M = d_out, N = d_in, K = g's rows).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_GROUPED_WGRAD_HANDLER, jax_cake::GroupedWgradImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()  // dy    bf16 [M, d_out]: y's cotangent (A, M-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()  // x     bf16 [M, d_in]: the activations (B, N-major)
+        .Arg<ffi::Buffer<ffi::S32>>()   // table s32 [G + 1]: each group's first K tile of 64 rows, then the end
+        .Ret<ffi::AnyBuffer>()          // dw    f32 or bf16 [G, d_out, d_in]: each group's gradient, in w's dtype
+        .Attrs<jax_cake::Attrs>(),      // the nine GEMM attributes (schedule 0, splits 1, reduction 0)
     jax_cake::kGraphSafe);
 
 // ---------------------------------------------------------------- plain C entry points

@@ -185,8 +185,12 @@ def export_kernels(arch: str, obj_dir: pathlib.Path) -> list:
         # pre-activation or the up half of a gate_up_halves dgrad's A (bf16, row-major
         # like C and A), else the split-tail workspace (flags, partial tiles), unused by
         # the other variants.
+        # A grouped variant's second tensor is its int32 table.
         bf16_aux = v.activation or v.gate_grad or v.store == "gate_up_halves"
-        aux = operand(cutlass.BFloat16, 1) if bf16_aux else operand(cutlass.Float32, 0)
+        if v.grouping:
+            aux = operand(cutlass.Int32, 0)
+        else:
+            aux = operand(cutlass.BFloat16, 1) if bf16_aux else operand(cutlass.Float32, 0)
         compiled = cute.compile(
             GemmSm90(v), a, b, c, aux, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(132), make_fake_stream()
         )

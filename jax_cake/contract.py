@@ -66,6 +66,7 @@ def describe_raster(raster: str) -> str:
         return "tiles walk along N first"
     return f"tiles walk in bands of {code} cluster rows, M first within a band"
 
+
 # The `activation` attribute of jax_cake_fwd_gated and jax_cake_dgrad_gated: the gated
 # epilogue's act in h = act(g) * u, or the one whose gradient the dgrad epilogue applies
 # (jax_cake.reference.ACTIVATIONS; gelu is the tanh form).
@@ -114,6 +115,12 @@ DGRAD_GATED_TARGET = "jax_cake_dgrad_gated"
 # the cotangent's halves dg, du [T, F] and the interleaved weight W [2F, d_in] (its gate
 # rows, then its up rows, read in place): no interleaved copy of the cotangent.
 DGRAD_GATE_UP_TARGET = "jax_cake_dgrad_gate_up"
+# The MoE experts' grouped GEMMs on rows laid out so that each group starts at a multiple
+# of GROUP_ROW_ALIGN rows, with an int32 table of the groups' tiles (docs/ffi_contract.md).
+GROUPED_FWD_TARGET = "jax_cake_grouped_fwd"
+GROUPED_DGRAD_TARGET = "jax_cake_grouped_dgrad"
+GROUPED_WGRAD_TARGET = "jax_cake_grouped_wgrad"
+GROUP_ROW_ALIGN = 128  # the grouped variants' tile_m (a multiple of their tile_k, 64)
 ROUTER_FWD_TARGET = "jax_cake_router_fwd"
 ROUTER_DGRAD_TARGET = "jax_cake_router_dgrad"
 ROUTER_WGRAD_TARGET = "jax_cake_router_wgrad"
@@ -127,6 +134,9 @@ TARGETS = (
     FWD_GATED_TARGET,
     DGRAD_GATED_TARGET,
     DGRAD_GATE_UP_TARGET,
+    GROUPED_FWD_TARGET,
+    GROUPED_DGRAD_TARGET,
+    GROUPED_WGRAD_TARGET,
     ROUTER_FWD_TARGET,
     ROUTER_DGRAD_TARGET,
     ROUTER_WGRAD_TARGET,
@@ -207,6 +217,9 @@ def header_text() -> str:
         "(jax_cake_fwd_gated, jax_cake_dgrad_gated, jax_cake_dgrad_gate_up)."
     )
     lines.append(f"constexpr int64_t kGateBlock = {GATE_BLOCK};")
+    lines.append("")
+    lines.append("// Each group of the grouped targets starts at a multiple of this many rows.")
+    lines.append(f"constexpr int64_t kGroupRowAlign = {GROUP_ROW_ALIGN};")
     lines.append("")
     lines.append("// A variant's output dtype (Variant::out_dtype in the generated variant table).")
     enumerators = ", ".join(f"{OUT_DTYPE_ENUMERATORS[name]} = {code}" for name, code in OUT_DTYPES.items())

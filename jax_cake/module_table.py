@@ -47,7 +47,7 @@ def _dense_fields(v) -> str:
     dtype = contract.OUT_DTYPE_ENUMERATORS[v.out_dtype]
     promote_every = OUTPUT_PROMOTE_EVERY if v.promote_in == "output" else 0
     return (
-        f'"{v.program}", {v.tile_m}, {v.tile_n}, {v.tile_k}, {v.cluster_m}, {v.cluster_n}, '
+        f'"{v.table_program}", {v.tile_m}, {v.tile_n}, {v.tile_k}, {v.cluster_m}, {v.cluster_n}, '
         f"{dtype}, {contract.STORES[v.store]}, {contract.SCHEDULES[v.schedule]}, {promote_every}"
     )
 

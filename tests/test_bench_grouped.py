@@ -239,3 +239,19 @@ def test_failed_children_are_reported():
     rows = grouped.table_rows(header, samples, list(grouped.ARMS))
     assert [(r["op"], r["status"]) for r in rows] == [("fwd", f"xla_cudnn: {why}"), ("bwd", f"xla_cudnn: {why}")]
     assert all("xla_cudnn us" not in r for r in rows)
+
+
+@pytest.mark.parametrize("arm,calls", [("jax_cake", 0), ("jax_cake_kernels", 1)])
+def test_the_kernel_arm_runs_the_grouped_kernels_in_its_whole_step(monkeypatch, arm, calls):
+    """Lowered for the faked H200: the kernel arm's fwd+bwd step (its pullback inside the
+    force block) calls each grouped kernel once; the default arm none (not opted in)."""
+    from helpers import cuda_text, custom_call_lines, rand
+
+    from jax_cake import contract
+
+    monkeypatch.delenv("JAX_CAKE_GROUPED_KERNELS", raising=False)
+    x, w, dy = rand(0, (256, 64)), rand(1, (4, 32, 64), jnp.float32), rand(2, (256, 32))
+    sizes = jnp.asarray([100, 0, 90, 66], jnp.int32)
+    text = cuda_text(grouped.arm_step(arm, "fwd+bwd"), x, (w, sizes), dy)
+    for target in (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, contract.GROUPED_WGRAD_TARGET):
+        assert len(custom_call_lines(text, target)) == calls, target

@@ -108,6 +108,16 @@ and wgrad faster. Elsewhere the hint lost (where x is re-read by two N tiles, or
 the output's writes are a large part of the traffic), so only the skinny variants carry
 it.
 
+Grouped (`grouping`, the MoE experts' GEMMs; planner/variants.py's docstring): rows
+padded so that every group starts on a tile, and an int32 table as the second tensor.
+"rows" (fwd, dgrad): the table's entry after the M tiles' (table[max tiles], read once
+per CTA) says how many M tiles hold rows, and only those are walked; the producer loads
+B from batch table[pid_m], the weight of the tile's group. "k" (wgrad): the walk's
+batches are C's (one per group) and batch g's K range is [table[g], table[g + 1]) K tiles
+of the one batch of A and B: each group's tile sums its own rows in K order, and an
+empty group stores zeros (as a split with no K tile). Both sides read the table the same
+way, so the producer and the consumers agree on every tile's K count.
+
 Ragged edges: TMA loads zero-fill out-of-bounds rows/columns of A and B (including the
 K tail), and TMA stores clip out-of-bounds rows/columns of C, so no predication is
 needed in the kernel body. A split with no K tile writes zeros.
@@ -220,6 +230,18 @@ class GemmSm90(GemmSm90Base):
             raise ValueError("tile_n = 192 is for schedule='pingpong'")
         if variant.schedule == "split_tail" and (variant.cluster != (1, 1) or variant.store != "plain"):
             raise ValueError("schedule='split_tail' needs cluster (1, 1) and store='plain'")
+        if variant.grouping is not None and (
+            (variant.grouping, variant.program) not in (("rows", "fwd"), ("rows", "dgrad"), ("k", "wgrad"))
+            or variant.schedule != "tiles"
+            or variant.store != "plain"
+            or variant.cluster != (1, 1)
+            or variant.tile_m != 128
+            or variant.promote_in != "registers"
+        ):
+            raise ValueError(
+                "a grouped variant is fwd or dgrad with grouping 'rows', or wgrad with grouping 'k', on 128-row "
+                "tiles with schedule 'tiles', store 'plain', cluster (1, 1) and its total in registers"
+            )
         if variant.promote_in not in ("registers", "output"):
             raise ValueError(f"promote_in must be 'registers' or 'output', got {variant.promote_in!r}")
         if variant.promote_in == "output" and (
@@ -233,6 +255,7 @@ class GemmSm90(GemmSm90Base):
             # registers per thread: 256 at tile_n = 256, over the 232 a consumer gets.
             raise ValueError("promote in registers (fp32 wgrad) needs tile_n <= 160: use promote_in='output'")
         self.variant = variant
+        self.grouping = variant.grouping
         self.reduce_add = variant.store == "add"
         self.activation = variant.activation  # the gated epilogue's, else None
         self.gate_grad = variant.gate_grad  # the gradient epilogue's activation, else None
@@ -387,7 +410,8 @@ class GemmSm90(GemmSm90Base):
         tiles_mc = (tiles_m + cm - 1) // cm
         # N from B (C is twice as wide with the gate_grad store).
         tiles_n = cutlass.Int32((cute.size(mB, mode=[0]) + self.tile_mnk[1] - 1) // self.tile_mnk[1])
-        num_tiles = tiles_mc * tiles_n * cutlass.Int32(cute.size(mA, mode=[2])) * splits
+        # (A grouped "rows" variant sizes its grid for every M tile C has room for.)
+        num_tiles = tiles_mc * tiles_n * self._batches(mA, mC) * splits
         grid_x = cutlass.min(num_tiles, max_ctas // cm) * cm
         if cutlass.const_expr(self.split_tail):
             # num_tiles counts every tile `splits` times; the kernel derives rem from the
@@ -470,8 +494,14 @@ class GemmSm90(GemmSm90Base):
         if cutlass.const_expr(cm > 1):
             rank = cutlass.Int32(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
         # Tile counts fit in 32 bits; keep all index arithmetic in Int32.
-        num_l = cutlass.Int32(cute.size(mA, mode=[2]))
+        num_l = self._batches(mA, mC)
         tiles_m = cutlass.Int32((cute.size(mC, mode=[0]) + self.tile_mnk[0] - 1) // self.tile_mnk[0])
+        # The grouped variants' table (module docstring); None for the others.
+        table = None
+        if cutlass.const_expr(self.grouping is not None):
+            table = cute.recast_ptr(mWs.iterator, dtype=cutlass.Int32)
+        if cutlass.const_expr(self.grouping == "rows"):
+            tiles_m = cute.arch.load(table + tiles_m, cutlass.Int32)  # the M tiles that hold rows
         tiles_mc = (tiles_m + cm - 1) // cm
         tiles_n = cutlass.Int32((cute.size(mB, mode=[0]) + self.tile_mnk[1] - 1) // self.tile_mnk[1])
         num_tiles = tiles_mc * tiles_n * num_l * splits
@@ -537,8 +567,14 @@ class GemmSm90(GemmSm90Base):
                     pid_mc, pid_n, l_idx, split = self._decode(tile_id, tiles_mc, tiles_n, num_l, raster)
                     pid_m = pid_mc * cm + rank
                     k_begin, k_cnt = self._k_range(split, per_split, k_tiles, piece, pieces)
-                    gA = cute.local_tile(mA, self.tile_mnk, (pid_m, pid_n, None, l_idx), proj=(1, None, 1))
-                    gB = cute.local_tile(mB, self.tile_mnk, (pid_m, pid_n, None, l_idx), proj=(None, 1, 1))
+                    a_l, b_l = l_idx, l_idx
+                    if cutlass.const_expr(self.grouping == "rows"):
+                        a_l, b_l = cutlass.Int32(0), cute.arch.load(table + pid_m, cutlass.Int32)
+                    if cutlass.const_expr(self.grouping == "k"):
+                        a_l, b_l = cutlass.Int32(0), cutlass.Int32(0)
+                        k_begin, k_cnt = self._group_k_range(table, l_idx)
+                    gA = cute.local_tile(mA, self.tile_mnk, (pid_m, pid_n, None, a_l), proj=(1, None, 1))
+                    gB = cute.local_tile(mB, self.tile_mnk, (pid_m, pid_n, None, b_l), proj=(None, 1, 1))
                     tAsA, tAgA = self._tma_part(tma_atom_a, sA, gA)
                     # With a cluster, this CTA loads slice `rank` of B and multicasts it.
                     tBsB, tBgB = self._tma_part(tma_atom_b, sB, gB, rank, cm)
@@ -649,6 +685,8 @@ class GemmSm90(GemmSm90Base):
                 pid_mc, pid_n, l_idx, split = self._decode(tile_id, tiles_mc, tiles_n, num_l, raster)
                 pid_m = pid_mc * cm + rank
                 k_begin, k_cnt = self._k_range(split, per_split, k_tiles, piece, pieces)
+                if cutlass.const_expr(self.grouping == "k"):
+                    k_begin, k_cnt = self._group_k_range(table, l_idx)
                 acc.fill(0.0)
                 if cutlass.const_expr(self.promote_out):
                     # A chain goes into C at each interval's last K tile before
@@ -912,6 +950,18 @@ class GemmSm90(GemmSm90Base):
             stride=(1, (s_k, 2 * blk * s_k), s_l),
         )
         return cute.make_tensor(mB.iterator, layout), cute.make_tensor(mB.iterator + blk * s_k, layout)
+
+    def _batches(self, mA, mC):
+        """The batches the tiles walk: A's, or for a grouped "k" variant C's (one per group)."""
+        if cutlass.const_expr(self.grouping == "k"):
+            return cutlass.Int32(cute.size(mC, mode=[2]))
+        return cutlass.Int32(cute.size(mA, mode=[2]))
+
+    @cute.jit
+    def _group_k_range(self, table, group):
+        """(first K tile, K tile count) of `group` in a grouped "k" variant's table."""
+        k_begin = cute.arch.load(table + group, cutlass.Int32)
+        return k_begin, cute.arch.load(table + group + 1, cutlass.Int32) - k_begin
 
     @cute.jit
     def _item(self, item, dp, rem, splits):

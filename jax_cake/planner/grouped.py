@@ -9,10 +9,15 @@ The three GEMMs of a grouped projection (x [M, d_in] with its rows sorted by gro
 
 with Plan.groups = G. The group sizes are known only when the step runs, so a plan is
 made for the static sizes alone: M / G rows per group is what the explanation can say
-about the work of one group. No grouped kernel is built in this version of jax_cake, so
-every grouped plan is the XLA path (reference.grouped_*: lax.ragged_dot_general with an
-FP32 result rounded once); a kernel plan will take its place here, under the same ops and
-the same API.
+about the work of one group.
+
+The grouped kernels (sm_90a: one pass over K on cooperative 128 x 128 tiles, the rows of
+each group starting on a tile, jax_cake/primitives/grouped.py) are new and not yet
+measured against XLA's ragged dot, so they are opt-in: with JAX_CAKE_GROUPED_KERNELS=1 in
+the environment at trace time (or inside `force(program="det")`, as the benchmark's kernel
+arm) a grouped GEMM on an sm_90a GPU plans them; otherwise, and
+wherever they cannot run, the plan is the XLA path (reference.grouped_*:
+lax.ragged_dot_general with an FP32 result rounded once), the same semantics.
 """
 
 from __future__ import annotations
@@ -20,12 +25,17 @@ from __future__ import annotations
 import logging
 import os
 
-from jax_cake import logs
+from jax_cake import contract, logs
 from jax_cake.planner import device as device_lib
 from jax_cake.planner.plan_type import Plan
 
 _XLA_RAGGED = "XLA's ragged dot (lax.ragged_dot_general) with an FP32 result rounded once, the same semantics"
-NO_KERNEL = f"no grouped (ragged) GEMM kernel is built in this version of jax_cake: {_XLA_RAGGED}"
+# The environment variable that opts in to the grouped kernels (the module docstring).
+KERNELS_VAR = "JAX_CAKE_GROUPED_KERNELS"
+NOT_OPTED_IN = f"the grouped kernels are opt-in ({KERNELS_VAR}=1, not yet measured against XLA): {_XLA_RAGGED}"
+# The grouped kernels' one tile (planner/variants.py's grouped variants).
+KERNEL_TILE = (contract.GROUP_ROW_ALIGN, 128, 64)
+_ALIGN_ELEMENTS = 8  # d_in and d_out: 16-byte TMA row strides of bf16
 
 
 def gemm_dims(op: str, tokens, d_in, d_out) -> tuple:
@@ -52,14 +62,25 @@ def plan_grouped(
     """The Plan of grouped op `op` on validated sizes (jax_cake.planner.choose.plan checks
     them): the XLA path, with the reason. program_pin: a force block's program."""
     m, n, k = gemm_dims(op, tokens, d_in, d_out)
-    if program_pin == "xla":
-        reason = "forced by jax_cake.planner.force"
-    elif os.environ.get("JAX_CAKE_DISABLE", "") not in ("", "0"):
-        reason = f"JAX_CAKE_DISABLE is set: {_XLA_RAGGED}"
-    elif symbolic:
-        reason = f"symbolic {', '.join(symbolic)} (a shape-polymorphic export): {_XLA_RAGGED}"
-    else:
-        reason = NO_KERNEL
+    reason = _xla_reason(tokens, d_in, d_out, dev, symbolic, program_pin)
+    if reason is None:
+        return Plan(
+            op=op,
+            backend="sm90a",
+            batch=1,
+            m=m,
+            n=n,
+            k=k,
+            out_dtype=out_dtype,
+            device=dev.describe(),
+            tile=KERNEL_TILE,
+            sm_count=dev.sm_count,
+            reason=(
+                f"the grouped kernel ({KERNELS_VAR}=1): each group's rows laid out from a multiple of "
+                f"{contract.GROUP_ROW_ALIGN} rows, one pass over K on 128 x 128 tiles, bitwise reproducible"
+            ),
+            groups=groups,
+        )
     if dev.platform == "cuda":  # a GPU user expects the kernels: say once why not
         logs.once(logging.WARNING, "jax_cake: on %s the grouped GEMMs run the XLA path: %s", dev.describe(), reason)
     return Plan(
@@ -74,6 +95,33 @@ def plan_grouped(
         reason=reason,
         groups=groups,
     )
+
+
+def _xla_reason(tokens, d_in, d_out, dev, symbolic, program_pin) -> str | None:
+    """Why a grouped GEMM runs the XLA path, or None where the grouped kernel runs it."""
+    if program_pin == "xla":
+        return "forced by jax_cake.planner.force"
+    if os.environ.get("JAX_CAKE_DISABLE", "") not in ("", "0"):
+        return f"JAX_CAKE_DISABLE is set: {_XLA_RAGGED}"
+    if symbolic:
+        return f"symbolic {', '.join(symbolic)} (a shape-polymorphic export): {_XLA_RAGGED}"
+    if program_pin == "split":
+        return f"forced program 'split': the grouped kernels have no split-K: {_XLA_RAGGED}"
+    # A force block's "det" (the benchmark's kernel arm) opts in for the GEMMs traced inside.
+    if program_pin != "det" and os.environ.get(KERNELS_VAR, "") in ("", "0"):
+        return NOT_OPTED_IN
+    if dev.platform != "cuda" or dev.arch not in contract.KERNEL_ARCHS:
+        return f"no grouped kernel for {dev.describe()} (kernels exist for {', '.join(contract.KERNEL_ARCHS)}): {_XLA_RAGGED}"
+    if min(tokens, d_in, d_out) == 0:
+        return f"an empty dimension: {_XLA_RAGGED}"
+    if d_in % _ALIGN_ELEMENTS or d_out % _ALIGN_ELEMENTS:
+        return (
+            f"d_in={d_in} and d_out={d_out} must be multiples of {_ALIGN_ELEMENTS} for the kernels' 16-byte TMA "
+            f"strides: {_XLA_RAGGED}"
+        )
+    if dev.sm_count is None:
+        return f"the SM count of {dev.kind} is unknown: {_XLA_RAGGED}"
+    return None
 
 
 def describe_gemm(p: Plan) -> str:

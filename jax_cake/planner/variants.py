@@ -10,6 +10,15 @@ GEMM convention (see docs/ffi_contract.md): C[M, N] = sum_k A[m, k] B[n, k], bat
   dgrad: A = dy [L, T, d_out] K-major,  B = w viewed [N=d_in, K=d_out]  N-major, C = dx bf16
   wgrad: A = dy viewed [M=d_out, K=T] M-major, B = x viewed [N=d_in, K=T] N-major,
          C = dw fp32 or bf16 (split-K partials are always fp32)
+
+Grouped variants (`grouping`: the MoE experts' grouped GEMMs, on rows laid out so that each
+group starts at a multiple of contract.GROUP_ROW_ALIGN rows, jax_cake/primitives/grouped.py):
+  "rows" (fwd, dgrad): A and C are one batch of padded rows, B's batches are the G
+         weights; M tile t multiplies by weight table[t], and table[max tiles] (after the
+         tile entries) is the number of M tiles that hold rows, the only ones walked;
+  "k" (wgrad): A and B are one batch of padded rows along K, C's batches are the G weight
+         gradients; batch g sums the K tiles [table[g], table[g + 1]) in order (none: 0).
+The table is the variant's second tensor (int32).
 """
 
 from __future__ import annotations
@@ -86,6 +95,14 @@ class GemmVariant:
     # chain goes into C itself, the first by TMA store, later ones by TMA reduce-add: frees
     # the registers for a 128 x 256 tile). See gemm_sm90's docstring.
     promote_in: str = "registers"
+    # None (dense), "rows" or "k": a grouped variant (the module docstring).
+    grouping: str | None = None
+
+    @property
+    def table_program(self) -> str:
+        """The program's name in the generated variant table and the FFI's lookup:
+        "grouped_<program>" for a grouped variant."""
+        return f"grouped_{self.program}" if self.grouping else self.program
 
     @property
     def activation(self) -> str | None:
@@ -139,6 +156,7 @@ class GemmVariant:
                 "pingpong": "_pp",
             }[self.schedule]
             + ("_po" if self.promote_in == "output" else "")
+            + ("_grouped" if self.grouping else "")
         )
         return (
             f"jax_cake_{self.program}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
@@ -265,6 +283,13 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("dgrad", 128, 256, store="gate_up_halves"),
     GemmVariant("dgrad", 128, 192, cluster_m=2, store="gate_up_halves", schedule="pingpong"),
     GemmVariant("dgrad", 128, 128, store="gate_up_halves"),
+    # The grouped GEMMs of the MoE experts (grouped_projection): cooperative 128 x 128
+    # tiles, one pass over K, cluster 1x1; the weight gradient in FP32 (two-level, in
+    # registers) or bf16.
+    GemmVariant("fwd", 128, 128, grouping="rows"),
+    GemmVariant("dgrad", 128, 128, grouping="rows"),
+    GemmVariant("wgrad", 128, 128, out_dtype="float32", grouping="k"),
+    GemmVariant("wgrad", 128, 128, out_dtype="bfloat16", grouping="k"),
 )
 
 
@@ -275,11 +300,12 @@ def find_variant(
     out_dtype: str,
     store: str = "plain",
     schedule: str = "tiles",
+    grouping: str | None = None,
 ) -> GemmVariant | None:
     """The compiled variant matching these attributes, or None."""
-    key = (program, tuple(tile), tuple(cluster), out_dtype, store, schedule)
+    key = (program, tuple(tile), tuple(cluster), out_dtype, store, schedule, grouping)
     for v in VARIANTS:
-        if (v.program, v.tile, v.cluster, v.out_dtype, v.store, v.schedule) == key:
+        if (v.program, v.tile, v.cluster, v.out_dtype, v.store, v.schedule, v.grouping) == key:
             return v
     return None
 
@@ -313,7 +339,11 @@ def supports(
             return False
         if splits == 1 and reduction == REDUCTION_NONE:
             return find_variant(program, tile, cluster, "float32", "add") is not None
-        return splits > 1 and reduction == REDUCTION_ORDERED and supports(program, tile, cluster, out_dtype, splits, reduction)
+        return (
+            splits > 1
+            and reduction == REDUCTION_ORDERED
+            and supports(program, tile, cluster, out_dtype, splits, reduction)
+        )
     if program != "wgrad":
         return (
             splits == 1

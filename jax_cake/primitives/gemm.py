@@ -15,6 +15,10 @@ jax_cake_fwd_gated) writes the pre-activation and h = act(g) * u from it; its gr
 (dgrad, jax_cake_dgrad_gated) writes d[gate|up] from dh and the saved pre-activation.
 The gated projection's dx (dgrad, jax_cake_dgrad_gate_up) reads its operands in two
 halves: the cotangent's dg, du and the interleaved weight's gate and up rows.
+
+The grouped kernels' calls (grouped_fwd, grouped_dgrad, grouped_wgrad) are CUDA-only: they
+take rows already laid out group by group with their int32 table
+(jax_cake.primitives.grouped, which also runs the XLA path elsewhere).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from jax_cake.contract import (  # the FFI target names and codes, defined once
     FWD_RESIDUAL_TARGET,
     FWD_TARGET,
     GATE_BLOCK,
+    GROUPED_DGRAD_TARGET,
+    GROUPED_FWD_TARGET,
+    GROUPED_WGRAD_TARGET,
     ROUTER_DGRAD_TARGET,
     ROUTER_FWD_TARGET,
     ROUTER_WGRAD_TARGET,
@@ -315,3 +322,26 @@ def wgrad_add(dy, x, acc, plan: Plan):
 
 # The planner's op name of each fused-add kernel, and the call that runs it.
 ADD = {"fwd": ("fwd_residual", fwd_add), "wgrad": ("wgrad_accumulate", wgrad_add)}
+
+
+# --- the grouped kernels (CUDA only: jax_cake.primitives.grouped lays out their rows) -----
+
+
+def grouped_fwd(x, w, table, plan: Plan):
+    """y [M, N] bf16 = x [M, K] . w[table[t]]^T for each 128-row tile t with rows (x's rows
+    laid out group by group, w [G, N, K] bf16); the other tiles are not written."""
+    return ffi_call(GROUPED_FWD_TARGET, plan, result_type(x, (x.shape[0], w.shape[1]), jnp.bfloat16), x, w, table)
+
+
+def grouped_dgrad(dy, w, table, plan: Plan):
+    """dx [M, K] bf16 = dy [M, N] . w[table[t]] for each 128-row tile t with rows; the other
+    tiles are not written."""
+    return ffi_call(GROUPED_DGRAD_TARGET, plan, result_type(dy, (dy.shape[0], w.shape[2]), jnp.bfloat16), dy, w, table)
+
+
+def grouped_wgrad(dy, x, table, plan: Plan):
+    """dw [G, N, K] in plan.out_dtype, dw[g] = the FP32 sum over the rows of K tiles
+    [table[g], table[g + 1]) of dy [M, N]^T . x [M, K] (G = plan.groups; 0 for an empty
+    group)."""
+    result = result_type(dy, (plan.groups, dy.shape[1], x.shape[1]), plan.out_dtype, keep_batch_spec=False)
+    return ffi_call(GROUPED_WGRAD_TARGET, plan, result, dy, x, table)

@@ -23,9 +23,14 @@ Operands: the activations (a, and b of wgrad) are bf16; the weight (b of fwd and
 is bf16 or an FP32 master, rounded to bf16 for the product, whose cotangent is the wgrad
 in its dtype from the FP32 sum. Results: bf16 (fwd, dgrad) and plan.out_dtype (wgrad).
 
-Backends: a kernel plan has no branch yet (no grouped kernel is built; the planner,
-jax_cake.planner.grouped, plans every grouped GEMM on the XLA path); the XLA plan runs
-jax_cake.reference.grouped_fwd / _dgrad / _wgrad. Around it:
+Backends: the XLA plan runs jax_cake.reference.grouped_fwd / _dgrad / _wgrad. A kernel
+plan (jax_cake.planner.grouped: opt-in) runs, on CUDA, the grouped kernel of its role on
+the rows laid out group by group (`PaddedLayout`): each group's rows copied to start at a
+multiple of contract.GROUP_ROW_ALIGN rows (zeros between), so that every 128-row tile
+belongs to one group; the layout is computed on the device from group_sizes (no host
+sync). fwd and dgrad gather their rows back (rows past the groups: 0); wgrad sums each
+group's K tiles of the laid-out dy and x. Elsewhere, under vmap and where the operands
+would need partitioning, the XLA path runs the same semantics. Around it:
 
 - vmap: a `custom_vmap` rule broadcasts the operands the vmapped axis does not carry and
   runs the reference with a leading batch dimension on every operand (one ragged dot with
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -48,10 +54,11 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jax.sharding import PartitionSpec as P
 
-from jax_cake import reference
+from jax_cake import contract, logs, reference
 from jax_cake.planner import Plan
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import plan as make_plan
+from jax_cake.primitives import gemm as gemm_lib
 from jax_cake.primitives import partitioning
 
 _BF16 = jnp.bfloat16
@@ -140,6 +147,66 @@ def _xla(op: str, out_dtype, out_spec, a, b, group_sizes):
 
 
 @dataclasses.dataclass(frozen=True)
+class PaddedLayout:
+    """Where the grouped kernels find each row: every group's rows start at a multiple of
+    contract.GROUP_ROW_ALIGN rows of a buffer of `capacity` rows (a static bound: M rows
+    plus the padding G groups can need), zeros between.
+
+    dest [M] int32: row r's row in the buffer (`capacity` for a row past the groups: not
+    copied, read back as 0); row_table [capacity / 128 + 1] int32: each 128-row tile's group
+    (the last group for tiles past the rows), then how many tiles hold rows (the fwd and
+    dgrad kernels' table); k_table [G + 1] int32: each group's first 64-row K tile, then
+    the end (the wgrad kernel's)."""
+
+    dest: Any
+    row_table: Any
+    k_table: Any
+    capacity: int
+
+    def scatter(self, a):
+        """a [M, n] laid out: [capacity, n], each row at dest, zeros elsewhere."""
+        buffer = jnp.zeros((self.capacity, a.shape[1]), a.dtype)
+        return buffer.at[self.dest].set(a, mode="drop")
+
+    def gather(self, buffer):
+        """The rows of a laid-out [capacity, n] buffer back in a's order: [M, n], 0 for rows
+        past the groups."""
+        return jnp.take(buffer, self.dest, axis=0, mode="fill", fill_value=0)
+
+
+def padded_layout(group_sizes, rows: int) -> PaddedLayout:
+    """The PaddedLayout of `rows` rows in groups of group_sizes [G] (reference.grouped_sizes's
+    rules for negative sizes and a sum above rows), computed on the device."""
+    align, k_tile = contract.GROUP_ROW_ALIGN, 64
+    groups = group_sizes.shape[0]
+    capacity = -(-(rows + (align - 1) * groups) // align) * align
+    sizes = reference.grouped_sizes(group_sizes, rows)
+    ends = jnp.cumsum(sizes)
+    padded = (sizes + align - 1) // align * align
+    padded_ends = jnp.cumsum(padded)
+    padded_starts = padded_ends - padded
+    r = jnp.arange(rows, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)  # G: past the groups
+    g = jnp.minimum(group, groups - 1)
+    dest = jnp.where(group < groups, padded_starts[g] + r - (ends[g] - sizes[g]), capacity)
+    tile_starts = jnp.arange(capacity // align, dtype=jnp.int32) * align
+    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, tile_starts, side="right"), groups - 1)
+    used_tiles = padded_ends[-1] // align
+    row_table = jnp.concatenate([tile_group, used_tiles[None]]).astype(jnp.int32)
+    k_table = (jnp.concatenate([padded_starts, padded_ends[-1:]]) // k_tile).astype(jnp.int32)
+    return PaddedLayout(dest.astype(jnp.int32), row_table, k_table, capacity)
+
+
+def _kernel(plan: Plan, a, b, group_sizes):
+    """The grouped kernel of plan.op on a, b (bf16, unbatched) through the PaddedLayout."""
+    layout = padded_layout(group_sizes, a.shape[0])
+    if plan.op == "grouped_wgrad":
+        return gemm_lib.grouped_wgrad(layout.scatter(a), layout.scatter(b), layout.k_table, plan)
+    role = gemm_lib.grouped_fwd if plan.op == "grouped_fwd" else gemm_lib.grouped_dgrad
+    return layout.gather(role(layout.scatter(a), b, layout.row_table, plan))
+
+
+@dataclasses.dataclass(frozen=True)
 class Call:
     """One grouped GEMM call's static part: its plan, the `deterministic` its backward plans
     with, and the result's sharding asked for under Explicit axes (None: result_spec's)."""
@@ -152,12 +219,23 @@ class Call:
 def _gemm(call: Call, a, b, group_sizes):
     """The GEMM of call.plan on a, b (bf16), with its vmap rule."""
     plan = call.plan
-    if plan.uses_kernel:  # the planner plans no grouped kernel yet; its branch comes with the kernels
-        raise NotImplementedError(f"jax_cake: no grouped kernel is built to run this plan: {plan}")
+
+    def xla(a, b, group_sizes):
+        return _xla(plan.op, plan.out_dtype, call.out_spec, a, b, group_sizes)
 
     @custom_vmap
     def gemm(a, b, group_sizes):
-        return _xla(plan.op, plan.out_dtype, call.out_spec, a, b, group_sizes)
+        if not plan.uses_kernel:
+            return xla(a, b, group_sizes)
+        if a.ndim != 2 or not partitioning.unpartitioned(a, b, group_sizes):
+            logs.once(
+                logging.INFO,
+                "jax_cake: %s on operands that need partitioning runs XLA's ragged dot (the grouped kernels "
+                "run whole operands or shard_map's)",
+                plan.op,
+            )
+            return xla(a, b, group_sizes)
+        return jax.lax.platform_dependent(a, b, group_sizes, default=xla, cuda=functools.partial(_kernel, plan))
 
     @gemm.def_vmap
     def rule(axis_size, in_batched, a, b, group_sizes):

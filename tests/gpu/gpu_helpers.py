@@ -297,7 +297,7 @@ BF16_ONLY_WGRAD_TILES = tuple(
         {
             v.tile
             for v in variants.VARIANTS
-            if v.program == "wgrad" and v.out_dtype == "bfloat16" and v.cluster == (1, 1)
+            if v.program == "wgrad" and v.out_dtype == "bfloat16" and v.cluster == (1, 1) and v.grouping is None
         }
         - {
             v.tile

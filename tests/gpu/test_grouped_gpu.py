@@ -1,9 +1,9 @@
-"""Grouped projections (MoE experts) on the GPU: grouped_projection and ragged_dot run XLA's
-ragged dot there today (no grouped kernel is built; the plan says so). Values and gradients
-against float64 of the same bf16 operands at ragged MoE-like shapes, bitwise repeat, rows
-past the groups never reaching a result, ragged_dot against lax.ragged_dot, grad of grad.
-
-No kernel runs, so these need no jax_cake library (no `gpu_library` fixture): only a GPU."""
+"""Grouped projections (MoE experts) on the GPU, on both paths (`path`): XLA's ragged dot
+(the default plan) and the grouped kernels (opted in with JAX_CAKE_GROUPED_KERNELS=1; these
+cases need the jax_cake library). Values and gradients against float64 of the same bf16
+operands at ragged MoE-like shapes, bitwise repeat, rows past the groups never reaching a
+result, ragged_dot against lax.ragged_dot, grad of grad, and that the kernel path runs the
+three grouped kernels and no XLA ragged dot."""
 
 import functools
 
@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 import jax_cake as jc
-from helpers import effective_group_sizes, grouped_reference64
+from jax_cake import contract
+from jax_cake.planner import grouped as grouped_planner
+from jax_cake.planner import variants
+from helpers import custom_call_lines, effective_group_sizes, grouped_reference64
 from second_order_cases import check, hvp
 
 import gpu_helpers as h
@@ -30,6 +33,26 @@ SIZES = {
 }
 
 
+# The compiled grouped variants: the kernel path's cases run each (fwd, dgrad, and the
+# wgrad of an FP32 master and of a bf16 weight).
+GROUPED_VARIANTS = [v for v in variants.VARIANTS if v.grouping is not None]
+GROUPED_TARGETS = (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, contract.GROUPED_WGRAD_TARGET)
+
+
+@pytest.fixture(params=["xla", "kernel"])
+def path(request, monkeypatch):
+    """The grouped GEMMs' path for the test: "kernel" opts in to the grouped kernels (and
+    needs the library). jit's caches are cleared around it: a plan is made at trace time."""
+    if request.param == "kernel":
+        request.getfixturevalue("gpu_library")
+        monkeypatch.setenv(grouped_planner.KERNELS_VAR, "1")
+    else:
+        monkeypatch.delenv(grouped_planner.KERNELS_VAR, raising=False)
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
+
+
 def _operands(w_dtype, groups=16):
     return h.rand(11, (M, K)), h.rand(12, (groups, N, K), w_dtype, scale=K**-0.5), h.rand(13, (M, N))
 
@@ -44,9 +67,17 @@ def _grouped(x, w, gs):
     return jc.grouped_projection(x, w, gs)
 
 
+def test_kernel_path_runs_the_grouped_kernels(path):
+    x, w, dy = _operands(F32)
+    gs = jnp.asarray(SIZES["ragged"], jnp.int32)
+    text = _vjp.lower(_grouped, x, w, gs, dy).as_text()
+    calls = [len(custom_call_lines(text, t)) for t in GROUPED_TARGETS]
+    assert calls == ([1, 1, 1] if path == "kernel" else [0, 0, 0]), calls
+
+
 @pytest.mark.parametrize("case", sorted(SIZES))
 @pytest.mark.parametrize("w_dtype", ["float32", "bfloat16"])
-def test_values_and_gradients_against_float64(case, w_dtype):
+def test_values_and_gradients_against_float64(path, case, w_dtype):
     w_dtype = h.dtype_of(w_dtype)
     x, w, dy = _operands(w_dtype)
     gs = jnp.asarray(SIZES[case], jnp.int32)
@@ -64,14 +95,30 @@ def test_values_and_gradients_against_float64(case, w_dtype):
             assert not np.asarray(dw[g]).any(), f"empty group {g}'s dw is not exactly 0"
 
 
-def test_bitwise_repeatable():
+@pytest.mark.parametrize("groups", [8, 128])
+def test_many_small_groups_against_float64(path, groups):
+    """Qwen3-like routing: many experts, a few rows each (most groups under one tile, some
+    empty), and a wgrad whose groups' K ranges are short."""
+    x, w, dy = _operands(F32, groups)
+    sizes = np.random.default_rng(groups).multinomial(M - 300, np.ones(groups) / groups)
+    sizes[::7] = 0
+    gs = jnp.asarray(sizes, jnp.int32)
+    y, dx, dw = _vjp(_grouped, x, w, gs, dy)
+    ry, rdx, rdw = grouped_reference64(x, w, sizes.tolist(), dy)
+    h.assert_close(y, ry, h.BF16_TOL, "y")
+    h.assert_close(dx, rdx, h.BF16_TOL, "dx")
+    h.assert_close(dw, rdw, h.F32_TOL, "dw")
+    assert not np.asarray(dw[::7]).any()
+
+
+def test_bitwise_repeatable(path):
     x, w, dy = _operands(F32)
     gs = jnp.asarray(SIZES["ragged"], jnp.int32)
     for i in range(3):
         h.assert_repeatable(lambda: _vjp(_grouped, x, w, gs, dy)[i], h.REPEATS, f"result {i}")
 
 
-def test_rows_past_the_groups_never_reach_a_result():
+def test_rows_past_the_groups_never_reach_a_result(path):
     x, w, dy = _operands(F32)
     past = sum(SIZES["ragged"])
     x, dy = x.at[past:].set(jnp.nan), dy.at[past:].set(jnp.inf)
@@ -79,7 +126,7 @@ def test_rows_past_the_groups_never_reach_a_result():
         assert bool(jnp.all(jnp.isfinite(result.astype(F32))))
 
 
-def test_ragged_dot_equals_lax_on_the_gpu():
+def test_ragged_dot_equals_lax_on_the_gpu(path):
     x, w, dy = _operands(BF16)
     rhs = jnp.swapaxes(w, 1, 2)
     gs = jnp.asarray(SIZES["ragged"], jnp.int32)
@@ -92,12 +139,15 @@ def test_ragged_dot_equals_lax_on_the_gpu():
         assert h.rel_err(a, h.f64(b)) < h.BF16_TOL, what
 
 
-def test_plan_on_this_gpu_runs_xla_and_says_why():
+def test_plan_on_this_gpu(path):
     p = jc.plan("grouped_fwd", tokens=M, groups=16, d_in=K, d_out=N, device=jax.devices()[0])
-    assert not p.uses_kernel and "no grouped (ragged) GEMM kernel is built" in jc.explain(p)
+    if path == "kernel":
+        assert p.uses_kernel and p.tile == (128, 128, 64)
+    else:
+        assert not p.uses_kernel and "the grouped kernels are opt-in" in jc.explain(p)
 
 
-def test_grad_of_grad_on_the_gpu():
+def test_grad_of_grad_on_the_gpu(path):
     sizes = [5, 0, 60, 3, 0, 30]
     gs = jnp.asarray(sizes, jnp.int32)
     m = 128

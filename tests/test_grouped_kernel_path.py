@@ -1,0 +1,213 @@
+"""The grouped kernels' path on CPU: the padded layout the kernels read (checked by running
+the kernels' arithmetic in float64 on it: what each 128-row tile and each group's K range
+computes), the opt-in plan, and the CUDA lowering of grouped_projection, ragged_dot and
+moe_mlp with and without it. The kernels' own values are tests/gpu/test_grouped_gpu.py's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cake as jc
+from jax_cake import contract
+from jax_cake.planner import grouped as grouped_planner
+from jax_cake.primitives import grouped
+from helpers import H200, cuda_text, custom_call_lines, f64, grouped_reference64, rand, rel_err
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+ALIGN = contract.GROUP_ROW_ALIGN
+M, K, N, G = 700, 48, 40, 6
+SIZES = {
+    "ragged": [130, 0, 257, 1, 0, 200],  # empty groups, a one-row group, 112 rows past the sum
+    "aligned": [128, 256, 0, 128, 0, 188],
+    "one_group_takes_all": [0, 0, 700, 0, 0, 0],
+    "negative": [300, -5, 30, -100, 60, 10],
+    "sum_above_m": [400, 290, 70, 50, 0, 3],
+    "int32_max": [2**31 - 1, 5, 2**31 - 1, -(2**31), 7, 2**31 - 1],
+    "all_empty": [0, 0, 0, 0, 0, 0],
+}
+
+
+def _row_kernel(a_pad, b, row_table, role):
+    """What the fwd / dgrad kernel computes (float64): each tile t below row_table[-1] times
+    weight row_table[t]; the other tiles NaN (unwritten)."""
+    width = b.shape[1] if role == "fwd" else b.shape[2]
+    out = np.full((a_pad.shape[0], width), np.nan)
+    for t in range(int(row_table[-1])):
+        rows = slice(t * ALIGN, (t + 1) * ALIGN)
+        w = b[int(row_table[t])]
+        out[rows] = a_pad[rows] @ (w.T if role == "fwd" else w)
+    return out
+
+
+def _k_kernel(dy_pad, x_pad, k_table):
+    """What the wgrad kernel computes (float64): group g sums the 64-row K tiles
+    [k_table[g], k_table[g + 1])."""
+    dw = np.zeros((len(k_table) - 1, dy_pad.shape[1], x_pad.shape[1]))
+    for g in range(len(k_table) - 1):
+        rows = slice(int(k_table[g]) * 64, int(k_table[g + 1]) * 64)
+        dw[g] = dy_pad[rows].T @ x_pad[rows]
+    return dw
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+def test_the_kernels_arithmetic_on_the_layout_gives_the_grouped_projection(case):
+    x, w, dy = rand(0, (M, K)), rand(1, (G, N, K)), rand(2, (M, N))
+    sizes = jnp.asarray(SIZES[case], jnp.int32)
+    layout = grouped.padded_layout(sizes, M)
+    row_table, k_table = np.asarray(layout.row_table), np.asarray(layout.k_table)
+    assert layout.capacity % ALIGN == 0 and layout.capacity >= M + (ALIGN - 1) * G
+    assert row_table.shape == (layout.capacity // ALIGN + 1,) and k_table.shape == (G + 1,)
+    assert 0 <= row_table[-1] <= layout.capacity // ALIGN and np.all((0 <= row_table[:-1]) & (row_table[:-1] < G))
+    assert np.all(np.diff(k_table) >= 0) and k_table[-1] * 64 == row_table[-1] * ALIGN
+    x_pad, dy_pad = f64(layout.scatter(x)), f64(layout.scatter(dy))
+    assert x_pad.shape == (layout.capacity, K)
+    ry, rdx, rdw = grouped_reference64(x, w, SIZES[case], dy)
+    # The unwritten tiles are NaN: a row gathered from one would show.
+    with jax.enable_x64(True):
+        y = layout.gather(jnp.asarray(_row_kernel(x_pad, f64(w), row_table, "fwd")))
+        dx = layout.gather(jnp.asarray(_row_kernel(dy_pad, f64(w), row_table, "dgrad")))
+    dw = _k_kernel(dy_pad, x_pad, k_table)
+    for got, want in ((y, ry), (dx, rdx), (dw, rdw)):
+        assert not np.isnan(np.asarray(got)).any()
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+
+
+def test_rows_between_the_groups_are_zero_and_each_row_lands_once():
+    x = rand(3, (M, K))
+    sizes = jnp.asarray(SIZES["ragged"], jnp.int32)
+    layout = grouped.padded_layout(sizes, M)
+    dest = np.asarray(layout.dest)
+    used = dest[dest < layout.capacity]
+    assert len(used) == sum(SIZES["ragged"]) and len(set(used.tolist())) == len(used)
+    assert np.all(dest[sum(SIZES["ragged"]) :] == layout.capacity)  # rows past the groups: not copied
+    x_pad = np.asarray(layout.scatter(x), np.float32)
+    others = np.setdiff1d(np.arange(layout.capacity), used)
+    assert np.all(x_pad[others] == 0)
+    starts = np.cumsum([0] + [-(-s // ALIGN) * ALIGN for s in SIZES["ragged"]])[:-1]
+    assert np.all(starts % ALIGN == 0) and dest[0] == 0 and dest[130] == starts[2]
+
+
+# --- the plan -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def opted_in(monkeypatch):
+    monkeypatch.setenv(grouped_planner.KERNELS_VAR, "1")
+
+
+@pytest.mark.parametrize("op", ["grouped_fwd", "grouped_dgrad", "grouped_wgrad"])
+def test_opted_in_plan_runs_the_kernel_on_an_h200(opted_in, op):
+    out = "float32" if op == "grouped_wgrad" else "bfloat16"
+    p = jc.plan(op, tokens=4096, groups=64, d_in=2048, d_out=1408, out_dtype=out, device=H200)
+    assert p.uses_kernel and p.tile == (128, 128, 64) and p.cluster == (1, 1) and p.groups == 64
+    assert p.program == op and p.sm_count == 132
+    assert "the grouped kernel (JAX_CAKE_GROUPED_KERNELS=1)" in jc.explain(p)
+
+
+@pytest.mark.parametrize(
+    "kw,why",
+    [
+        ({"device": None}, "no grouped kernel for cpu"),
+        ({"d_in": 2044}, "must be multiples of 8"),
+    ],
+)
+def test_opted_in_plan_runs_xla_where_the_kernel_cannot(opted_in, kw, why):
+    args = dict(tokens=4096, groups=64, d_in=2048, d_out=1408, device=H200) | kw
+    p = jc.plan("grouped_fwd", **args)
+    assert not p.uses_kernel and why in p.reason, p.reason
+
+
+def test_a_det_force_block_opts_in_and_xla_or_split_opt_out(monkeypatch):
+    monkeypatch.delenv(grouped_planner.KERNELS_VAR, raising=False)
+    args = dict(tokens=4096, groups=64, d_in=2048, d_out=1408, device=H200)
+    assert not jc.plan("grouped_fwd", **args).uses_kernel
+    with jc.planner.force("det"):
+        assert jc.plan("grouped_fwd", **args).uses_kernel
+    monkeypatch.setenv(grouped_planner.KERNELS_VAR, "1")
+    for program in ("xla", "split"):
+        with jc.planner.force(program):
+            assert not jc.plan("grouped_fwd", **args).uses_kernel
+
+
+def test_disable_wins_over_the_opt_in(opted_in, monkeypatch):
+    monkeypatch.setenv("JAX_CAKE_DISABLE", "1")
+    p = jc.plan("grouped_fwd", tokens=4096, groups=64, d_in=2048, d_out=1408, device=H200)
+    assert not p.uses_kernel and "JAX_CAKE_DISABLE" in p.reason
+
+
+# --- the CUDA lowering ----------------------------------------------------------------------
+
+TARGETS = (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, contract.GROUPED_WGRAD_TARGET)
+
+
+def _train_step():
+    """A new function each call: jit's trace cache would keep an earlier plan."""
+
+    def step(x, w, sizes):
+        loss = lambda x, w: jnp.sum(jc.grouped_projection(x, w, sizes).astype(F32) ** 2)
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    return step
+
+
+def _calls(text):
+    return [len(custom_call_lines(text, t)) for t in TARGETS]
+
+
+def test_opted_in_lowering_runs_the_three_kernels_and_no_ragged_dot(opted_in):
+    x, w = rand(0, (M, K)), rand(1, (G, N, K), F32)
+    text = cuda_text(_train_step(), x, w, jnp.asarray(SIZES["ragged"], jnp.int32))
+    assert _calls(text) == [1, 1, 1], text
+    assert '"chlo.ragged_dot"(' not in text and "ragged_dot" not in text
+    (wgrad,) = custom_call_lines(text, contract.GROUPED_WGRAD_TARGET)
+    assert f"tensor<{G}x{N}x{K}xf32>" in wgrad  # dw in the FP32 master's dtype, from the kernel
+
+
+def test_without_the_opt_in_the_lowering_is_xla(monkeypatch):
+    monkeypatch.delenv(grouped_planner.KERNELS_VAR, raising=False)
+    x, w = rand(0, (M, K)), rand(1, (G, N, K), F32)
+    text = cuda_text(_train_step(), x, w, jnp.asarray(SIZES["ragged"], jnp.int32))
+    assert _calls(text) == [0, 0, 0]
+
+
+def test_opted_in_vmap_runs_xla(opted_in):
+    """The kernels take unbatched operands; a vmapped grouped projection runs XLA's ragged
+    dot with a batch dimension (the same semantics)."""
+    xs, w = rand(0, (2, M, K)), rand(1, (G, N, K))
+    sizes = jnp.asarray([SIZES["ragged"], SIZES["negative"]], jnp.int32)
+    fn = jax.vmap(jc.grouped_projection, in_axes=(0, None, 0))
+    assert _calls(cuda_text(fn, xs, w, sizes)) == [0, 0, 0]
+
+
+def test_opted_in_ragged_dot_and_moe_mlp_lower_to_the_kernels(opted_in):
+    x, rhs = rand(0, (M, K)), rand(1, (G, K, N))
+    sizes = jnp.asarray(SIZES["ragged"], jnp.int32)
+    # rhs [G, K, N] read as stored: ragged_dot's forward is the grouped dgrad GEMM
+    assert _calls(cuda_text(lambda x, r: jc.ragged_dot(x, r, sizes), x, rhs)) == [0, 1, 0]
+    t, d, f, k = 64, 32, 48, 2
+    xs = rand(2, (t, d))
+    wg, wu, wd = rand(3, (G, f, d)), rand(4, (G, f, d)), rand(5, (G, d, f))
+    ids = jax.random.randint(jax.random.key(6), (t, k), 0, G, jnp.int32)
+    ew = jax.nn.softmax(rand(7, (t, k), F32), axis=-1)
+    # the forward: the gated (gate and up rows interleaved) and the down grouped GEMMs
+    assert _calls(cuda_text(lambda *a: jc.moe_mlp(*a), xs, wg, wu, wd, ids, ew)) == [2, 0, 0]
+    # a training step: dh and dx (one dgrad each), and the two weight gradients
+    loss = lambda *a: jnp.sum(jc.moe_mlp(*a).astype(F32) ** 2)
+    assert _calls(cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3, 5)), xs, wg, wu, wd, ids, ew)) == [2, 2, 2]
+
+
+def test_opted_in_cpu_values_are_the_xla_paths(opted_in):
+    """On CPU the kernel plan's platform_dependent takes the XLA branch: the values of the
+    default plan, bitwise."""
+    x, w, dy = rand(0, (M, K)), rand(1, (G, N, K), F32), rand(2, (M, N))
+    sizes = jnp.asarray(SIZES["ragged"], jnp.int32)
+
+    def vjp(x, w):
+        y, pullback = jax.vjp(lambda x, w: jc.grouped_projection(x, w, sizes), x, w)
+        return (y, *pullback(dy))
+
+    got = jax.jit(vjp)(x, w)
+    ry, rdx, rdw = grouped_reference64(x, w, SIZES["ragged"], dy)
+    for a, ref in zip(got, (ry, rdx, rdw)):
+        assert rel_err(a, ref) < (2.0**-8 if a.dtype == BF16 else 1e-5)
