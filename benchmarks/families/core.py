@@ -85,7 +85,7 @@ class CoreArm:
 
 
 def variant_arms(op: str, rasters: Sequence[str] = (), only: str = "") -> list[CoreArm]:
-    """XLA first, then every compiled bf16 plain-store variant of op with tile_n >= 128
+    """XLA first, then every compiled dense bf16 plain-store variant of op with tile_n >= 128
     whose name matches the regex `only` (all when empty), each with the planner's tile
     walk and then once per Plan.raster name of `rasters` (name suffix _r<raster>)."""
     from jax_cake import contract
@@ -95,7 +95,7 @@ def variant_arms(op: str, rasters: Sequence[str] = (), only: str = "") -> list[C
         contract.raster_code(r)  # a bad name fails before anything runs
     arms = [CoreArm("xla")]
     for v in variants.VARIANTS:
-        if v.program != op or v.store != "plain" or v.out_dtype != "bfloat16" or v.tile_n < 128:
+        if v.program != op or v.store != "plain" or v.out_dtype != "bfloat16" or v.tile_n < 128 or v.grouping:
             continue
         sched = "pp" if v.schedule == "pingpong" else "coop"
         name = f"{v.tile_m}x{v.tile_n}_{sched}_c{v.cluster_m}x{v.cluster_n}"

@@ -44,7 +44,9 @@ def compiled_tiles(program: str, out_dtype: str | None = None) -> tuple[tuple[in
         # Ping-pong-only tiles (128 x 192, 128 x 160) have no cooperative variant:
         # they are reached through the ping-pong rule or force(tile=, schedule="pingpong").
         family = [
-            v for v in variants.VARIANTS if v.cluster == (1, 1) and v.store == "plain" and v.schedule != "pingpong"
+            v
+            for v in variants.VARIANTS
+            if v.cluster == (1, 1) and v.store == "plain" and v.schedule != "pingpong" and v.grouping is None
         ]
     return tuple(
         sorted(
