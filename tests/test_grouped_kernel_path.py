@@ -113,14 +113,14 @@ def test_opted_in_plan_runs_the_kernel_on_an_h200(opted_in, op):
     ],
 )
 def test_opted_in_plan_runs_xla_where_the_kernel_cannot(opted_in, kw, why):
-    args = dict(tokens=4096, groups=64, d_in=2048, d_out=1408, device=H200) | kw
+    args = {"tokens": 4096, "groups": 64, "d_in": 2048, "d_out": 1408, "device": H200} | kw
     p = jc.plan("grouped_fwd", **args)
     assert not p.uses_kernel and why in p.reason, p.reason
 
 
 def test_a_det_force_block_opts_in_and_xla_or_split_opt_out(monkeypatch):
     monkeypatch.delenv(grouped_planner.KERNELS_VAR, raising=False)
-    args = dict(tokens=4096, groups=64, d_in=2048, d_out=1408, device=H200)
+    args = {"tokens": 4096, "groups": 64, "d_in": 2048, "d_out": 1408, "device": H200}
     assert not jc.plan("grouped_fwd", **args).uses_kernel
     with jc.planner.force("det"):
         assert jc.plan("grouped_fwd", **args).uses_kernel
