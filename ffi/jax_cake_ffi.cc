@@ -578,50 +578,47 @@ Operand Table(ffi::Buffer<ffi::S32>& table, int64_t n) {
   return {table.untyped_data(), {n, 1, 1}, {pitch, pitch}};
 }
 
-// y[M, d_out] = x[M, d_in] . w[table[m / 128], d_out, d_in]^T per 128-row tile m / 128 <
-// table[M / 128]; the tiles past those are not written.   (M = rows, N = d_out, K = d_in)
-ffi::Error GroupedFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                          ffi::Buffer<ffi::S32> table, ffi::Result<ffi::Buffer<ffi::BF16>> y, Attrs at) {
-  const char* target = kGroupedFwdTarget;
+// The row-grouped targets (fwd, dgrad): out[M, N] = a[M, K] times the weight w[G, d_out,
+// d_in] of each 128-row tile's group, table[t] for tile t < table[M / 128]; the tiles past
+// those are not written. `a_name`/`a_pattern` and `out_name`/`out_pattern` bind a and out
+// to the letters M, I (d_in) and O (d_out); `expected` is the shapes' text for errors. The
+// grouped fwd reads w K-major (N = d_out, K = d_in), the grouped dgrad N-major (N = d_in,
+// K = d_out).
+ffi::Error RowGroupedImpl(const char* target, bool dgrad, cudaStream_t stream, const char* a_name,
+                          ffi::Buffer<ffi::BF16> a, const char* a_pattern, ffi::Buffer<ffi::BF16> w,
+                          ffi::Buffer<ffi::S32> table, const char* out_name, ffi::Buffer<ffi::BF16>& out,
+                          const char* out_pattern, const char* expected, const Attrs& at) {
   JC_RETURN_IF_ERROR(BeginGrouped(target, at));
   JC_RETURN_IF_ERROR(CheckMinDim(target, "w", w.dimensions(), 1));
   Shapes s;
-  if (!s.Bind("x", x.dimensions(), "MI") || !s.Bind("w", w.dimensions(), "GOI") ||
-      !s.Bind("table", table.dimensions(), "R") || !s.Bind("y", y->dimensions(), "MO"))
-    return s.Mismatch(target, "x[M,d_in], w[G,d_out,d_in], table[M/128+1], y[M,d_out]");
+  if (!s.Bind(a_name, a.dimensions(), a_pattern) || !s.Bind("w", w.dimensions(), "GOI") ||
+      !s.Bind("table", table.dimensions(), "R") || !s.Bind(out_name, out.dimensions(), out_pattern))
+    return s.Mismatch(target, expected);
   const int64_t M = s['M'], G = s['G'], d_in = s['I'], d_out = s['O'];
   JC_RETURN_IF_ERROR(CheckGroupedRows(target, M, s['R'], M / kGroupRowAlign + 1, "each row tile's group, then the count"));
   JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "d_out", d_out));
   if (M == 0) return ffi::Error::Success();
+  const int64_t n = dgrad ? d_in : d_out, k = dgrad ? d_out : d_in;
   GemmArgs g;
-  g.a = KMajor(x.untyped_data(), M, d_in, 1);
-  g.b = KMajor(w.untyped_data(), d_out, d_in, G);
-  g.c = KMajor(y->untyped_data(), M, d_out, 1);
+  g.a = KMajor(a.untyped_data(), M, k, 1);
+  g.b = dgrad ? MnMajor(w.untyped_data(), n, k, G) : KMajor(w.untyped_data(), n, k, G);  // dgrad: stride(N) = 1
+  g.c = KMajor(out.untyped_data(), M, n, 1);
   g.aux = Table(table, s['R']);
-  return LaunchOnePass(target, at, "grouped_fwd", kStorePlain, g, stream);
+  return LaunchOnePass(target, at, dgrad ? "grouped_dgrad" : "grouped_fwd", kStorePlain, g, stream);
 }
 
-// dx[M, d_in] = dy[M, d_out] . w[table[m / 128], d_out, d_in] per 128-row tile m / 128 <
-// table[M / 128]; the tiles past those are not written.   (M = rows, N = d_in, K = d_out)
+// y[M, d_out] = x[M, d_in] . w[table[m / 128], d_out, d_in]^T per row tile.   (M = rows, N = d_out, K = d_in)
+ffi::Error GroupedFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                          ffi::Buffer<ffi::S32> table, ffi::Result<ffi::Buffer<ffi::BF16>> y, Attrs at) {
+  return RowGroupedImpl(kGroupedFwdTarget, false, stream, "x", x, "MI", w, table, "y", *y, "MO",
+                        "x[M,d_in], w[G,d_out,d_in], table[M/128+1], y[M,d_out]", at);
+}
+
+// dx[M, d_in] = dy[M, d_out] . w[table[m / 128], d_out, d_in] per row tile.   (M = rows, N = d_in, K = d_out)
 ffi::Error GroupedDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> w,
                             ffi::Buffer<ffi::S32> table, ffi::Result<ffi::Buffer<ffi::BF16>> dx, Attrs at) {
-  const char* target = kGroupedDgradTarget;
-  JC_RETURN_IF_ERROR(BeginGrouped(target, at));
-  JC_RETURN_IF_ERROR(CheckMinDim(target, "w", w.dimensions(), 1));
-  Shapes s;
-  if (!s.Bind("dy", dy.dimensions(), "MO") || !s.Bind("w", w.dimensions(), "GOI") ||
-      !s.Bind("table", table.dimensions(), "R") || !s.Bind("dx", dx->dimensions(), "MI"))
-    return s.Mismatch(target, "dy[M,d_out], w[G,d_out,d_in], table[M/128+1], dx[M,d_in]");
-  const int64_t M = s['M'], G = s['G'], d_in = s['I'], d_out = s['O'];
-  JC_RETURN_IF_ERROR(CheckGroupedRows(target, M, s['R'], M / kGroupRowAlign + 1, "each row tile's group, then the count"));
-  JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "d_out", d_out));
-  if (M == 0) return ffi::Error::Success();
-  GemmArgs g;
-  g.a = KMajor(dy.untyped_data(), M, d_out, 1);
-  g.b = MnMajor(w.untyped_data(), d_in, d_out, G);  // N-major: stride(N) = 1
-  g.c = KMajor(dx->untyped_data(), M, d_in, 1);
-  g.aux = Table(table, s['R']);
-  return LaunchOnePass(target, at, "grouped_dgrad", kStorePlain, g, stream);
+  return RowGroupedImpl(kGroupedDgradTarget, true, stream, "dy", dy, "MO", w, table, "dx", *dx, "MI",
+                        "dy[M,d_out], w[G,d_out,d_in], table[M/128+1], dx[M,d_in]", at);
 }
 
 // dw[g, d_out, d_in] = dy[rows of g]^T . x[rows of g], the rows of group g being the K

@@ -66,9 +66,6 @@ def _wgrad_supported(tile, out_dtype: str, splits: int, reduction: str) -> bool:
     return variants.supports("wgrad", tile, (1, 1), out_dtype, splits, contract.REDUCTIONS[reduction])
 
 
-# TMA needs 16-byte strides: bf16 rows must hold a multiple of 8 elements (the router's
-# pre-split bf16 hi/lo operands too, see router_variants.ALIGN_ELEMENTS).
-_ALIGN_ELEMENTS = 8
 # A split gets at least this many K tiles, so the partial-sum traffic stays small
 # against the operand reads.
 _MIN_K_TILES_PER_SPLIT = 8
@@ -589,10 +586,10 @@ def plan_with(
         if dev.sm_count is None:
             return _xla_plan(*args, unknown_sms)
         return _router_plan(op, batch, m, n, k, dev, d_in, d_out)
-    if d_in % _ALIGN_ELEMENTS or d_out % _ALIGN_ELEMENTS:
+    if d_in % variants.ALIGN_ELEMENTS or d_out % variants.ALIGN_ELEMENTS:
         return _xla_plan(
             *args,
-            f"d_in={d_in} and d_out={d_out} must be multiples of {_ALIGN_ELEMENTS} for the kernels' 16-byte TMA strides: XLA dot_general with the same semantics",
+            f"d_in={d_in} and d_out={d_out} must be multiples of {variants.ALIGN_ELEMENTS} for the kernels' 16-byte TMA strides: XLA dot_general with the same semantics",
         )
     if dev.sm_count is None:
         return _xla_plan(*args, unknown_sms)

@@ -28,6 +28,7 @@ import os
 from jax_cake import contract, logs
 from jax_cake.planner import device as device_lib
 from jax_cake.planner.plan_type import Plan
+from jax_cake.planner.variants import ALIGN_ELEMENTS
 
 _XLA_RAGGED = "XLA's ragged dot (lax.ragged_dot_general) with an FP32 result rounded once, the same semantics"
 # The environment variable that opts in to the grouped kernels (the module docstring).
@@ -35,7 +36,6 @@ KERNELS_VAR = "JAX_CAKE_GROUPED_KERNELS"
 NOT_OPTED_IN = f"the grouped kernels are opt-in ({KERNELS_VAR}=1, not yet measured against XLA): {_XLA_RAGGED}"
 # The grouped kernels' one tile (planner/variants.py's grouped variants).
 KERNEL_TILE = (contract.GROUP_ROW_ALIGN, 128, 64)
-_ALIGN_ELEMENTS = 8  # d_in and d_out: 16-byte TMA row strides of bf16
 
 
 def gemm_dims(op: str, tokens, d_in, d_out) -> tuple:
@@ -60,41 +60,25 @@ def plan_grouped(
     program_pin: str | None = None,
 ) -> Plan:
     """The Plan of grouped op `op` on validated sizes (jax_cake.planner.choose.plan checks
-    them): the XLA path, with the reason. program_pin: a force block's program."""
+    them): the grouped kernel where opted in and it can run, else the XLA path, each with
+    its reason. program_pin: a force block's program."""
     m, n, k = gemm_dims(op, tokens, d_in, d_out)
+    gemm = dict(op=op, batch=1, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe(), groups=groups)
     reason = _xla_reason(tokens, d_in, d_out, dev, symbolic, program_pin)
     if reason is None:
         return Plan(
-            op=op,
+            **gemm,
             backend="sm90a",
-            batch=1,
-            m=m,
-            n=n,
-            k=k,
-            out_dtype=out_dtype,
-            device=dev.describe(),
             tile=KERNEL_TILE,
             sm_count=dev.sm_count,
             reason=(
                 f"the grouped kernel ({KERNELS_VAR}=1): each group's rows laid out from a multiple of "
                 f"{contract.GROUP_ROW_ALIGN} rows, one pass over K on 128 x 128 tiles, bitwise reproducible"
             ),
-            groups=groups,
         )
     if dev.platform == "cuda":  # a GPU user expects the kernels: say once why not
         logs.once(logging.WARNING, "jax_cake: on %s the grouped GEMMs run the XLA path: %s", dev.describe(), reason)
-    return Plan(
-        op=op,
-        backend="xla",
-        batch=1,
-        m=m,
-        n=n,
-        k=k,
-        out_dtype=out_dtype,
-        device=dev.describe(),
-        reason=reason,
-        groups=groups,
-    )
+    return Plan(**gemm, backend="xla", reason=reason)
 
 
 def _xla_reason(tokens, d_in, d_out, dev, symbolic, program_pin) -> str | None:
@@ -114,9 +98,9 @@ def _xla_reason(tokens, d_in, d_out, dev, symbolic, program_pin) -> str | None:
         return f"no grouped kernel for {dev.describe()} (kernels exist for {', '.join(contract.KERNEL_ARCHS)}): {_XLA_RAGGED}"
     if min(tokens, d_in, d_out) == 0:
         return f"an empty dimension: {_XLA_RAGGED}"
-    if d_in % _ALIGN_ELEMENTS or d_out % _ALIGN_ELEMENTS:
+    if d_in % ALIGN_ELEMENTS or d_out % ALIGN_ELEMENTS:
         return (
-            f"d_in={d_in} and d_out={d_out} must be multiples of {_ALIGN_ELEMENTS} for the kernels' 16-byte TMA "
+            f"d_in={d_in} and d_out={d_out} must be multiples of {ALIGN_ELEMENTS} for the kernels' 16-byte TMA "
             f"strides: {_XLA_RAGGED}"
         )
     if dev.sm_count is None:

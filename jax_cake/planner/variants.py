@@ -40,6 +40,10 @@ PROGRAM_MAJORS = {
 }
 
 
+# TMA needs 16-byte strides: a bf16 operand's rows (d_in, d_out) must hold a multiple of
+# this many elements, for the dense and the grouped variants alike.
+ALIGN_ELEMENTS = 8
+
 # fp32 wgrad with its running total in C (`promote_in="output"`) adds a chain into C every
 # this many K tiles. Each promotion is a whole fp32 tile epilogue (~4.5 us of CTA time at
 # 128 x 256), so the chains are as long as the 1e-5 accuracy target allows: one wgmma chain

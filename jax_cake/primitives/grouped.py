@@ -230,8 +230,8 @@ def _gemm(call: Call, a, b, group_sizes):
         if a.ndim != 2 or not partitioning.unpartitioned(a, b, group_sizes):
             logs.once(
                 logging.INFO,
-                "jax_cake: %s on operands that need partitioning runs XLA's ragged dot (the grouped kernels "
-                "run whole operands or shard_map's)",
+                "jax_cake: %s under vmap or on operands that need partitioning runs XLA's ragged dot (the "
+                "grouped kernels run unbatched whole operands or shard_map's)",
                 plan.op,
             )
             return xla(a, b, group_sizes)
