@@ -16,6 +16,7 @@ from helpers import H200, cuda_text, custom_call_lines, f64, grouped_reference64
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 ALIGN = contract.GROUP_ROW_ALIGN
+K_TILE = grouped_planner.KERNEL_TILE[2]  # the wgrad kernel's tile_k: k_table's unit
 M, K, N, G = 700, 48, 40, 6
 SIZES = {
     "ragged": [130, 0, 257, 1, 0, 200],  # empty groups, a one-row group, 112 rows past the sum
@@ -41,11 +42,11 @@ def _row_kernel(a_pad, b, row_table, role):
 
 
 def _k_kernel(dy_pad, x_pad, k_table):
-    """What the wgrad kernel computes (float64): group g sums the 64-row K tiles
+    """What the wgrad kernel computes (float64): group g sums the K_TILE-row K tiles
     [k_table[g], k_table[g + 1])."""
     dw = np.zeros((len(k_table) - 1, dy_pad.shape[1], x_pad.shape[1]))
     for g in range(len(k_table) - 1):
-        rows = slice(int(k_table[g]) * 64, int(k_table[g + 1]) * 64)
+        rows = slice(int(k_table[g]) * K_TILE, int(k_table[g + 1]) * K_TILE)
         dw[g] = dy_pad[rows].T @ x_pad[rows]
     return dw
 
@@ -54,12 +55,12 @@ def _k_kernel(dy_pad, x_pad, k_table):
 def test_the_kernels_arithmetic_on_the_layout_gives_the_grouped_projection(case):
     x, w, dy = rand(0, (M, K)), rand(1, (G, N, K)), rand(2, (M, N))
     sizes = jnp.asarray(SIZES[case], jnp.int32)
-    layout = grouped.padded_layout(sizes, M)
+    layout = grouped.padded_layout(sizes, M, K_TILE)
     row_table, k_table = np.asarray(layout.row_table), np.asarray(layout.k_table)
     assert layout.capacity % ALIGN == 0 and layout.capacity >= M + (ALIGN - 1) * G
     assert row_table.shape == (layout.capacity // ALIGN + 1,) and k_table.shape == (G + 1,)
     assert 0 <= row_table[-1] <= layout.capacity // ALIGN and np.all((0 <= row_table[:-1]) & (row_table[:-1] < G))
-    assert np.all(np.diff(k_table) >= 0) and k_table[-1] * 64 == row_table[-1] * ALIGN
+    assert np.all(np.diff(k_table) >= 0) and k_table[-1] * K_TILE == row_table[-1] * ALIGN
     x_pad, dy_pad = f64(layout.scatter(x)), f64(layout.scatter(dy))
     assert x_pad.shape == (layout.capacity, K)
     ry, rdx, rdw = grouped_reference64(x, w, SIZES[case], dy)
@@ -76,7 +77,7 @@ def test_the_kernels_arithmetic_on_the_layout_gives_the_grouped_projection(case)
 def test_rows_between_the_groups_are_zero_and_each_row_lands_once():
     x = rand(3, (M, K))
     sizes = jnp.asarray(SIZES["ragged"], jnp.int32)
-    layout = grouped.padded_layout(sizes, M)
+    layout = grouped.padded_layout(sizes, M, K_TILE)
     dest = np.asarray(layout.dest)
     used = dest[dest < layout.capacity]
     assert len(used) == sum(SIZES["ragged"]) and len(set(used.tolist())) == len(used)
@@ -123,11 +124,17 @@ def test_a_det_force_block_opts_in_and_xla_or_split_opt_out(monkeypatch):
     args = {"tokens": 4096, "groups": 64, "d_in": 2048, "d_out": 1408, "device": H200}
     assert not jc.plan("grouped_fwd", **args).uses_kernel
     with jc.planner.force("det"):
-        assert jc.plan("grouped_fwd", **args).uses_kernel
+        p = jc.plan("grouped_fwd", **args)
+    assert p.uses_kernel and "the grouped kernel (force(program='det'))" in p.reason, p.reason
     monkeypatch.setenv(grouped_planner.KERNELS_VAR, "1")
     for program in ("xla", "split"):
         with jc.planner.force(program):
             assert not jc.plan("grouped_fwd", **args).uses_kernel
+
+
+def test_a_k_tile_that_does_not_divide_the_row_alignment_is_refused():
+    with pytest.raises(ValueError, match="k_tile=48 does not divide 128"):
+        grouped.padded_layout(jnp.asarray(SIZES["ragged"], jnp.int32), M, 48)
 
 
 def test_disable_wins_over_the_opt_in(opted_in, monkeypatch):

@@ -66,13 +66,14 @@ def plan_grouped(
     gemm = dict(op=op, batch=1, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe(), groups=groups)
     reason = _xla_reason(tokens, d_in, d_out, dev, symbolic, program_pin)
     if reason is None:
+        opted_in = "force(program='det')" if program_pin == "det" else f"{KERNELS_VAR}=1"
         return Plan(
             **gemm,
             backend="sm90a",
             tile=KERNEL_TILE,
             sm_count=dev.sm_count,
             reason=(
-                f"the grouped kernel ({KERNELS_VAR}=1): each group's rows laid out from a multiple of "
+                f"the grouped kernel ({opted_in}): each group's rows laid out from a multiple of "
                 f"{contract.GROUP_ROW_ALIGN} rows, one pass over K on 128 x 128 tiles, bitwise reproducible"
             ),
         )

@@ -155,8 +155,8 @@ class PaddedLayout:
     dest [M] int32: row r's row in the buffer (`capacity` for a row past the groups: not
     copied, read back as 0); row_table [capacity / 128 + 1] int32: each 128-row tile's group
     (the last group for tiles past the rows), then how many tiles hold rows (the fwd and
-    dgrad kernels' table); k_table [G + 1] int32: each group's first 64-row K tile, then
-    the end (the wgrad kernel's)."""
+    dgrad kernels' table); k_table [G + 1] int32: each group's first K tile (of the wgrad
+    kernel's tile_k rows), then the end (the wgrad kernel's)."""
 
     dest: Any
     row_table: Any
@@ -174,10 +174,13 @@ class PaddedLayout:
         return jnp.take(buffer, self.dest, axis=0, mode="fill", fill_value=0)
 
 
-def padded_layout(group_sizes, rows: int) -> PaddedLayout:
+def padded_layout(group_sizes, rows: int, k_tile: int) -> PaddedLayout:
     """The PaddedLayout of `rows` rows in groups of group_sizes [G] (reference.grouped_sizes's
-    rules for negative sizes and a sum above rows), computed on the device."""
-    align, k_tile = contract.GROUP_ROW_ALIGN, 64
+    rules for negative sizes and a sum above rows), computed on the device; k_table counts
+    K tiles of k_tile rows (the wgrad kernel's tile_k, a divisor of GROUP_ROW_ALIGN)."""
+    align = contract.GROUP_ROW_ALIGN
+    if align % k_tile:
+        raise ValueError(f"padded_layout: k_tile={k_tile} does not divide {align}, the groups' row alignment")
     groups = group_sizes.shape[0]
     capacity = -(-(rows + (align - 1) * groups) // align) * align
     sizes = reference.grouped_sizes(group_sizes, rows)
@@ -199,7 +202,7 @@ def padded_layout(group_sizes, rows: int) -> PaddedLayout:
 
 def _kernel(plan: Plan, a, b, group_sizes):
     """The grouped kernel of plan.op on a, b (bf16, unbatched) through the PaddedLayout."""
-    layout = padded_layout(group_sizes, a.shape[0])
+    layout = padded_layout(group_sizes, a.shape[0], k_tile=plan.tile[2])
     if plan.op == "grouped_wgrad":
         return gemm_lib.grouped_wgrad(layout.scatter(a), layout.scatter(b), layout.k_table, plan)
     role = gemm_lib.grouped_fwd if plan.op == "grouped_fwd" else gemm_lib.grouped_dgrad
