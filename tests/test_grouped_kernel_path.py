@@ -61,7 +61,7 @@ def test_the_kernels_arithmetic_on_the_layout_gives_the_grouped_projection(case)
     assert row_table.shape == (layout.capacity // ALIGN + 1,) and k_table.shape == (G + 1,)
     assert 0 <= row_table[-1] <= layout.capacity // ALIGN and np.all((0 <= row_table[:-1]) & (row_table[:-1] < G))
     assert np.all(np.diff(k_table) >= 0) and k_table[-1] * K_TILE == row_table[-1] * ALIGN
-    x_pad, dy_pad = f64(layout.scatter(x)), f64(layout.scatter(dy))
+    x_pad, dy_pad = f64(layout.lay_out(x)), f64(layout.lay_out(dy))
     assert x_pad.shape == (layout.capacity, K)
     ry, rdx, rdw = grouped_reference64(x, w, SIZES[case], dy)
     # The unwritten tiles are NaN: a row gathered from one would show.
@@ -82,11 +82,16 @@ def test_rows_between_the_groups_are_zero_and_each_row_lands_once():
     used = dest[dest < layout.capacity]
     assert len(used) == sum(SIZES["ragged"]) and len(set(used.tolist())) == len(used)
     assert np.all(dest[sum(SIZES["ragged"]) :] == layout.capacity)  # rows past the groups: not copied
-    x_pad = np.asarray(layout.scatter(x), np.float32)
+    x_pad = np.asarray(layout.lay_out(x), np.float32)
     others = np.setdiff1d(np.arange(layout.capacity), used)
     assert np.all(x_pad[others] == 0)
     starts = np.cumsum([0] + [-(-s // ALIGN) * ALIGN for s in SIZES["ragged"]])[:-1]
     assert np.all(starts % ALIGN == 0) and dest[0] == 0 and dest[130] == starts[2]
+    # source is dest's inverse: the gather that lays the rows out
+    source = np.asarray(layout.source)
+    assert source.shape == (layout.capacity,)
+    np.testing.assert_array_equal(source[used], np.flatnonzero(dest < layout.capacity))
+    assert np.all(source[others] == M)
 
 
 # --- the plan -----------------------------------------------------------------------------

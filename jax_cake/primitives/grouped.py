@@ -153,20 +153,22 @@ class PaddedLayout:
     plus the padding G groups can need), zeros between.
 
     dest [M] int32: row r's row in the buffer (`capacity` for a row past the groups: not
-    copied, read back as 0); row_table [capacity / 128 + 1] int32: each 128-row tile's group
+    copied, read back as 0); source [capacity] int32, its inverse: the row the buffer's row
+    holds (M for a padding row: 0); row_table [capacity / 128 + 1] int32: each 128-row tile's group
     (the last group for tiles past the rows), then how many tiles hold rows (the fwd and
     dgrad kernels' table); k_table [G + 1] int32: each group's first K tile (of the wgrad
     kernel's tile_k rows), then the end (the wgrad kernel's)."""
 
     dest: Any
+    source: Any
     row_table: Any
     k_table: Any
     capacity: int
 
-    def scatter(self, a):
-        """a [M, n] laid out: [capacity, n], each row at dest, zeros elsewhere."""
-        buffer = jnp.zeros((self.capacity, a.shape[1]), a.dtype)
-        return buffer.at[self.dest].set(a, mode="drop")
+    def lay_out(self, a):
+        """a [M, n] laid out: [capacity, n], each row at dest, zeros elsewhere. A gather (by
+        source), so XLA fuses it with a gather that makes a (moe_mlp's routing)."""
+        return jnp.take(a, self.source, axis=0, mode="fill", fill_value=0)
 
     def gather(self, buffer):
         """The rows of a laid-out [capacity, n] buffer back in a's order: [M, n], 0 for rows
@@ -194,19 +196,24 @@ def padded_layout(group_sizes, rows: int, k_tile: int) -> PaddedLayout:
     dest = jnp.where(group < groups, padded_starts[g] + r - (ends[g] - sizes[g]), capacity)
     tile_starts = jnp.arange(capacity // align, dtype=jnp.int32) * align
     tile_group = jnp.minimum(jnp.searchsorted(padded_ends, tile_starts, side="right"), groups - 1)
+    # Each buffer row's source row: the offset into its tile's group, M past the group's rows.
+    p = jnp.arange(capacity, dtype=jnp.int32)
+    pg = jnp.repeat(tile_group, align, total_repeat_length=capacity)
+    offset = p - padded_starts[pg]
+    source = jnp.where(offset < sizes[pg], ends[pg] - sizes[pg] + offset, rows)
     used_tiles = padded_ends[-1] // align
     row_table = jnp.concatenate([tile_group, used_tiles[None]]).astype(jnp.int32)
     k_table = (jnp.concatenate([padded_starts, padded_ends[-1:]]) // k_tile).astype(jnp.int32)
-    return PaddedLayout(dest.astype(jnp.int32), row_table, k_table, capacity)
+    return PaddedLayout(dest.astype(jnp.int32), source.astype(jnp.int32), row_table, k_table, capacity)
 
 
 def _kernel(plan: Plan, a, b, group_sizes):
     """The grouped kernel of plan.op on a, b (bf16, unbatched) through the PaddedLayout."""
     layout = padded_layout(group_sizes, a.shape[0], k_tile=plan.tile[2])
     if plan.op == "grouped_wgrad":
-        return gemm_lib.grouped_wgrad(layout.scatter(a), layout.scatter(b), layout.k_table, plan)
+        return gemm_lib.grouped_wgrad(layout.lay_out(a), layout.lay_out(b), layout.k_table, plan)
     role = gemm_lib.grouped_fwd if plan.op == "grouped_fwd" else gemm_lib.grouped_dgrad
-    return layout.gather(role(layout.scatter(a), b, layout.row_table, plan))
+    return layout.gather(role(layout.lay_out(a), b, layout.row_table, plan))
 
 
 @dataclasses.dataclass(frozen=True)
