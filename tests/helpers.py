@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
+from jax_cake import contract
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -134,6 +136,14 @@ def cuda_text(fn, *args) -> str:
 def custom_call_lines(text: str, target: str) -> list[str]:
     """The lines of a lowered text that call `target` (a whole target name)."""
     return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
+
+
+def grouped_gemms(text: str) -> int:
+    """The grouped GEMMs of a CUDA lowering, on either path: XLA's ragged dots and the
+    grouped kernels' calls."""
+    targets = (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, contract.GROUPED_WGRAD_TARGET)
+    dots = sum('"chlo.ragged_dot"(' in line for line in text.splitlines())
+    return dots + sum(len(custom_call_lines(text, t)) for t in targets)
 
 
 def effective_group_sizes(sizes, m: int) -> list[int]:

@@ -241,17 +241,15 @@ def test_failed_children_are_reported():
     assert all("xla_cudnn us" not in r for r in rows)
 
 
-@pytest.mark.parametrize("arm,calls", [("jax_cake", 0), ("jax_cake_kernels", 1)])
-def test_the_kernel_arm_runs_the_grouped_kernels_in_its_whole_step(monkeypatch, arm, calls):
-    """Lowered for the faked H200: the kernel arm's fwd+bwd step (its pullback inside the
-    force block) calls each grouped kernel once; the default arm none (not opted in)."""
+def test_the_jax_cake_arm_runs_the_grouped_kernels_in_its_whole_step():
+    """Lowered for the faked H200: the jax_cake arm's fwd+bwd step calls each grouped
+    kernel once."""
     from helpers import cuda_text, custom_call_lines, rand
 
     from jax_cake import contract
 
-    monkeypatch.delenv("JAX_CAKE_GROUPED_KERNELS", raising=False)
     x, w, dy = rand(0, (256, 64)), rand(1, (4, 32, 64), jnp.float32), rand(2, (256, 32))
     sizes = jnp.asarray([100, 0, 90, 66], jnp.int32)
-    text = cuda_text(grouped.arm_step(arm, "fwd+bwd"), x, (w, sizes), dy)
+    text = cuda_text(grouped.op_step("fwd+bwd", grouped.forward("jax_cake")), x, (w, sizes), dy)
     for target in (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, contract.GROUPED_WGRAD_TARGET):
-        assert len(custom_call_lines(text, target)) == calls, target
+        assert len(custom_call_lines(text, target)) == 1, target

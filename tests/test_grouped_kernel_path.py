@@ -1,6 +1,6 @@
 """The grouped kernels' path on CPU: the padded layout the kernels read (checked by running
 the kernels' arithmetic in float64 on it: what each 128-row tile and each group's K range
-computes), the opt-in plan, and the CUDA lowering of grouped_projection, ragged_dot and
+computes), the plan, and the CUDA lowering of grouped_projection, ragged_dot and
 moe_mlp with and without it. The kernels' own values are tests/gpu/test_grouped_gpu.py's."""
 
 import jax
@@ -97,18 +97,13 @@ def test_rows_between_the_groups_are_zero_and_each_row_lands_once():
 # --- the plan -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def opted_in(monkeypatch):
-    monkeypatch.setenv(grouped_planner.KERNELS_VAR, "1")
-
-
 @pytest.mark.parametrize("op", ["grouped_fwd", "grouped_dgrad", "grouped_wgrad"])
-def test_opted_in_plan_runs_the_kernel_on_an_h200(opted_in, op):
+def test_the_plan_runs_the_kernel_on_an_h200(op):
     out = "float32" if op == "grouped_wgrad" else "bfloat16"
     p = jc.plan(op, tokens=4096, groups=64, d_in=2048, d_out=1408, out_dtype=out, device=H200)
     assert p.uses_kernel and p.tile == (128, 128, 64) and p.cluster == (1, 1) and p.groups == 64
     assert p.program == op and p.sm_count == 132
-    assert "the grouped kernel (JAX_CAKE_GROUPED_KERNELS=1)" in jc.explain(p)
+    assert "the grouped kernel: each group's rows laid out" in jc.explain(p)
 
 
 @pytest.mark.parametrize(
@@ -118,23 +113,20 @@ def test_opted_in_plan_runs_the_kernel_on_an_h200(opted_in, op):
         ({"d_in": 2044}, "must be multiples of 8"),
     ],
 )
-def test_opted_in_plan_runs_xla_where_the_kernel_cannot(opted_in, kw, why):
+def test_the_plan_runs_xla_where_the_kernel_cannot(kw, why):
     args = {"tokens": 4096, "groups": 64, "d_in": 2048, "d_out": 1408, "device": H200} | kw
     p = jc.plan("grouped_fwd", **args)
     assert not p.uses_kernel and why in p.reason, p.reason
 
 
-def test_a_det_force_block_opts_in_and_xla_or_split_opt_out(monkeypatch):
-    monkeypatch.delenv(grouped_planner.KERNELS_VAR, raising=False)
+def test_a_force_block_of_xla_or_split_runs_xla_and_det_the_kernel():
     args = {"tokens": 4096, "groups": 64, "d_in": 2048, "d_out": 1408, "device": H200}
-    assert not jc.plan("grouped_fwd", **args).uses_kernel
     with jc.planner.force("det"):
-        p = jc.plan("grouped_fwd", **args)
-    assert p.uses_kernel and "the grouped kernel (force(program='det'))" in p.reason, p.reason
-    monkeypatch.setenv(grouped_planner.KERNELS_VAR, "1")
-    for program in ("xla", "split"):
+        assert jc.plan("grouped_fwd", **args).uses_kernel
+    for program, why in (("xla", "forced by jax_cake.planner.force"), ("split", "the grouped kernels have no split-K")):
         with jc.planner.force(program):
-            assert not jc.plan("grouped_fwd", **args).uses_kernel
+            p = jc.plan("grouped_fwd", **args)
+        assert not p.uses_kernel and why in p.reason, p.reason
 
 
 def test_a_k_tile_that_does_not_divide_the_row_alignment_is_refused():
@@ -142,7 +134,7 @@ def test_a_k_tile_that_does_not_divide_the_row_alignment_is_refused():
         grouped.padded_layout(jnp.asarray(SIZES["ragged"], jnp.int32), M, 48)
 
 
-def test_disable_wins_over_the_opt_in(opted_in, monkeypatch):
+def test_disable_runs_xla(monkeypatch):
     monkeypatch.setenv("JAX_CAKE_DISABLE", "1")
     p = jc.plan("grouped_fwd", tokens=4096, groups=64, d_in=2048, d_out=1408, device=H200)
     assert not p.uses_kernel and "JAX_CAKE_DISABLE" in p.reason
@@ -167,7 +159,7 @@ def _calls(text):
     return [len(custom_call_lines(text, t)) for t in TARGETS]
 
 
-def test_opted_in_lowering_runs_the_three_kernels_and_no_ragged_dot(opted_in):
+def test_the_lowering_runs_the_three_kernels_and_no_ragged_dot():
     x, w = rand(0, (M, K)), rand(1, (G, N, K), F32)
     text = cuda_text(_train_step(), x, w, jnp.asarray(SIZES["ragged"], jnp.int32))
     assert _calls(text) == [1, 1, 1], text
@@ -176,14 +168,14 @@ def test_opted_in_lowering_runs_the_three_kernels_and_no_ragged_dot(opted_in):
     assert f"tensor<{G}x{N}x{K}xf32>" in wgrad  # dw in the FP32 master's dtype, from the kernel
 
 
-def test_without_the_opt_in_the_lowering_is_xla(monkeypatch):
-    monkeypatch.delenv(grouped_planner.KERNELS_VAR, raising=False)
+def test_disabled_the_lowering_is_xla(monkeypatch):
+    monkeypatch.setenv("JAX_CAKE_DISABLE", "1")
     x, w = rand(0, (M, K)), rand(1, (G, N, K), F32)
     text = cuda_text(_train_step(), x, w, jnp.asarray(SIZES["ragged"], jnp.int32))
     assert _calls(text) == [0, 0, 0]
 
 
-def test_opted_in_vmap_runs_xla(opted_in):
+def test_vmap_runs_xla():
     """The kernels take unbatched operands; a vmapped grouped projection runs XLA's ragged
     dot with a batch dimension (the same semantics)."""
     xs, w = rand(0, (2, M, K)), rand(1, (G, N, K))
@@ -192,7 +184,7 @@ def test_opted_in_vmap_runs_xla(opted_in):
     assert _calls(cuda_text(fn, xs, w, sizes)) == [0, 0, 0]
 
 
-def test_opted_in_ragged_dot_and_moe_mlp_lower_to_the_kernels(opted_in):
+def test_ragged_dot_and_moe_mlp_lower_to_the_kernels():
     x, rhs = rand(0, (M, K)), rand(1, (G, K, N))
     sizes = jnp.asarray(SIZES["ragged"], jnp.int32)
     # rhs [G, K, N] read as stored: ragged_dot's forward is the grouped dgrad GEMM
@@ -207,19 +199,3 @@ def test_opted_in_ragged_dot_and_moe_mlp_lower_to_the_kernels(opted_in):
     # a training step: dh and dx (one dgrad each), and the two weight gradients
     loss = lambda *a: jnp.sum(jc.moe_mlp(*a).astype(F32) ** 2)
     assert _calls(cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3, 5)), xs, wg, wu, wd, ids, ew)) == [2, 2, 2]
-
-
-def test_opted_in_cpu_values_are_the_xla_paths(opted_in):
-    """On CPU the kernel plan's platform_dependent takes the XLA branch: the values of the
-    default plan, bitwise."""
-    x, w, dy = rand(0, (M, K)), rand(1, (G, N, K), F32), rand(2, (M, N))
-    sizes = jnp.asarray(SIZES["ragged"], jnp.int32)
-
-    def vjp(x, w):
-        y, pullback = jax.vjp(lambda x, w: jc.grouped_projection(x, w, sizes), x, w)
-        return (y, *pullback(dy))
-
-    got = jax.jit(vjp)(x, w)
-    ry, rdx, rdw = grouped_reference64(x, w, SIZES["ragged"], dy)
-    for a, ref in zip(got, (ry, rdx, rdw)):
-        assert rel_err(a, ref) < (2.0**-8 if a.dtype == BF16 else 1e-5)

@@ -28,9 +28,7 @@ group 0). Ops: fwd (y), bwd (dx and dw of a cotangent dy, no forward), fwd+bwd (
 
 Arms (each with its weight in its own layout, made before timing, the same values):
   jax_cake  = jax_cake.grouped_projection(x, w [G, d_out, d_in], sizes), its default plan
-              (XLA's ragged dot unless JAX_CAKE_GROUPED_KERNELS=1 is set);
-  jax_cake_kernels = the same, its whole step traced inside jax_cake.planner.force("det"):
-              the grouped kernels (experimental, opt-in for users);
+              (the grouped kernels on sm_90a);
   xla       = jax.lax.ragged_dot(x, w_kn.astype(bf16), sizes), w_kn [G, d_in, d_out], default
               flags; its gradients as jax.vjp gives them (an FP32 master's dw is the bf16
               dw upcast);
@@ -76,7 +74,7 @@ from benchmarks import markdown as md
 FLAGS = flags.FLAGS
 OPS = ("fwd", "bwd", "fwd+bwd")
 GEMMS = {"fwd": 1, "bwd": 2, "fwd+bwd": 3}
-ARMS = ("jax_cake", "jax_cake_kernels", "xla", "xla_cudnn", "tokamax", "dense")
+ARMS = ("jax_cake", "xla", "xla_cudnn", "tokamax", "dense")
 ROUTINGS = ("balanced", "skewed", "one")
 CUDNN_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
 CUDNN_PARTNER = "dense@xla_cudnn"  # the dense anchor measured in the xla_cudnn processes
@@ -196,7 +194,7 @@ def forward(arm: str) -> Callable:
 
     import jax_cake
 
-    if arm in ("jax_cake", "jax_cake_kernels"):
+    if arm == "jax_cake":
         return lambda x, w, sizes: jax_cake.grouped_projection(x, w, sizes)
     if arm in ("xla", "xla_cudnn"):
         return lambda x, w, sizes: jax.lax.ragged_dot(x, w.astype(jnp.bfloat16), sizes)
@@ -228,22 +226,6 @@ def op_step(op: str, fn: Callable) -> Callable:
 
         return fwd_bwd
     raise ValueError(f"op {op!r}: expected one of {OPS}")
-
-
-def arm_step(arm: str, op: str) -> Callable:
-    """op_step of the arm's forward; the kernel arm's traced inside force("det") (its
-    backward's plans included: the pullback runs inside the step)."""
-    import jax_cake
-
-    step = op_step(op, forward(arm))
-    if arm != "jax_cake_kernels":
-        return step
-
-    def forced(*args):
-        with jax_cake.planner.force("det"):
-            return step(*args)
-
-    return forced
 
 
 @dataclasses.dataclass
@@ -393,7 +375,7 @@ def check_arms(arms: Sequence[str], inputs: Inputs, sizes) -> tuple[dict[str, st
             continue
         try:
             del fn  # importable
-            y, dx, dw = jax.jit(arm_step(arm, "fwd+bwd"))(inputs.x, arm_args(arm, inputs, sizes), inputs.dy)
+            y, dx, dw = jax.jit(op_step("fwd+bwd", forward(arm)))(inputs.x, arm_args(arm, inputs, sizes), inputs.dy)
             jax.block_until_ready(dw)
         except Exception as e:  # noqa: BLE001 - XLA's compile and run errors: the arm is reported, not timed
             broken[arm] = f"failed to compile or run ({first_line(e)})"
@@ -459,7 +441,7 @@ def measure(point: GroupedPoint, routing: str, arms: Sequence[str], ops: Sequenc
             if arm in broken or arm in wrong:
                 out[op, arm] = (None, broken.get(arm) or f"wrong values: {wrong[arm]}")
                 continue
-            program = harness.steps_program(arm_step(arm, op), FLAGS.steps)
+            program = harness.steps_program(op_step(op, forward(arm)), FLAGS.steps)
             try:
                 programs[arm] = jax.jit(program, donate_argnums=0).lower(inputs.buf, *args[arm]).compile()
             except Exception as e:  # noqa: BLE001 - reported per (op, arm), not timed

@@ -39,8 +39,8 @@ Cases (`--cases`; sizes are flags, defaults below):
   (dropless), moe_capacity against a capacity-factor-1.25 layer (dispatch by index, a
   batched einsum over [G, C, *]: 1.25x the rows, tokens past the capacity dropped, so its
   loss differs), moe_tokamax against tokamax.ragged_dot (dropless; needs tokamax, not in
-  the default --cases). The XLA columns are the baseline's. With JAX_CAKE_GROUPED_KERNELS=1
-  in the environment (the children inherit it) the jax_cake arm runs the grouped kernels.
+  the default --cases). The XLA columns are the baseline's. On sm_90a the jax_cake arm's
+  grouped GEMMs are the grouped kernels.
 - cold: a fresh process per (run, arm) (no compilation cache): host wall time from the
   spawn to the first result of the jitted step of case --cold_case (import, backend
   start, trace, compile and run; jax_cake includes loading its library).

@@ -12,12 +12,11 @@ made for the static sizes alone: M / G rows per group is what the explanation ca
 about the work of one group.
 
 The grouped kernels (sm_90a: one pass over K on cooperative 128 x 128 tiles, the rows of
-each group starting on a tile, jax_cake/primitives/grouped.py) are new and not yet
-measured against XLA's ragged dot, so they are opt-in: with JAX_CAKE_GROUPED_KERNELS=1 in
-the environment at trace time (or inside `force(program="det")`, as the benchmark's kernel
-arm) a grouped GEMM on an sm_90a GPU plans them; otherwise, and
-wherever they cannot run, the plan is the XLA path (reference.grouped_*:
-lax.ragged_dot_general with an FP32 result rounded once), the same semantics.
+each group starting on a tile, jax_cake/primitives/grouped.py) run every grouped GEMM on an
+sm_90a GPU that they can serve; JAX_CAKE_DISABLE, `force(program="xla")` (or "split": the
+grouped kernels have no split-K), a symbolic size, d_in or d_out not a multiple of 8 and
+other GPUs keep the XLA path (reference.grouped_*: lax.ragged_dot_general with an FP32
+result rounded once), the same semantics, with the reason in the plan.
 """
 
 from __future__ import annotations
@@ -31,9 +30,6 @@ from jax_cake.planner.plan_type import Plan
 from jax_cake.planner.variants import ALIGN_ELEMENTS
 
 _XLA_RAGGED = "XLA's ragged dot (lax.ragged_dot_general) with an FP32 result rounded once, the same semantics"
-# The environment variable that opts in to the grouped kernels (the module docstring).
-KERNELS_VAR = "JAX_CAKE_GROUPED_KERNELS"
-NOT_OPTED_IN = f"the grouped kernels are opt-in ({KERNELS_VAR}=1, not yet measured against XLA): {_XLA_RAGGED}"
 # The grouped kernels' one tile (planner/variants.py's grouped variants).
 KERNEL_TILE = (contract.GROUP_ROW_ALIGN, 128, 64)
 
@@ -60,20 +56,19 @@ def plan_grouped(
     program_pin: str | None = None,
 ) -> Plan:
     """The Plan of grouped op `op` on validated sizes (jax_cake.planner.choose.plan checks
-    them): the grouped kernel where opted in and it can run, else the XLA path, each with
-    its reason. program_pin: a force block's program."""
+    them): the grouped kernel where it can run, else the XLA path, each with its reason.
+    program_pin: a force block's program."""
     m, n, k = gemm_dims(op, tokens, d_in, d_out)
     gemm = dict(op=op, batch=1, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe(), groups=groups)
     reason = _xla_reason(tokens, d_in, d_out, dev, symbolic, program_pin)
     if reason is None:
-        opted_in = "force(program='det')" if program_pin == "det" else f"{KERNELS_VAR}=1"
         return Plan(
             **gemm,
             backend="sm90a",
             tile=KERNEL_TILE,
             sm_count=dev.sm_count,
             reason=(
-                f"the grouped kernel ({opted_in}): each group's rows laid out from a multiple of "
+                f"the grouped kernel: each group's rows laid out from a multiple of "
                 f"{contract.GROUP_ROW_ALIGN} rows, one pass over K on 128 x 128 tiles, bitwise reproducible"
             ),
         )
@@ -92,9 +87,6 @@ def _xla_reason(tokens, d_in, d_out, dev, symbolic, program_pin) -> str | None:
         return f"symbolic {', '.join(symbolic)} (a shape-polymorphic export): {_XLA_RAGGED}"
     if program_pin == "split":
         return f"forced program 'split': the grouped kernels have no split-K: {_XLA_RAGGED}"
-    # A force block's "det" (the benchmark's kernel arm) opts in for the GEMMs traced inside.
-    if program_pin != "det" and os.environ.get(KERNELS_VAR, "") in ("", "0"):
-        return NOT_OPTED_IN
     if dev.platform != "cuda" or dev.arch not in contract.KERNEL_ARCHS:
         return f"no grouped kernel for {dev.describe()} (kernels exist for {', '.join(contract.KERNEL_ARCHS)}): {_XLA_RAGGED}"
     if min(tokens, d_in, d_out) == 0:

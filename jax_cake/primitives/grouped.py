@@ -24,7 +24,7 @@ is bf16 or an FP32 master, rounded to bf16 for the product, whose cotangent is t
 in its dtype from the FP32 sum. Results: bf16 (fwd, dgrad) and plan.out_dtype (wgrad).
 
 Backends: the XLA plan runs jax_cake.reference.grouped_fwd / _dgrad / _wgrad. A kernel
-plan (jax_cake.planner.grouped: opt-in) runs, on CUDA, the grouped kernel of its role on
+plan (jax_cake.planner.grouped: on sm_90a) runs, on CUDA, the grouped kernel of its role on
 the rows laid out group by group (`PaddedLayout`): each group's rows copied to start at a
 multiple of contract.GROUP_ROW_ALIGN rows (zeros between), so that every 128-row tile
 belongs to one group; the layout is computed on the device from group_sizes (no host

@@ -1,6 +1,6 @@
-"""Grouped projections (MoE experts) on the GPU, on both paths (`path`): XLA's ragged dot
-(the default plan) and the grouped kernels (opted in with JAX_CAKE_GROUPED_KERNELS=1; these
-cases need the jax_cake library). Values and gradients against float64 of the same bf16
+"""Grouped projections (MoE experts) on the GPU, on both paths (`path`): the grouped kernels
+(the default plan; these cases need the jax_cake library) and XLA's ragged dot (with
+JAX_CAKE_DISABLE=1). Values and gradients against float64 of the same bf16
 operands at ragged MoE-like shapes, bitwise repeat, rows past the groups never reaching a
 result, ragged_dot against lax.ragged_dot, grad of grad, and that the kernel path runs the
 three grouped kernels and no XLA ragged dot."""
@@ -14,7 +14,6 @@ import pytest
 
 import jax_cake as jc
 from jax_cake import contract
-from jax_cake.planner import grouped as grouped_planner
 from jax_cake.planner import variants
 from helpers import custom_call_lines, effective_group_sizes, grouped_reference64
 from second_order_cases import check, hvp
@@ -41,13 +40,14 @@ GROUPED_TARGETS = (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, c
 
 @pytest.fixture(params=["xla", "kernel"])
 def path(request, monkeypatch):
-    """The grouped GEMMs' path for the test: "kernel" opts in to the grouped kernels (and
-    needs the library). jit's caches are cleared around it: a plan is made at trace time."""
+    """The grouped GEMMs' path for the test: "kernel" the default (it needs the library),
+    "xla" with JAX_CAKE_DISABLE=1. jit's caches are cleared around it: a plan is made at
+    trace time."""
     if request.param == "kernel":
         request.getfixturevalue("gpu_library")
-        monkeypatch.setenv(grouped_planner.KERNELS_VAR, "1")
+        monkeypatch.delenv("JAX_CAKE_DISABLE", raising=False)
     else:
-        monkeypatch.delenv(grouped_planner.KERNELS_VAR, raising=False)
+        monkeypatch.setenv("JAX_CAKE_DISABLE", "1")
     jax.clear_caches()
     yield request.param
     jax.clear_caches()
@@ -144,7 +144,7 @@ def test_plan_on_this_gpu(path):
     if path == "kernel":
         assert p.uses_kernel and p.tile == (128, 128, 64)
     else:
-        assert not p.uses_kernel and "the grouped kernels are opt-in" in jc.explain(p)
+        assert not p.uses_kernel and "JAX_CAKE_DISABLE is set" in jc.explain(p)
 
 
 def test_grad_of_grad_on_the_gpu(path):
