@@ -1,19 +1,19 @@
 """The dropless MoE MLP on the GPU: jc.moe_mlp and jc.grouped_gated_projection against
-float64 at an MoE-like shape (empty experts, out-of-range ids, k = 2), and bitwise repeat.
-
-Today every grouped GEMM runs XLA's ragged dot on the GPU too (no grouped kernel is built);
-the `gpu_library` fixture is there for the grouped kernels that will take their place."""
+float64 at an MoE-like shape (empty experts, out-of-range ids, k = 2), bitwise repeat, and
+that its six grouped GEMMs (forward and backward) are the grouped kernels' calls, with no XLA
+ragged dot left."""
 
 import functools
 
+import gpu_helpers as h
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import custom_call_lines
 
 import jax_cake as jc
-
-import gpu_helpers as h
+from jax_cake import contract
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_library")]
 
@@ -114,6 +114,16 @@ def test_moe_mlp_against_float64(w_dtype, activation):
     h.assert_close(dx, dx_copies.reshape(T, K, D).sum(1), h.BF16_TOL, "dx")
 
 
+def test_moe_mlp_runs_the_grouped_kernels():
+    """Forward: gate/up and down (2); backward: the down's dgrad and wgrad, the gate/up
+    dgrad and wgrad (4). Each a grouped kernel on an sm_90a GPU."""
+    x, ws, ids, ew, dy = _operands(F32)
+    text = _moe_vjp.lower(x, *ws, ids, ew, dy).as_text()
+    targets = (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, contract.GROUPED_WGRAD_TARGET)
+    assert [len(custom_call_lines(text, t)) for t in targets] == [2, 2, 2]
+    assert '"chlo.ragged_dot"(' not in text
+
+
 def test_moe_mlp_bitwise_repeatable():
     x, ws, ids, ew, dy = _operands(F32)
     first = _moe_vjp(x, *ws, ids, ew, dy)
@@ -155,4 +165,4 @@ def test_grouped_gated_projection_against_float64_and_repeatable():
     h.assert_close(dwg, dwg64, h.F32_TOL, "dw_gate")
     h.assert_close(dwu, dwu64, h.F32_TOL, "dw_up")
     for i in range(4):
-        h.assert_repeatable(lambda: run(x, wg, wu, dh)[i], 5, f"result {i}")
+        h.assert_repeatable(lambda i=i: run(x, wg, wu, dh)[i], 5, f"result {i}")
