@@ -30,10 +30,11 @@ expert_ids [T, k] (an integer dtype), expert_weights [T, k] (float32 or bfloat16
 Every step is a sort, a gather, a grouped GEMM or an elementwise pass in a fixed order:
 bitwise reproducible. Each gather's transpose is a gather (a custom_vjp pair), so the
 backward has no scatter-add, and the whole op can be differentiated twice. What runs
-where today: the sort, the gathers and the combine are XLA ops, the grouped GEMMs the XLA
-path of jax_cake.primitives.grouped (XLA's ragged dot with FP32 results) on every backend;
-fusing the gather into the first GEMM's loads and the routing weight into the down GEMM's
-epilogue waits for the grouped kernels.
+where: the sort, the gathers and the combine are XLA ops; the grouped GEMMs are
+jax_cake.primitives.grouped's (the grouped kernels on sm_90a, XLA's ragged dot with FP32
+results elsewhere). The dispatch gather is one more gather ahead of the kernels' row
+layout (itself a gather, which XLA may fuse with it), not the first GEMM's loads, and the
+routing weight is applied in the combine pass, not the down GEMM's epilogue.
 
 Sharding: under jit with Auto axes XLA partitions the sort and the gathers itself; under
 Explicit axes the tokens (x, expert_ids, expert_weights) are gathered (logged once) for the routing, a
