@@ -198,7 +198,7 @@ def padded_layout(group_sizes, rows: int, k_tile: int) -> PaddedLayout:
     tile_group = jnp.minimum(jnp.searchsorted(padded_ends, tile_starts, side="right"), groups - 1)
     # Each buffer row's source row: the offset into its tile's group, M past the group's rows.
     p = jnp.arange(capacity, dtype=jnp.int32)
-    pg = jnp.repeat(tile_group, align, total_repeat_length=capacity)
+    pg = tile_group[p // align]
     offset = p - padded_starts[pg]
     source = jnp.where(offset < sizes[pg], ends[pg] - sizes[pg] + offset, rows)
     used_tiles = padded_ends[-1] // align
