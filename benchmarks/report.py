@@ -4,7 +4,7 @@
     python -m benchmarks.report --csvs=a.csv,b.csv.gz --page=/tmp/page.md --img_dir=/tmp/img
 
 Reads CSVs written by `python -m benchmarks.bench --csv=...` (`--merge=... --csv=...` too;
-`.csv.gz` is read) of the dense, router, batched, core and model families, and of
+`.csv.gz` is read) of the dense, router, batched, core, grouped and model families, and of
 `python -m benchmarks.memory_floor --csv=...`. Each file's family comes from its header
 (FAMILIES). Rows of one family are merged in file order as `bench --merge` does: a later
 file's row replaces an earlier one of the same point, op and mode (model: of the same step
@@ -18,7 +18,8 @@ Writes, and changes nothing else:
   split by d_out), the memory-bound rows against the copy floor, the router and batched
   rows, the GEMM core at the Llama shapes (per shape, XLA's time over the time of the
   program the shipped plan table runs there, from benchmarks.tune_tiles' reading of the
-  core CSVs: no GPU needed) and the model steps;
+  core CSVs: no GPU needed), the grouped projections against XLA's ragged dot and the dense
+  anchor, and the model steps;
 - PNG pictures in --img_dir (matplotlib, Agg; saved as 32-colour palette PNGs with Pillow):
   speedup_<mode>.png per mode of --picture_modes (default g and e: every grid point and op
   against XLA and cuBLAS) and memory_floor.png (the d_out <= 64 points' fwd and wgrad against
@@ -69,6 +70,8 @@ SOURCES = (
     Source("model_2026-12-01_h200.csv", _H200, "2026-12-01"),
     Source("model_2026-12-04_h200.csv", _H200, "2026-12-04"),
     Source("model_2026-12-05_h100.csv", _H100, "2026-12-05"),
+    Source("grouped_2026-12-06_h200.csv", _H200, "2026-12-06"),
+    Source("grouped_2026-12-07_h100.csv", _H100, "2026-12-07"),
 )
 CSVS = tuple(os.path.join("benchmarks", "data", s.file) for s in SOURCES)
 BEGIN = "<!-- report:begin -->"
@@ -76,7 +79,7 @@ END = "<!-- report:end -->"
 MEMORY_BOUND_MAX_D_OUT = 64
 COMPUTE_BOUND_MIN_D_OUT = 512
 FLOOR_D_OUT = 48  # the memory_floor cases of the skinny rows: read [T, d_in], write [T, 48]
-FAMILIES = ("dense", "router", "batched", "floor", "core", "model")
+FAMILIES = ("dense", "router", "batched", "floor", "core", "grouped", "model")
 
 FLAGS = flags.FLAGS
 
@@ -93,6 +96,8 @@ def family_of(columns: Iterable[str]) -> str:
     columns = set(columns)
     if "xla_over_arm" in columns:
         return "core"
+    if "routing" in columns:
+        return "grouped"
     if "XLA/jax_cake" in columns:
         return "model"
     if "floor us" in columns:
@@ -332,6 +337,31 @@ def core_table(path: str) -> list[str]:
     return md.table(cols, out) + ["", f"{said}jax_cake at or above XLA's speed at {wins} of {len(shown)} GEMMs."]
 
 
+GROUPED_BASELINES = ("xla", "xla_cudnn", "dense")
+
+
+def grouped_table(rows: Sequence[dict]) -> list[str]:
+    """The balanced-routing graph-mode rows of one file: jax_cake's time and each baseline's
+    time over it (the baselines the file has); then a line per routing on the
+    ranges against XLA's ragged dot and the dense anchor."""
+    rows = [dict(r, **{f"{b}/jax_cake": ratio(r, b, "jax_cake") for b in GROUPED_BASELINES}) for r in rows]
+    rows = [r for r in rows if r["mode"] == "g"]
+    ratios = [f"{b}/jax_cake" for b in GROUPED_BASELINES if any(r[f"{b}/jax_cake"] for r in rows)]
+    columns = ["G", "M", "d_in -> d_out", "op", "jax_cake us", *ratios]
+    out = md.dict_table(columns, [r for r in rows if r["routing"] == "balanced"])
+    out.append("")
+    for routing in dict.fromkeys(r["routing"] for r in rows):
+        picked = [r for r in rows if r["routing"] == routing]
+        xla = [r["xla/jax_cake"] for r in picked if r["xla/jax_cake"]]
+        dense = [r["dense/jax_cake"] for r in picked if r["dense/jax_cake"]]
+        if xla and dense:
+            out.append(
+                f"{routing.capitalize()} routing: xla/jax_cake {min(xla):.1f}-{max(xla):.1f}, dense/jax_cake "
+                f"{min(dense):.2f}-{max(dense):.2f}."
+            )
+    return out
+
+
 MODEL_COLUMNS = ("step", "GPU", "date", "XLA ms", "jax_cake ms", "XLA/jax_cake", "temp MiB XLA / jax_cake")
 
 
@@ -515,6 +545,17 @@ def render(
         ]
         for path in sources["core"]:
             out += [f"{measured([path])}:", "", *core_table(path), ""]
+    if rows["grouped"]:
+        out += [
+            "### Grouped projections (MoE experts)",
+            "",
+            "`--family=grouped`, FP32 masters, graph mode: `jax_cake` (grouped_projection) against `xla` "
+            "(`lax.ragged_dot`; `xla_cudnn`: with its cuDNN flag) and `dense` (one GEMM of the same FLOPs).",
+            "",
+        ]
+        for path in sources["grouped"]:
+            picked = [r for r in rows["grouped"] if r["_file"] == path]
+            out += [f"{measured([path])}:", "", *grouped_table(picked), ""]
     if rows["model"]:
         out += [
             "### Model steps",

@@ -253,6 +253,41 @@ def test_model_steps_keep_the_latest_file_per_gpu(tmp_path):
     assert table_line("\n".join(report.model_table(rows["model"])), "mlp", "n/a", "n/a")[5] == "1.008"
 
 
+def _grouped_row(d_out, routing, op, mode, jax_cake, xla, dense, cudnn=None):
+    row = {"GPU": "H100 80GB HBM3", "SMs": 132, "G": 8, "M": 16384, "d_in -> d_out": f"4096 -> {d_out}"}
+    row.update(w="float32", routing=routing, op=op, mode=mode, status="ok")
+    row.update({"jax_cake us": jax_cake, "xla us": xla, "dense us": dense, "xla/jax_cake": 99.0})
+    if cudnn is not None:
+        row["xla_cudnn us"] = cudnn
+    return row
+
+
+def test_grouped_rows_give_the_balanced_table_and_a_line_per_routing(tmp_path):
+    """The grouped family's section: graph-mode balanced rows with ratios recomputed from the
+    times (the CSV's own ratio columns are ignored), a column only for the baselines the file
+    has, and the ranges of every routing."""
+    rows = [
+        _grouped_row(1024, "balanced", "fwd", "g", 100.0, 400.0, 50.0),
+        _grouped_row(1024, "balanced", "bwd", "g", 200.0, 1000.0, 80.0),
+        _grouped_row(1024, "balanced", "fwd", "e", 150.0, 300.0, 75.0),  # eager: not shown
+        _grouped_row(1024, "skewed", "fwd", "g", 120.0, 360.0, 48.0),
+    ]
+    path = write_csv(tmp_path / "grouped.csv", list(rows[0]), rows)
+    loaded, sources = report.load([path])
+    assert sources["grouped"] == [path] and len(loaded["grouped"]) == 4
+    block = "\n".join(report.grouped_table(loaded["grouped"]))
+    assert block.splitlines()[0] == "| G | M | d_in -> d_out | op | jax_cake us | xla/jax_cake | dense/jax_cake |"
+    assert table_line(block, "8", "16384", "4096 -> 1024", "fwd")[4:] == ["100.0", "4.000", "0.500"]
+    assert table_line(block, "8", "16384", "4096 -> 1024", "bwd")[4:] == ["200.0", "5.000", "0.400"]
+    assert block.count("| 8 |") == 2  # neither the eager nor the skewed row
+    assert "Balanced routing: xla/jax_cake 4.0-5.0, dense/jax_cake 0.40-0.50." in block
+    assert "Skewed routing: xla/jax_cake 3.0-3.0, dense/jax_cake 0.40-0.40." in block
+    with_cudnn = [_grouped_row(1024, "balanced", "fwd", "g", 100.0, 400.0, 50.0, cudnn=390.0)]
+    path = write_csv(tmp_path / "cudnn.csv", list(with_cudnn[0]), with_cudnn)
+    block = "\n".join(report.grouped_table(report.load([path])[0]["grouped"]))
+    assert table_line(block, "8", "16384", "4096 -> 1024", "fwd")[4:] == ["100.0", "4.000", "3.900", "0.500"]
+
+
 def test_the_shipped_csvs_render_every_section(tmp_path):
     """The page's CSVs (benchmarks/data/) give every section, each naming its GPU, jax and
     date; the GEMM core names the program the shipped plan table runs (its tile rows came
@@ -263,7 +298,7 @@ def test_the_shipped_csvs_render_every_section(tmp_path):
     report.write_report(csvs, str(page), str(tmp_path / "img"), picture_modes=())
     text = page.read_text()
     headings = ("Dense projection", "Memory-bound points", "FP32 router", "Batched projection", "GEMM core")
-    headings += ("Model steps",)
+    headings += ("Grouped projections (MoE experts)", "Model steps")
     for heading in headings:
         assert f"### {heading}" in text or f"### The {heading}" in text, heading
     assert "H200, jax 0.11.2, 2026-11-30" in text and "H100 80GB HBM3, jax 0.11.2, 2026-12-05" in text
