@@ -91,6 +91,32 @@ def _sample(case, arm, run, groups, loss=1.0, temp=2**20, mode="g"):
     return dict(case=case, label=case, arm=arm, run=run, mode=mode, groups_us=groups, loss=loss, temp_bytes=temp)
 
 
+def test_an_arm_that_fails_is_reported_and_the_others_are_timed():
+    """An arm that cannot compile or run (a baseline out of memory, say) gets its failure as
+    the row's status and no time; the other arm is still timed and reported."""
+    good = mb.make_case("mlp", TINY, True)
+
+    def loss(arm):
+        if arm == "xla":
+
+            def fails(params, x):
+                raise MemoryError("RESOURCE_EXHAUSTED: out of memory while trying to allocate 60 GiB")
+
+            return fails
+        return good.loss(arm)
+
+    case = mb.Case(good.name, good.label, ("xla", "jax_cake"), good.inputs, loss)
+    timer = harness.make_timer("wall", harness.flush_buffer(1), 1)
+    out = mb.measure_case(case, timer, steps=1, groups=2)
+    assert out["xla"] == {"status": "failed: MemoryError: RESOURCE_EXHAUSTED: out of memory while trying to allocate 60 GiB"}
+    assert out["jax_cake"]["status"] == "ok" and len(out["jax_cake"]["groups_us"]) == 2
+    samples = [dict(case="mlp", label=good.label, arm=a, mode="g", run=0, **r) for a, r in out.items()]
+    (row,) = mb.table_rows(samples)
+    assert row["XLA ms"] is None and row["XLA/jax_cake"] is None and row["jax_cake ms"] > 0
+    assert row["XLA temp MiB"] is None and row["loss rel diff"] is None
+    assert row["status"].startswith("XLA failed: MemoryError: RESOURCE_EXHAUSTED")
+
+
 def test_rows_are_medians_over_runs_of_group_medians():
     samples = [
         _sample("mlp", "xla", 0, [3000.0, 1000.0, 2000.0], loss=2.0, temp=3 * 2**20),

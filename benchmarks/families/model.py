@@ -48,7 +48,9 @@ Cases (`--cases`; sizes are flags, defaults below):
 The timed cases follow the harness's protocol (one child per run and mode, each arm one
 executable of --steps unrolled (step, L2 flush) pairs, the arms in paired groups, CUPTI
 device time); the table shows the median over runs of each run's median group, in ms. The
-temp columns are the compiled single step's `memory_analysis().temp_size_in_bytes`.
+temp columns are the compiled single step's `memory_analysis().temp_size_in_bytes`. An arm
+that fails to compile or run (out of memory, say) is named with its error in the status
+column and not timed; the case's other arms still are.
 """
 
 from __future__ import annotations
@@ -72,7 +74,17 @@ CASES = ("skinny", "block", "block_remat", "mlp", "router", "moe", "moe_capacity
 TIMED_CASES = CASES[:-1]
 DEFAULT_CASES = tuple(c for c in CASES if c != "moe_tokamax")  # tokamax is not a requirement
 MOE_BASELINES = {"moe": "dropless lax.ragged_dot", "moe_capacity": "capacity 1.25", "moe_tokamax": "dropless tokamax"}
-COLUMNS = ("step", "mode", "XLA ms", "jax_cake ms", "XLA/jax_cake", "loss rel diff", "XLA temp MiB", "jax_cake temp MiB")
+COLUMNS = (
+    "step",
+    "mode",
+    "XLA ms",
+    "jax_cake ms",
+    "XLA/jax_cake",
+    "loss rel diff",
+    "XLA temp MiB",
+    "jax_cake temp MiB",
+    "status",
+)
 COLD_ENV = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
 
 FLAGS = flags.FLAGS
@@ -371,9 +383,7 @@ def make_case(name: str, s: Sizes, deterministic: bool) -> Case:
             x = jax.random.normal(key_x, (s.router_tokens, s.router_d), f32)
             return _with_opt(x, 0.02 * jax.random.normal(key_w, (s.router_experts, s.router_d), f32))
 
-        return Case(
-            name, label, ("xla", "jax_cake"), inputs, lambda arm: router_loss(arm, s.top_k, deterministic)
-        )
+        return Case(name, label, ("xla", "jax_cake"), inputs, lambda arm: router_loss(arm, s.top_k, deterministic))
     if name in MOE_BASELINES:
 
         def inputs():
@@ -397,31 +407,55 @@ def make_case(name: str, s: Sizes, deterministic: bool) -> Case:
 # --- a child: one (run, mode) ---------------------------------------------------------------
 
 
+def _failure(e: Exception) -> str:
+    """An arm's status after an exception: its type and the first line of its message."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"failed: {type(e).__name__}: {first}"[:160]
+
+
 def measure_case(case: Case, timer, steps: int, groups: int) -> dict[str, dict]:
-    """{arm: {"groups_us", "loss", "temp_bytes"}} of one case, its arms paired."""
+    """{arm: {"groups_us", "loss", "temp_bytes", "status"}} of one case, its arms paired.
+    An arm that fails to compile or run (out of memory, say) gets its failure as the status
+    and no times; the others are still timed."""
     import jax
 
     x, params, opt = case.inputs()
     compiled, out = {}, {}
     for arm in case.arms:
-        step = train_step(case.loss(arm))
-        single = jax.jit(step).lower(x, params, opt).compile()
-        loss = float(single(x, params, opt)[2])
-        out[arm] = {"loss": loss, "temp_bytes": single.memory_analysis().temp_size_in_bytes}
-        del single
-        program = jax.jit(harness.steps_program(step, steps), donate_argnums=0)
-        compiled[arm] = program.lower(timer.buf, x, params, opt).compile()
-    for arm in case.arms:  # warm-up: graph instantiation, autotuning, lazy loading
-        timer.buf = compiled[arm](timer.buf, x, params, opt)[0]
-    jax.block_until_ready(timer.buf)
-    calls = {arm: (lambda buf, arm=arm: compiled[arm](buf, x, params, opt)[0]) for arm in case.arms}
-    for arm, times in harness.paired_groups(timer, calls, groups).items():
-        out[arm]["groups_us"] = times
+        try:
+            step = train_step(case.loss(arm))
+            single = jax.jit(step).lower(x, params, opt).compile()
+            loss = float(single(x, params, opt)[2])
+            out[arm] = {"loss": loss, "temp_bytes": single.memory_analysis().temp_size_in_bytes, "status": "ok"}
+            del single
+            program = jax.jit(harness.steps_program(step, steps), donate_argnums=0)
+            compiled[arm] = program.lower(timer.buf, x, params, opt).compile()
+        except Exception as e:  # noqa: BLE001 (reported in the table, the other arms go on)
+            out.setdefault(arm, {})["status"] = _failure(e)
+            compiled.pop(arm, None)
+    for arm in list(compiled):  # warm-up: graph instantiation, autotuning, lazy loading
+        try:
+            timer.buf = jax.block_until_ready(compiled[arm](timer.buf, x, params, opt)[0])
+        except Exception as e:  # noqa: BLE001
+            out[arm]["status"] = _failure(e)
+            del compiled[arm]
+    calls = {arm: (lambda buf, arm=arm: compiled[arm](buf, x, params, opt)[0]) for arm in compiled}
+    if calls:
+        for arm, times in harness.paired_groups(timer, calls, groups).items():
+            out[arm]["groups_us"] = times
     return out
 
 
 def collect(
-    cases: Sequence[str], sizes: Sizes, *, mode: str, run: int, steps: int, groups: int, flush_mb: int, timer_kind: str,
+    cases: Sequence[str],
+    sizes: Sizes,
+    *,
+    mode: str,
+    run: int,
+    steps: int,
+    groups: int,
+    flush_mb: int,
+    timer_kind: str,
     deterministic: bool = True,
 ) -> list[dict]:
     """One sample per (case, arm) measured in this process."""
@@ -475,6 +509,25 @@ def _rel_diff(a: float | None, b: float | None) -> float | None:
     return abs(a - b) / abs(b) if b else abs(a - b)
 
 
+def _first(samples: Sequence[dict], key: str):
+    """The first sample's value of key (None where there is none: a failed arm)."""
+    return samples[0].get(key) if samples else None
+
+
+def _mib(n: int | None) -> float | None:
+    return None if n is None else n / 2**20
+
+
+def _status(xla: Sequence[dict], jc: Sequence[dict]) -> str:
+    """The row's status: "ok", or each failed arm's failure (its first run's), named."""
+    failed = [
+        f"{name} {s[0]['status']}"
+        for name, s in (("XLA", xla), ("jax_cake", jc))
+        if s and s[0].get("status", "ok") != "ok"
+    ]
+    return "; ".join(failed) or "ok"
+
+
 def _median_of_runs(samples: Sequence[dict]) -> float | None:
     per_run = [statistics.median(g for g in s["groups_us"] if g is not None) for s in samples if s.get("groups_us")]
     return statistics.median(per_run) / 1e3 if per_run else None
@@ -501,13 +554,17 @@ def table_rows(samples: Sequence[dict], cold_samples: Sequence[dict] = (), cold_
                         "XLA ms": xla_ms,
                         "jax_cake ms": jc_ms,
                         "XLA/jax_cake": xla_ms / jc_ms if xla_ms and jc_ms else None,
-                        "loss rel diff": _rel_diff(jc[0]["loss"], xla[0]["loss"]) if xla and jc else None,
-                        "XLA temp MiB": xla[0]["temp_bytes"] / 2**20 if xla else None,
-                        "jax_cake temp MiB": jc[0]["temp_bytes"] / 2**20 if jc else None,
+                        "loss rel diff": _rel_diff(_first(jc, "loss"), _first(xla, "loss")),
+                        "XLA temp MiB": _mib(_first(xla, "temp_bytes")),
+                        "jax_cake temp MiB": _mib(_first(jc, "temp_bytes")),
+                        "status": _status(xla, jc),
                     }
                 )
     if cold_samples:
-        ms = {arm: statistics.median(1e3 * s["seconds"] for s in cold_samples if s["arm"] == arm) for arm in ("xla", "jax_cake")}
+        ms = {
+            arm: statistics.median(1e3 * s["seconds"] for s in cold_samples if s["arm"] == arm)
+            for arm in ("xla", "jax_cake")
+        }
         loss = {arm: next(s["loss"] for s in cold_samples if s["arm"] == arm) for arm in ("xla", "jax_cake")}
         rows.append(
             {
@@ -519,6 +576,7 @@ def table_rows(samples: Sequence[dict], cold_samples: Sequence[dict] = (), cold_
                 "loss rel diff": _rel_diff(loss["jax_cake"], loss["xla"]),
                 "XLA temp MiB": None,
                 "jax_cake temp MiB": None,
+                "status": "ok",
             }
         )
     return rows
