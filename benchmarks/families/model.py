@@ -430,13 +430,13 @@ def measure_case(case: Case, timer, steps: int, groups: int) -> dict[str, dict]:
             del single
             program = jax.jit(harness.steps_program(step, steps), donate_argnums=0)
             compiled[arm] = program.lower(timer.buf, x, params, opt).compile()
-        except Exception as e:  # noqa: BLE001 (reported in the table, the other arms go on)
+        except Exception as e:  # reported in the table; the other arms go on
             out.setdefault(arm, {})["status"] = _failure(e)
             compiled.pop(arm, None)
     for arm in list(compiled):  # warm-up: graph instantiation, autotuning, lazy loading
         try:
             timer.buf = jax.block_until_ready(compiled[arm](timer.buf, x, params, opt)[0])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # likewise at run time
             out[arm]["status"] = _failure(e)
             del compiled[arm]
     calls = {arm: (lambda buf, arm=arm: compiled[arm](buf, x, params, opt)[0]) for arm in compiled}
