@@ -337,7 +337,7 @@ def core_table(path: str) -> list[str]:
     return md.table(cols, out) + ["", f"{said}jax_cake at or above XLA's speed at {wins} of {len(shown)} GEMMs."]
 
 
-GROUPED_BASELINES = ("xla", "xla_cudnn", "dense")
+GROUPED_BASELINES = ("xla", "xla_cudnn", "dense", "kernels", "dense_tile")
 
 
 def grouped_table(rows: Sequence[dict]) -> list[str]:

@@ -4,6 +4,7 @@ Nothing here is a timing."""
 
 import csv
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,8 @@ def test_every_arm_agrees(routing, out):
     sizes = grouped.group_sizes(routing, point.rows, point.groups)
     broken, wrong = grouped.check_arms(grouped.ARMS, inputs, sizes)
     assert wrong == {}
+    # no grouped kernel runs on the CPU: the kernels arm is reported, the others all pass
+    assert broken.pop("kernels").startswith("no grouped kernel runs here (no grouped kernel for cpu")
     if tokamax_importable():
         assert broken == {}
     else:
@@ -77,15 +80,14 @@ def test_every_arm_agrees(routing, out):
 def test_every_op_of_every_arm_gives_the_dtypes_of_its_contract():
     inputs = grouped.make_inputs(TINY, flush_mb=1)
     sizes = grouped.group_sizes("skewed", TINY.rows, TINY.groups)
-    for arm in [a for a in grouped.ARMS if a != "tokamax" or tokamax_importable()]:
-        args = grouped.arm_args(arm, inputs, sizes)
-        fwd, bwd, both = (
-            jax.jit(grouped.op_step(op, grouped.forward(arm)))(inputs.x, args, inputs.dy) for op in grouped.OPS
-        )
+    runnable = [a for a in grouped.ARMS if a != "kernels" and (a != "tokamax" or tokamax_importable())]
+    for arm in runnable:
+        x, ws, dy = grouped.arm_operands(arm, inputs, sizes)
+        fwd, bwd, both = (jax.jit(grouped.arm_step(arm, op))(x, ws, dy) for op in grouped.OPS)
         assert fwd[0].dtype == jnp.bfloat16 and fwd[0].shape == (TINY.rows, TINY.d_out)
         dx, dw = bwd
         assert dx.dtype == jnp.bfloat16 and dx.shape == inputs.x.shape
-        assert dw.dtype == jnp.float32 and dw.shape == args[0].shape  # an FP32 master's gradient is FP32
+        assert dw.dtype == jnp.float32 and dw.shape == ws[0].shape  # an FP32 master's gradient is FP32
         for a, b in zip((fwd[0], dx, dw), both):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -253,3 +255,47 @@ def test_the_jax_cake_arm_runs_the_grouped_kernels_in_its_whole_step():
     text = cuda_text(grouped.op_step("fwd+bwd", grouped.forward("jax_cake")), x, (w, sizes), dy)
     for target in (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, contract.GROUPED_WGRAD_TARGET):
         assert len(custom_call_lines(text, target)) == 1, target
+
+
+def test_the_kernels_arm_times_the_three_kernels_alone_on_laid_out_operands():
+    """Its operands are made before timing (x and dy in the row layout, the weight bf16);
+    lowered for the faked H200 its fwd+bwd step is the three grouped kernels' calls and
+    nothing else: no gather, no cast, no ragged dot."""
+    from helpers import cuda_text, custom_call_lines
+
+    from jax_cake import contract
+    from jax_cake.primitives import grouped as grouped_lib
+
+    point = grouped.GroupedPoint(256, 4, 64, 32, "float32")
+    inputs = grouped.make_inputs(point, flush_mb=1)
+    sizes = grouped.group_sizes("skewed", point.rows, point.groups)
+    x, ws, dy = grouped.arm_operands("kernels", inputs, sizes)
+    layout = grouped_lib.padded_layout(jnp.asarray(sizes), point.rows, k_tile=64)
+    assert x.shape == (layout.capacity, point.d_in) and dy.shape == (layout.capacity, point.d_out)
+    assert ws[0].dtype == jnp.bfloat16 and ws[0].shape == inputs.w.shape
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(layout.lay_out(inputs.x)))
+    for a, b in zip(ws[1:], (layout.row_table, layout.k_table, layout.dest)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    text = cuda_text(grouped.arm_step("kernels", "fwd+bwd", "float32"), x, ws, dy)
+    targets = (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, contract.GROUPED_WGRAD_TARGET)
+    assert [len(custom_call_lines(text, t)) for t in targets] == [1, 1, 1]
+    for op in ("gather", "convert", "ragged_dot"):
+        assert op not in text, op
+
+
+def test_the_dense_tile_arm_runs_every_gemm_on_the_grouped_kernels_tile():
+    """Lowered for the faked H200, the dense anchor's fwd, dgrad and wgrad run on their
+    planner's tiles, and dense_tile's on 128 x 128 x 64 each (the grouped kernels')."""
+    from helpers import cuda_text
+
+    inputs = grouped.make_inputs(grouped.GroupedPoint(256, 4, 64, 32, "float32"), flush_mb=1)
+    x, ws, dy = grouped.arm_operands("dense_tile", inputs, [256])
+
+    def tiles(arm):
+        text = cuda_text(grouped.arm_step(arm, "fwd+bwd"), x, ws, dy)
+        lines = [line for line in text.splitlines() if "stablehlo.custom_call @jax_cake" in line]
+        found = [re.search(r"tile_k = (\d+) : i64, tile_m = (\d+) : i64, tile_n = (\d+) : i64", line) for line in lines]
+        return [tuple(int(v) for v in m.groups()) for m in found]
+
+    assert len(tiles("dense")) == 3 and tiles("dense") != [(64, 128, 128)] * 3
+    assert tiles("dense_tile") == [(64, 128, 128)] * 3

@@ -40,7 +40,14 @@ Arms (each with its weight in its own layout, made before timing, the same value
               (the status column names the one it lowered to: mosaic where a Mosaic GPU
               kernel is in the program, else xla);
   dense     = jax_cake.dense_projection(x [M, d_in], w [d_out, d_in]): the same FLOPs as
-              one dense GEMM, the anchor a grouped GEMM should reach.
+              one dense GEMM, the anchor a grouped GEMM should reach;
+  kernels   = the grouped kernels alone (sm_90a), on operands laid out before timing (x and
+              dy in the row layout, the weight already bf16, the tables made): jax_cake's
+              time less its row-layout gathers and the weight's cast;
+  dense_tile = the dense anchor on the grouped kernels' tile (128 x 128 x 64, cooperative,
+              no CTA pair: planner.force): the part of the gap to `dense` the tile explains.
+Together they split jax_cake's distance to `dense`: jax_cake / kernels (layout and cast),
+kernels / dense_tile (grouping), dense_tile / dense (tile).
 Before timing, every arm's y, dx and dw (one fwd+bwd) are checked against float64 on
 sampled rows of every non-empty group (ROWS_PER_GROUP rows of y and dx, SAMPLED_DW_ROWS
 rows of each dw) and, where the jax_cake arm runs in the process, against its whole
@@ -74,12 +81,13 @@ from benchmarks import markdown as md
 FLAGS = flags.FLAGS
 OPS = ("fwd", "bwd", "fwd+bwd")
 GEMMS = {"fwd": 1, "bwd": 2, "fwd+bwd": 3}
-ARMS = ("jax_cake", "xla", "xla_cudnn", "tokamax", "dense")
+ARMS = ("jax_cake", "xla", "xla_cudnn", "tokamax", "dense", "kernels", "dense_tile")
 ROUTINGS = ("balanced", "skewed", "one")
 CUDNN_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
 CUDNN_PARTNER = "dense@xla_cudnn"  # the dense anchor measured in the xla_cudnn processes
 KN_ARMS = ("xla", "xla_cudnn", "tokamax")  # lax's rhs layout [G, d_in, d_out]
-DENSE_ARMS = ("dense", CUDNN_PARTNER)
+DENSE_ARMS = ("dense", CUDNN_PARTNER, "dense_tile")
+KERNELS_ARM = "kernels"
 # M:G:d_in:d_out
 DEFAULT_POINTS = (
     "16384:8:4096:14336",  # Mixtral-8x7B experts, T 8192 top-2: w1 / w3
@@ -206,6 +214,56 @@ def forward(arm: str) -> Callable:
     raise ValueError(f"arm {arm!r}: expected one of {ARMS}")
 
 
+def kernel_plans(rows: int, d_in: int, w_shape, w_dtype) -> dict:
+    """{op: Plan} of the grouped kernels' three roles at these sizes on the device planned
+    for (planner.device.current), as grouped_projection plans them."""
+    from jax_cake.planner import device as device_lib
+    from jax_cake.primitives import grouped as grouped_lib
+
+    device, groups, d_out = device_lib.current(), w_shape[0], w_shape[1]
+    x, dy = (rows, d_in), (rows, d_out)
+    return {
+        "fwd": grouped_lib.plan_for("grouped_fwd", x, w_shape, groups, device),
+        "dgrad": grouped_lib.plan_for("grouped_dgrad", dy, w_shape, groups, device),
+        "wgrad": grouped_lib.plan_for("grouped_wgrad", dy, x, groups, device, out_dtype=w_dtype),
+    }
+
+
+def kernels_step(op: str, w_dtype: str) -> Callable:
+    """The kernels arm's step (x laid out, (w bf16, row_table, k_table, dest), dy laid out)
+    -> the op's outputs: y and dx laid out, dw [G, d_out, d_in] in w_dtype (the master's)."""
+    from jax_cake.primitives import gemm as gemm_lib
+
+    def step(x, ws, dy):
+        w, row_table, k_table, dest = ws
+        plans = kernel_plans(dest.shape[0], x.shape[1], w.shape, w_dtype)
+        y = lambda: gemm_lib.grouped_fwd(x, w, row_table, plans["fwd"])
+        dx = lambda: gemm_lib.grouped_dgrad(dy, w, row_table, plans["dgrad"])
+        dw = lambda: gemm_lib.grouped_wgrad(dy, x, k_table, plans["wgrad"])
+        return {"fwd": lambda: (y(),), "bwd": lambda: (dx(), dw()), "fwd+bwd": lambda: (y(), dx(), dw())}[op]()
+
+    return step
+
+
+def arm_step(arm: str, op: str, w_dtype: str = "float32") -> Callable:
+    """(x, ws, dy) -> the op's outputs for the arm (arm_operands'): the forward's op_step;
+    the kernels arm's own (its dw in w_dtype); dense_tile's inside a force block of the
+    grouped kernels' tile."""
+    if arm == KERNELS_ARM:
+        return kernels_step(op, w_dtype)
+    step = op_step(op, forward(arm))
+    if arm != "dense_tile":
+        return step
+    from jax_cake.planner import force
+    from jax_cake.planner.grouped import KERNEL_TILE
+
+    def forced(*args):
+        with force("det", tile=KERNEL_TILE, schedule="tiles", cluster=(1, 1)):
+            return step(*args)
+
+    return forced
+
+
 def op_step(op: str, fn: Callable) -> Callable:
     """(x, (w, sizes), dy) -> the op's outputs, the harness's step signature (steps_program)."""
     import jax
@@ -249,6 +307,32 @@ def make_inputs(point: GroupedPoint, flush_mb: int, seed: int = 0) -> Inputs:
     w_dense = (jax.random.normal(kd, (point.d_out, point.d_in), jnp.float32) * 0.02).astype(point.out)
     dy = jax.random.normal(ky, (point.rows, point.d_out), jnp.bfloat16)
     return Inputs(harness.flush_buffer(flush_mb), x, w, w_kn, w_dense, dy)
+
+
+def arm_operands(arm: str, inputs: Inputs, sizes) -> tuple:
+    """(x, ws, dy) of the arm's step: ws = arm_args'; the kernels arm's x and dy laid out
+    and ws = (w bf16, row_table, k_table, dest) (PaddedLayout's), all made here, before
+    any timing."""
+    import jax.numpy as jnp
+
+    if arm != KERNELS_ARM:
+        return inputs.x, arm_args(arm, inputs, sizes), inputs.dy
+    from jax_cake.planner.grouped import KERNEL_TILE
+    from jax_cake.primitives import grouped as grouped_lib
+
+    layout = grouped_lib.padded_layout(jnp.asarray(sizes, jnp.int32), inputs.x.shape[0], k_tile=KERNEL_TILE[2])
+    ws = (inputs.w.astype(jnp.bfloat16), layout.row_table, layout.k_table, layout.dest)
+    return layout.lay_out(inputs.x), ws, layout.lay_out(inputs.dy)
+
+
+def from_layout(arm: str, ws, out):
+    """A result of the arm's step in the rows' order: the kernels arm's laid-out y / dx
+    gathered back by dest (PaddedLayout.gather); any other arm's as it is."""
+    import jax.numpy as jnp
+
+    if arm != KERNELS_ARM or out.ndim != 2:
+        return out
+    return jnp.take(out, ws[3], axis=0, mode="fill", fill_value=0)
 
 
 def arm_args(arm: str, inputs: Inputs, sizes) -> tuple:
@@ -364,23 +448,31 @@ def check_arms(arms: Sequence[str], inputs: Inputs, sizes) -> tuple[dict[str, st
     """Runs every arm's fwd+bwd once and checks its values: ({arm: why it cannot run},
     {arm: what is wrong with its values}); an arm in neither passed."""
     import jax
+    import jax.numpy as jnp
 
     broken, wrong, outs, refs = {}, {}, {}, {}
+    w_dtype = jnp.dtype(inputs.w.dtype).name
     for arm in arms:
         dense = arm in DENSE_ARMS
+        if arm == KERNELS_ARM:
+            plans = kernel_plans(*inputs.x.shape, inputs.w.shape, w_dtype)
+            if not all(p.uses_kernel for p in plans.values()):
+                broken[arm] = f"no grouped kernel runs here ({plans['fwd'].reason})"
+                continue
+        else:
+            try:
+                forward(arm)
+            except Exception as e:  # noqa: BLE001 - tokamax's import (or its requirements'): reported, not timed
+                broken[arm] = f"not importable ({first_line(e)})"
+                continue
         try:
-            fn = forward(arm)
-        except Exception as e:  # noqa: BLE001 - tokamax's import (or its requirements'): reported, not timed
-            broken[arm] = f"not importable ({first_line(e)})"
-            continue
-        try:
-            del fn  # importable
-            y, dx, dw = jax.jit(op_step("fwd+bwd", forward(arm)))(inputs.x, arm_args(arm, inputs, sizes), inputs.dy)
+            x, ws, dy = arm_operands(arm, inputs, sizes)
+            y, dx, dw = jax.jit(arm_step(arm, "fwd+bwd", w_dtype))(x, ws, dy)
             jax.block_until_ready(dw)
         except Exception as e:  # noqa: BLE001 - XLA's compile and run errors: the arm is reported, not timed
             broken[arm] = f"failed to compile or run ({first_line(e)})"
             continue
-        dw = _as_nk(arm, dw)
+        y, dx, dw = from_layout(arm, ws, y), from_layout(arm, ws, dx), _as_nk(arm, dw)
         if dense not in refs:
             if dense:
                 refs[dense] = reference(inputs.x, inputs.w_dense[None], inputs.dy, [inputs.x.shape[0]])
@@ -433,7 +525,8 @@ def measure(point: GroupedPoint, routing: str, arms: Sequence[str], ops: Sequenc
     notes = {}
     if "tokamax" in arms and "tokamax" not in broken:
         notes["tokamax"] = f"lowered to {lowered_implementation('tokamax', inputs, sizes)}"
-    args = {arm: (inputs.x, arm_args(arm, inputs, sizes), inputs.dy) for arm in arms}
+    args = {arm: arm_operands(arm, inputs, sizes) for arm in arms if arm not in broken}
+    w_dtype = point.out
     out = {}
     for op in ops:
         programs = {}
@@ -441,7 +534,7 @@ def measure(point: GroupedPoint, routing: str, arms: Sequence[str], ops: Sequenc
             if arm in broken or arm in wrong:
                 out[op, arm] = (None, broken.get(arm) or f"wrong values: {wrong[arm]}")
                 continue
-            program = harness.steps_program(op_step(op, forward(arm)), FLAGS.steps)
+            program = harness.steps_program(arm_step(arm, op, w_dtype), FLAGS.steps)
             try:
                 programs[arm] = jax.jit(program, donate_argnums=0).lower(inputs.buf, *args[arm]).compile()
             except Exception as e:  # noqa: BLE001 - reported per (op, arm), not timed
