@@ -682,6 +682,12 @@ def measure_point(
     return groups_out
 
 
+def first_line(e: BaseException) -> str:
+    """An exception as a table's status cell: its type and its message's first line."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
 def make_timer(timer_kind: str, buf, steps: int):
     """The timer of --timer: the CUPTI device timeline ("device") or host wall time."""
     return DeviceTimer(buf, steps) if timer_kind == "device" else WallTimer(buf, steps)

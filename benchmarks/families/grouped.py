@@ -463,14 +463,14 @@ def check_arms(arms: Sequence[str], inputs: Inputs, sizes) -> tuple[dict[str, st
             try:
                 forward(arm)
             except Exception as e:  # noqa: BLE001 - tokamax's import (or its requirements'): reported, not timed
-                broken[arm] = f"not importable ({first_line(e)})"
+                broken[arm] = f"not importable ({harness.first_line(e)})"
                 continue
         try:
             x, ws, dy = arm_operands(arm, inputs, sizes)
             y, dx, dw = jax.jit(arm_step(arm, "fwd+bwd", w_dtype))(x, ws, dy)
             jax.block_until_ready(dw)
         except Exception as e:  # noqa: BLE001 - XLA's compile and run errors: the arm is reported, not timed
-            broken[arm] = f"failed to compile or run ({first_line(e)})"
+            broken[arm] = f"failed to compile or run ({harness.first_line(e)})"
             continue
         y, dx, dw = from_layout(arm, ws, y), from_layout(arm, ws, dx), _as_nk(arm, dw)
         if dense not in refs:
@@ -491,11 +491,6 @@ def check_arms(arms: Sequence[str], inputs: Inputs, sizes) -> tuple[dict[str, st
             if bad:
                 wrong[arm] = "; ".join(filter(None, [wrong.get(arm), ", ".join(bad)]))
     return broken, wrong
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 def lowered_implementation(arm: str, inputs: Inputs, sizes) -> str:
@@ -538,7 +533,7 @@ def measure(point: GroupedPoint, routing: str, arms: Sequence[str], ops: Sequenc
             try:
                 programs[arm] = jax.jit(program, donate_argnums=0).lower(inputs.buf, *args[arm]).compile()
             except Exception as e:  # noqa: BLE001 - reported per (op, arm), not timed
-                out[op, arm] = (None, f"{op} failed to compile ({first_line(e)})")
+                out[op, arm] = (None, f"{op} failed to compile ({harness.first_line(e)})")
         if not programs:
             continue
         timer = harness.make_timer(timer_kind, inputs.buf, FLAGS.steps)
@@ -546,7 +541,7 @@ def measure(point: GroupedPoint, routing: str, arms: Sequence[str], ops: Sequenc
             try:
                 timer.buf = jax.block_until_ready(program(timer.buf, *args[arm])[0])
             except Exception as e:  # noqa: BLE001 - e.g. out of memory: reported per (op, arm), not timed
-                out[op, arm] = (None, f"{op} failed to run ({first_line(e)})")
+                out[op, arm] = (None, f"{op} failed to run ({harness.first_line(e)})")
                 del programs[arm]
                 timer.buf = harness.flush_buffer(FLAGS.flush_mb)  # the failed call may have consumed it
         if not programs:

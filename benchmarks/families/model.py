@@ -407,12 +407,6 @@ def make_case(name: str, s: Sizes, deterministic: bool) -> Case:
 # --- a child: one (run, mode) ---------------------------------------------------------------
 
 
-def _failure(e: Exception) -> str:
-    """An arm's status after an exception: its type and the first line of its message."""
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"failed: {type(e).__name__}: {first}"[:160]
-
-
 def measure_case(case: Case, timer, steps: int, groups: int) -> dict[str, dict]:
     """{arm: {"groups_us", "loss", "temp_bytes", "status"}} of one case, its arms paired.
     An arm that fails to compile or run (out of memory, say) gets its failure as the status
@@ -431,13 +425,13 @@ def measure_case(case: Case, timer, steps: int, groups: int) -> dict[str, dict]:
             program = jax.jit(harness.steps_program(step, steps), donate_argnums=0)
             compiled[arm] = program.lower(timer.buf, x, params, opt).compile()
         except Exception as e:  # reported in the table; the other arms go on
-            out.setdefault(arm, {})["status"] = _failure(e)
+            out.setdefault(arm, {})["status"] = f"failed: {harness.first_line(e)}"
             compiled.pop(arm, None)
     for arm in list(compiled):  # warm-up: graph instantiation, autotuning, lazy loading
         try:
             timer.buf = jax.block_until_ready(compiled[arm](timer.buf, x, params, opt)[0])
         except Exception as e:  # likewise at run time
-            out[arm]["status"] = _failure(e)
+            out[arm]["status"] = f"failed: {harness.first_line(e)}"
             del compiled[arm]
     calls = {arm: (lambda buf, arm=arm: compiled[arm](buf, x, params, opt)[0]) for arm in compiled}
     if calls:
