@@ -12,7 +12,7 @@ import jax_cake as jc
 from jax_cake import contract
 from jax_cake.planner import grouped as grouped_planner
 from jax_cake.primitives import grouped
-from helpers import H200, cuda_text, custom_call_lines, f64, grouped_reference64, rand, rel_err
+from helpers import H200, cuda_text, custom_call_lines, f64, grouped_reference64, rand
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 ALIGN = contract.GROUP_ROW_ALIGN
