@@ -119,8 +119,9 @@ def project_grouped(x, w, group_sizes, *, deterministic: bool, layout: str = "nk
 # multiple of it and nothing needs partitioning, else 1 (a d_ff shard then holds its gate
 # and up rows); the values do not depend on it. The elementwise parts are plain JAX and
 # every GEMM a differentiable role, so the backward can be differentiated (grad of grad).
-# No grouped kernel is built yet: the GEMMs run jax_cake.primitives.grouped's XLA path and
-# the activation an XLA pass right after the forward GEMM.
+# The grouped kernels have no gated epilogue yet: the GEMMs are jax_cake.primitives.grouped's
+# roles (the kernels where the planner picks them) and the activation an XLA pass right after
+# the forward GEMM.
 
 
 @dataclasses.dataclass(frozen=True)
