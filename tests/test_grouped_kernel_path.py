@@ -106,6 +106,33 @@ def test_the_plan_runs_the_kernel_on_an_h200(op):
     assert "the grouped kernel: each group's rows laid out" in jc.explain(p)
 
 
+@pytest.mark.parametrize("op,walk", [("grouped_fwd", "m8"), ("grouped_dgrad", "m8"), ("grouped_wgrad", "m16")])
+def test_the_grouped_kernels_walk_as_the_dense_kernels_of_their_role(op, walk):
+    # Walking M first would read the rows once per N tile; bands keep a wave's rows in L2.
+    args = {"tokens": 16384, "groups": 8, "d_in": 14336, "d_out": 4096, "device": H200}
+    out = "float32" if op == "grouped_wgrad" else "bfloat16"
+    p = jc.plan(op, **args, out_dtype=out)
+    assert p.raster == walk and p.ffi_attributes()["raster"] == contract.raster_code(walk)
+    assert contract.describe_raster(walk) in p.reason
+    with jc.planner.force("det", raster="m"):  # a pin wins over the rule
+        assert jc.plan(op, **args, out_dtype=out).raster == "m"
+
+
+def test_a_force_block_pins_a_compiled_grouped_tile():
+    args = {"tokens": 16384, "groups": 8, "d_in": 4096, "d_out": 14336, "device": H200}
+    wide = (128, 256, 64)
+    assert all(wide in grouped_planner.kernel_tiles(op, "bfloat16") for op in ("grouped_fwd", "grouped_dgrad"))
+    with jc.planner.force("det", tile=wide):
+        fwd, dgrad = jc.plan("grouped_fwd", **args), jc.plan("grouped_dgrad", **args)
+        wgrad = jc.plan("grouped_wgrad", **args, out_dtype="float32")  # no such grouped wgrad: the default
+    assert fwd.tile == dgrad.tile == wide and "256 tiles (forced)" in fwd.reason, fwd.reason
+    assert wgrad.tile == (128, 128, 64) and "(forced)" not in wgrad.reason
+    with jc.planner.force("det", tile=wide, gemm=("grouped_dgrad", 16384, 4096, 14336)):  # one GEMM only
+        assert jc.plan("grouped_dgrad", **args).tile == wide and jc.plan("grouped_fwd", **args).tile == (128, 128, 64)
+    with jc.planner.force("det", tile=(128, 192, 64)):  # a tile no grouped variant has
+        assert jc.plan("grouped_fwd", **args).tile == (128, 128, 64)
+
+
 @pytest.mark.parametrize(
     "kw,why",
     [
@@ -166,6 +193,8 @@ def test_the_lowering_runs_the_three_kernels_and_no_ragged_dot():
     assert '"chlo.ragged_dot"(' not in text and "ragged_dot" not in text
     (wgrad,) = custom_call_lines(text, contract.GROUPED_WGRAD_TARGET)
     assert f"tensor<{G}x{N}x{K}xf32>" in wgrad  # dw in the FP32 master's dtype, from the kernel
+    (fwd,) = custom_call_lines(text, contract.GROUPED_FWD_TARGET)
+    assert f"raster = {contract.raster_code('m8')} : i64" in fwd, fwd  # the banded walk reaches the kernel
 
 
 def test_disabled_the_lowering_is_xla(monkeypatch):

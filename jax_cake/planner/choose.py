@@ -547,6 +547,8 @@ def plan_with(
             dev=dev,
             symbolic=tuple(symbolic),
             program_pin=None if pins is None else pins.program,
+            raster=raster(op.removeprefix("grouped_"), None if pins is None else pins.raster),
+            tile_pin=None if pins is None else pins.tile,
         )
 
     if op in ("fwd", "router_fwd"):

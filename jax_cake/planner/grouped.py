@@ -26,12 +26,23 @@ import os
 
 from jax_cake import contract, logs
 from jax_cake.planner import device as device_lib
+from jax_cake.planner import variants
 from jax_cake.planner.plan_type import Plan
 from jax_cake.planner.variants import ALIGN_ELEMENTS
 
 _XLA_RAGGED = "XLA's ragged dot (lax.ragged_dot_general) with an FP32 result rounded once, the same semantics"
-# The grouped kernels' one tile (planner/variants.py's grouped variants).
+# The grouped kernels' default tile (planner/variants.py's grouped variants).
 KERNEL_TILE = (contract.GROUP_ROW_ALIGN, 128, 64)
+
+
+def kernel_tiles(op: str, out_dtype: str) -> tuple:
+    """The tiles of the compiled grouped variants of op (a Plan.op of GROUPED_OPS)."""
+    program = op.removeprefix("grouped_")
+    return tuple(
+        v.tile
+        for v in variants.VARIANTS
+        if v.grouping is not None and v.program == program and v.out_dtype == out_dtype
+    )
 
 
 def gemm_dims(op: str, tokens, d_in, d_out) -> tuple:
@@ -54,22 +65,30 @@ def plan_grouped(
     dev: device_lib.DeviceInfo,
     symbolic=(),
     program_pin: str | None = None,
+    raster: str = "m",
+    tile_pin: tuple | None = None,
 ) -> Plan:
     """The Plan of grouped op `op` on validated sizes (jax_cake.planner.choose.plan checks
     them): the grouped kernel where it can run, else the XLA path, each with its reason.
-    program_pin: a force block's program."""
+    program_pin: a force block's program. raster: the kernel's tile walk (Plan.raster;
+    choose.raster's rule, the dense kernels' walk for the same role). tile_pin: a force
+    block's tile, used where a grouped variant of op has it (else KERNEL_TILE)."""
     m, n, k = gemm_dims(op, tokens, d_in, d_out)
     gemm = dict(op=op, batch=1, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe(), groups=groups)
     reason = _xla_reason(tokens, d_in, d_out, dev, symbolic, program_pin)
     if reason is None:
+        forced = tile_pin is not None and tuple(tile_pin) in kernel_tiles(op, out_dtype)
+        tile = tuple(tile_pin) if forced else KERNEL_TILE
         return Plan(
             **gemm,
             backend="sm90a",
-            tile=KERNEL_TILE,
+            tile=tile,
             sm_count=dev.sm_count,
+            raster=raster,
             reason=(
                 f"the grouped kernel: each group's rows laid out from a multiple of "
-                f"{contract.GROUP_ROW_ALIGN} rows, one pass over K on 128 x 128 tiles, bitwise reproducible"
+                f"{contract.GROUP_ROW_ALIGN} rows, one pass over K on {tile[0]} x {tile[1]} tiles"
+                f"{' (forced)' if forced else ''} ({contract.describe_raster(raster)}), bitwise reproducible"
             ),
         )
     if dev.platform == "cuda":  # a GPU user expects the kernels: say once why not

@@ -15,6 +15,7 @@ from typing import Iterator
 import numpy as np
 
 from jax_cake import contract
+from jax_cake.planner.plan_type import GROUPED_OPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +73,13 @@ def force(
     cluster (1, 1) or (2, 1) sets fwd/dgrad's CTA pairing where the library holds that
     variant (None: the planner's rule). raster: the kernels' tile walk, "m", "n" or "m<B>"
     (Plan.raster; None: the planner's rule). gemm: (op, m, n, k) as Plan.op, m, n, k ("fwd":
-    tokens, d_out, d_in; "dgrad": tokens, d_in, d_out; "wgrad": d_out, d_in, tokens): the
+    tokens, d_out, d_in; "dgrad": tokens, d_in, d_out; "wgrad": d_out, d_in, tokens; the
+    grouped ops' as the same roles', tokens the unpadded rows): the
     pins apply to that GEMM only, every other plan in the block is the planner's own (to
     try one GEMM's variants inside a whole training step). Planning is at trace time: jit
-    a new function inside the block (a function traced earlier keeps its plan).
+    a new function inside the block (a function traced earlier keeps its plan). The grouped
+    kernels take the block's raster, and its tile where a grouped variant of the op has it
+    (planner.grouped.kernel_tiles; another tile leaves them on their default).
     """
     if program not in ("det", "split", "xla"):
         raise ValueError(f"force: program must be 'det', 'split' or 'xla', got {program!r}")
@@ -100,10 +104,11 @@ def force(
             contract.raster_code(raster)
         except ValueError as e:
             raise ValueError(f"force: {e}") from None
+    gemm_ops = ("fwd", "dgrad", "wgrad", *GROUPED_OPS)
     if gemm is not None and not (
-        len(gemm) == 4 and gemm[0] in ("fwd", "dgrad", "wgrad") and all(isinstance(d, int) and d > 0 for d in gemm[1:])
+        len(gemm) == 4 and gemm[0] in gemm_ops and all(isinstance(d, int) and d > 0 for d in gemm[1:])
     ):
-        raise ValueError(f"force: gemm must be None or (op, m, n, k) with op 'fwd', 'dgrad' or 'wgrad', got {gemm!r}")
+        raise ValueError(f"force: gemm must be None or (op, m, n, k) with op one of {gemm_ops}, got {gemm!r}")
     global _active
     saved = _active
     _active = Pins(

@@ -292,6 +292,8 @@ VARIANTS: tuple[GemmVariant, ...] = (
     # registers) or bf16.
     GemmVariant("fwd", 128, 128, grouping="rows"),
     GemmVariant("dgrad", 128, 128, grouping="rows"),
+    GemmVariant("fwd", 128, 256, grouping="rows"),
+    GemmVariant("dgrad", 128, 256, grouping="rows"),
     GemmVariant("wgrad", 128, 128, out_dtype="float32", grouping="k"),
     GemmVariant("wgrad", 128, 128, out_dtype="bfloat16", grouping="k"),
 )

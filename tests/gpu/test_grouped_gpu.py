@@ -32,8 +32,9 @@ SIZES = {
 }
 
 
-# The compiled grouped variants: the kernel path's cases run each (fwd, dgrad, and the
-# wgrad of an FP32 master and of a bf16 weight).
+# The compiled grouped variants: the kernel path's cases run the default tile's (fwd,
+# dgrad, and the wgrad of an FP32 master and of a bf16 weight), test_every_grouped_variant
+# each one forced.
 GROUPED_VARIANTS = [v for v in variants.VARIANTS if v.grouping is not None]
 GROUPED_TARGETS = (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, contract.GROUPED_WGRAD_TARGET)
 
@@ -93,6 +94,34 @@ def test_values_and_gradients_against_float64(path, case, w_dtype):
     for g, s in enumerate(effective):
         if s == 0:
             assert not np.asarray(dw[g]).any(), f"empty group {g}'s dw is not exactly 0"
+
+
+@pytest.mark.parametrize("variant", GROUPED_VARIANTS, ids=lambda v: v.name)
+def test_every_grouped_variant_against_float64(gpu_library, variant):
+    """Each compiled grouped variant forced on its role (its tile pinned, the other roles
+    the planner's) at the ragged sizes, against float64, with unwritten rows poisoned."""
+    w_dtype = F32 if variant.program != "wgrad" or variant.out_dtype == "float32" else BF16
+    x, w, dy = _operands(w_dtype)
+    gs = jnp.asarray(SIZES["ragged"], jnp.int32)
+    op = f"grouped_{variant.program}"
+    (m, n, k) = {"fwd": (M, N, K), "dgrad": (M, K, N), "wgrad": (N, K, M)}[variant.program]
+    jax.clear_caches()
+    with jc.planner.force("det", tile=variant.tile, gemm=(op, m, n, k)):
+        fn = jax.jit(functools.partial(_vjp, _grouped))
+        text = fn.lower(x, w, gs, dy).as_text()
+        y, dx, dw = fn(x, w, gs, dy)
+    jax.clear_caches()
+    target = {"fwd": contract.GROUPED_FWD_TARGET, "dgrad": contract.GROUPED_DGRAD_TARGET}.get(
+        variant.program, contract.GROUPED_WGRAD_TARGET
+    )
+    (call,) = custom_call_lines(text, target)
+    assert f"tile_n = {variant.tile[1]} : i64" in call, call
+    ry, rdx, rdw = grouped_reference64(x, w, SIZES["ragged"], dy)
+    h.assert_close(y, ry, h.BF16_TOL, "y")
+    h.assert_close(dx, rdx, h.BF16_TOL, "dx")
+    h.assert_close(dw, rdw, h.F32_TOL if w_dtype == F32 else h.BF16_TOL, "dw")
+    past = sum(effective_group_sizes(SIZES["ragged"], M))
+    assert not np.asarray(y[past:]).any() and not np.asarray(dx[past:]).any()
 
 
 @pytest.mark.parametrize("groups", [8, 128])
