@@ -101,13 +101,14 @@ def test_rows_between_the_groups_are_zero_and_each_row_lands_once():
 def test_the_plan_runs_the_kernel_on_an_h200(op):
     out = "float32" if op == "grouped_wgrad" else "bfloat16"
     p = jc.plan(op, tokens=4096, groups=64, d_in=2048, d_out=1408, out_dtype=out, device=H200)
-    assert p.uses_kernel and p.tile == (128, 128, 64) and p.cluster == (1, 1) and p.groups == 64
+    assert p.uses_kernel and p.tile == grouped_planner.default_tile(op) and p.cluster == (1, 1) and p.groups == 64
+    assert p.tile == ((128, 128, 64) if op == "grouped_wgrad" else (128, 256, 64))
     assert p.program == op and p.sm_count == 132
     assert "the grouped kernel: each group's rows laid out" in jc.explain(p)
 
 
-@pytest.mark.parametrize("op,walk", [("grouped_fwd", "m8"), ("grouped_dgrad", "m8"), ("grouped_wgrad", "m16")])
-def test_the_grouped_kernels_walk_as_the_dense_kernels_of_their_role(op, walk):
+@pytest.mark.parametrize("op,walk", [("grouped_fwd", "m4"), ("grouped_dgrad", "m4"), ("grouped_wgrad", "m16")])
+def test_the_grouped_kernels_walk_in_bands(op, walk):
     # Walking M first would read the rows once per N tile; bands keep a wave's rows in L2.
     args = {"tokens": 16384, "groups": 8, "d_in": 14336, "d_out": 4096, "device": H200}
     out = "float32" if op == "grouped_wgrad" else "bfloat16"
@@ -120,17 +121,19 @@ def test_the_grouped_kernels_walk_as_the_dense_kernels_of_their_role(op, walk):
 
 def test_a_force_block_pins_a_compiled_grouped_tile():
     args = {"tokens": 16384, "groups": 8, "d_in": 4096, "d_out": 14336, "device": H200}
-    wide = (128, 256, 64)
-    assert all(wide in grouped_planner.kernel_tiles(op, "bfloat16") for op in ("grouped_fwd", "grouped_dgrad"))
-    with jc.planner.force("det", tile=wide):
+    narrow, wide = (128, 128, 64), (128, 256, 64)
+    for op in ("grouped_fwd", "grouped_dgrad"):
+        assert {narrow, wide} <= set(grouped_planner.kernel_tiles(op, "bfloat16"))
+    with jc.planner.force("det", tile=narrow):
         fwd, dgrad = jc.plan("grouped_fwd", **args), jc.plan("grouped_dgrad", **args)
-        wgrad = jc.plan("grouped_wgrad", **args, out_dtype="float32")  # no such grouped wgrad: the default
-    assert fwd.tile == dgrad.tile == wide and "256 tiles (forced)" in fwd.reason, fwd.reason
-    assert wgrad.tile == (128, 128, 64) and "(forced)" not in wgrad.reason
-    with jc.planner.force("det", tile=wide, gemm=("grouped_dgrad", 16384, 4096, 14336)):  # one GEMM only
-        assert jc.plan("grouped_dgrad", **args).tile == wide and jc.plan("grouped_fwd", **args).tile == (128, 128, 64)
+    assert fwd.tile == dgrad.tile == narrow and "128 tiles (forced)" in fwd.reason, fwd.reason
+    with jc.planner.force("det", tile=wide):  # no grouped wgrad of that tile: its default
+        wgrad = jc.plan("grouped_wgrad", **args, out_dtype="float32")
+    assert wgrad.tile == narrow and "(forced)" not in wgrad.reason
+    with jc.planner.force("det", tile=narrow, gemm=("grouped_dgrad", 16384, 4096, 14336)):  # one GEMM only
+        assert jc.plan("grouped_dgrad", **args).tile == narrow and jc.plan("grouped_fwd", **args).tile == wide
     with jc.planner.force("det", tile=(128, 192, 64)):  # a tile no grouped variant has
-        assert jc.plan("grouped_fwd", **args).tile == (128, 128, 64)
+        assert jc.plan("grouped_fwd", **args).tile == wide
 
 
 @pytest.mark.parametrize(
@@ -194,7 +197,8 @@ def test_the_lowering_runs_the_three_kernels_and_no_ragged_dot():
     (wgrad,) = custom_call_lines(text, contract.GROUPED_WGRAD_TARGET)
     assert f"tensor<{G}x{N}x{K}xf32>" in wgrad  # dw in the FP32 master's dtype, from the kernel
     (fwd,) = custom_call_lines(text, contract.GROUPED_FWD_TARGET)
-    assert f"raster = {contract.raster_code('m8')} : i64" in fwd, fwd  # the banded walk reaches the kernel
+    assert f"raster = {contract.raster_code('m4')} : i64" in fwd, fwd  # the banded walk reaches the kernel
+    assert "tile_n = 256 : i64" in fwd, fwd
 
 
 def test_disabled_the_lowering_is_xla(monkeypatch):

@@ -44,10 +44,11 @@ Arms (each with its weight in its own layout, made before timing, the same value
   kernels   = the grouped kernels alone (sm_90a), on operands laid out before timing (x and
               dy in the row layout, the weight already bf16, the tables made): jax_cake's
               time less its row-layout gathers and the weight's cast;
-  dense_tile = the dense anchor on the grouped kernels' tile (128 x 128 x 64, cooperative,
-              no CTA pair: planner.force): the part of the gap to `dense` the tile explains.
-Together they split jax_cake's distance to `dense`: jax_cake / kernels (layout and cast),
-kernels / dense_tile (grouping), dense_tile / dense (tile).
+  dense_tile = the dense anchor on 128 x 128 x 64 cooperative tiles, no CTA pair
+              (planner.force; the grouped wgrad's tile, the grouped fwd and dgrad run
+              128 x 256): what that tile costs the dense GEMM.
+jax_cake / kernels is the share of the row layout's gathers and the weight's cast in
+jax_cake's distance to `dense`, kernels / dense the grouped kernels' own.
 Before timing, every arm's y, dx and dw (one fwd+bwd) are checked against float64 on
 sampled rows of every non-empty group (ROWS_PER_GROUP rows of y and dx, SAMPLED_DW_ROWS
 rows of each dw) and, where the jax_cake arm runs in the process, against its whole

@@ -96,6 +96,13 @@ ROUTER_XLA_MAX_EXPERTS = 16
 # walk. wgrad walks in bands of _RASTER_BAND_WGRAD (6-7 % faster than M first where d_out
 # >= 8192, the same walk where d_out <= 4096). docs/planner.md.
 _RASTER_BAND_FWD = 8
+# The grouped fwd / dgrad kernels (128 x 256 tiles) walk in bands of 4 rows. The kernels
+# alone at the Mixtral, DeepSeek-V3 and Qwen3 expert shapes (H100, jax 0.11.2, 2026-12-07,
+# medians of interleaved rounds): bands of 4 within 6 % of the best walk at every shape and
+# role, bands of 8 up to 22 % behind (Mixtral 14336 -> 4096 fwd), M first 1.05-1.6x slower;
+# the 128 x 128 tile walking M first 2.0-2.4x slower. The grouped wgrad's walk (M first,
+# bands of 8 or 16) made no difference (within 2 %): the dense wgrad's. docs/planner.md.
+_RASTER_BAND_GROUPED = 4
 _RASTER_BAND_WGRAD = 16
 # A split tail cuts each tail tile into at most this many K pieces (each piece but the
 # last costs a partial-tile store and load).
@@ -235,6 +242,14 @@ def raster(op: str, pinned: str | None = None) -> str:
     if op == "wgrad":
         return f"m{_RASTER_BAND_WGRAD}"
     return f"m{_RASTER_BAND_FWD}"
+
+
+def grouped_raster(op: str, pinned: str | None = None) -> str:
+    """The grouped kernels' tile walk: the pinned one, else bands of _RASTER_BAND_GROUPED
+    rows for grouped fwd / dgrad, the dense wgrad's walk for grouped wgrad."""
+    if pinned is None and op in ("grouped_fwd", "grouped_dgrad"):
+        return f"m{_RASTER_BAND_GROUPED}"
+    return raster(op.removeprefix("grouped_"), pinned)
 
 
 def _wgrad_plan(
@@ -547,7 +562,7 @@ def plan_with(
             dev=dev,
             symbolic=tuple(symbolic),
             program_pin=None if pins is None else pins.program,
-            raster=raster(op.removeprefix("grouped_"), None if pins is None else pins.raster),
+            raster=grouped_raster(op, None if pins is None else pins.raster),
             tile_pin=None if pins is None else pins.tile,
         )
 
