@@ -288,6 +288,18 @@ def test_grouped_rows_give_the_balanced_table_and_a_line_per_routing(tmp_path):
     assert table_line(block, "8", "16384", "4096 -> 1024", "fwd")[4:] == ["100.0", "4.000", "3.900", "0.500"]
 
 
+def test_a_failed_grouped_arm_is_a_line_under_the_table(tmp_path):
+    failed = "xla: failed to compile or run (JaxRuntimeError: NOT_FOUND: no config)"
+    rows = [
+        dict(_grouped_row(768, "balanced", op, "g", 100.0, "", 50.0), status=failed) for op in ("fwd", "bwd")
+    ] + [_grouped_row(1024, "balanced", "fwd", "g", 100.0, 400.0, 50.0)]
+    path = write_csv(tmp_path / "grouped.csv", list(rows[0]), rows)
+    block = "\n".join(report.grouped_table(report.load([path])[0]["grouped"]))
+    assert table_line(block, "8", "16384", "4096 -> 768", "fwd")[4:] == ["100.0", "n/a", "0.500"]
+    assert f"n/a at G 8 4096 -> 768: {failed}." in block.splitlines()  # once for both ops
+    assert block.count("n/a at") == 1
+
+
 def test_the_shipped_csvs_render_every_section(tmp_path):
     """The page's CSVs (benchmarks/data/) give every section, each naming its GPU, jax and
     date; the GEMM core names the program the shipped plan table runs (its tile rows came
