@@ -80,8 +80,8 @@ def plan_grouped(
     """The Plan of grouped op `op` on validated sizes (jax_cake.planner.choose.plan checks
     them): the grouped kernel where it can run, else the XLA path, each with its reason.
     program_pin: a force block's program. raster: the kernel's tile walk (Plan.raster;
-    choose.raster's rule, the dense kernels' walk for the same role). tile_pin: a force
-    block's tile, used where a grouped variant of op has it (else KERNEL_TILE)."""
+    choose.grouped_raster's rule or a force block's). tile_pin: a force block's tile, used
+    where a grouped variant of op has it (else default_tile's)."""
     m, n, k = gemm_dims(op, tokens, d_in, d_out)
     gemm = dict(op=op, batch=1, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe(), groups=groups)
     reason = _xla_reason(tokens, d_in, d_out, dev, symbolic, program_pin)

@@ -287,9 +287,10 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("dgrad", 128, 256, store="gate_up_halves"),
     GemmVariant("dgrad", 128, 192, cluster_m=2, store="gate_up_halves", schedule="pingpong"),
     GemmVariant("dgrad", 128, 128, store="gate_up_halves"),
-    # The grouped GEMMs of the MoE experts (grouped_projection): cooperative 128 x 128
-    # tiles, one pass over K, cluster 1x1; the weight gradient in FP32 (two-level, in
-    # registers) or bf16.
+    # The grouped GEMMs of the MoE experts (grouped_projection): cooperative tiles, one
+    # pass over K, cluster 1x1. fwd and dgrad on 128 x 256 (planned) and 128 x 128 (its
+    # comparison, benchmarks/grouped_walks); the weight gradient on 128 x 128 in FP32
+    # (two-level, in registers) or bf16.
     GemmVariant("fwd", 128, 128, grouping="rows"),
     GemmVariant("dgrad", 128, 128, grouping="rows"),
     GemmVariant("fwd", 128, 256, grouping="rows"),
