@@ -99,7 +99,7 @@ def test_values_and_gradients_against_float64(path, case, w_dtype):
 @pytest.mark.parametrize("variant", GROUPED_VARIANTS, ids=lambda v: v.name)
 def test_every_grouped_variant_against_float64(gpu_library, variant):
     """Each compiled grouped variant forced on its role (its tile pinned, the other roles
-    the planner's) at the ragged sizes, against float64, with unwritten rows poisoned."""
+    the planner's) at the ragged sizes, against float64, the rows past the groups exactly 0."""
     w_dtype = F32 if variant.program != "wgrad" or variant.out_dtype == "float32" else BF16
     x, w, dy = _operands(w_dtype)
     gs = jnp.asarray(SIZES["ragged"], jnp.int32)
