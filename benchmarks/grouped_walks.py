@@ -63,16 +63,16 @@ def check_values(results: dict, default: dict) -> list[str]:
         base = first.setdefault((role, tile), (walk, value))
         if not np.array_equal(value, base[1]):
             bad.append(f"{role} {tile[1]}:{walk} differs bitwise from {tile[1]}:{base[0]}")
-        if relative(value, np.asarray(default[role], np.float32)) > REL_TOL:
-            bad.append(f"{role} {tile[1]}:{walk} is {relative(value, default[role]):.1e} from the default plan's")
+        error = relative(value, np.asarray(default[role], np.float32))
+        if error > REL_TOL:
+            bad.append(f"{role} {tile[1]}:{walk} is {error:.1e} from the default plan's")
     return bad
 
 
 def _step(role: str, tile, walk: str, shapes) -> Callable:
     """The role's kernel call on laid-out operands, planned inside a force block, as a jitted
-    function of (x, w, row_table, k_table, dy) returning its result in the rows' order."""
+    function of the kernels arm's (x, ws, dy) returning its result in the rows' order."""
     import jax
-    import jax.numpy as jnp
 
     from jax_cake.planner import force
     from jax_cake.primitives import gemm as gemm_lib
@@ -85,13 +85,15 @@ def _step(role: str, tile, walk: str, shapes) -> Callable:
             f"{role}: planned {plan.tile} {plan.raster}, asked for {tile} {walk} (not on an sm_90a GPU?)"
         )
 
-    def run(x, w, row_table, k_table, dest, dy):
-        back = lambda out: jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
+    def run(x, ws, dy):
+        w, row_table, k_table, _ = ws
         if role == "fwd":
-            return back(gemm_lib.grouped_fwd(x, w, row_table, plan))
-        if role == "dgrad":
-            return back(gemm_lib.grouped_dgrad(dy, w, row_table, plan))
-        return gemm_lib.grouped_wgrad(dy, x, k_table, plan)
+            out = gemm_lib.grouped_fwd(x, w, row_table, plan)
+        elif role == "dgrad":
+            out = gemm_lib.grouped_dgrad(dy, w, row_table, plan)
+        else:
+            out = gemm_lib.grouped_wgrad(dy, x, k_table, plan)
+        return family.from_layout(family.KERNELS_ARM, ws, out)  # y, dx in the rows' order
 
     return jax.jit(run)
 
@@ -102,8 +104,9 @@ def measure(point, rounds: int, reps: int) -> tuple[dict, list[str]]:
 
     inputs = family.make_inputs(point, 0)
     sizes = family.group_sizes("balanced", point.rows, point.groups)
-    x, (w, row_table, k_table, dest), dy = family.arm_operands(family.KERNELS_ARM, inputs, sizes)
-    args = (x, w, row_table, k_table, dest, dy)
+    x, ws, dy = family.arm_operands(family.KERNELS_ARM, inputs, sizes)
+    args = (x, ws, dy)
+    w, dest = ws[0], ws[3]
     shapes = (dest.shape[0], x.shape[1], w.shape)
     steps = {c: _step(*c, shapes) for c in configurations()}
     results = {c: jax.block_until_ready(f(*args)) for c, f in steps.items()}

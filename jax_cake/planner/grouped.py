@@ -73,8 +73,8 @@ def plan_grouped(
     out_dtype: str,
     dev: device_lib.DeviceInfo,
     symbolic=(),
+    raster: str,
     program_pin: str | None = None,
-    raster: str = "m",
     tile_pin: tuple | None = None,
 ) -> Plan:
     """The Plan of grouped op `op` on validated sizes (jax_cake.planner.choose.plan checks
