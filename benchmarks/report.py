@@ -344,7 +344,7 @@ GROUPED_BASELINES = ("xla", "xla_cudnn", "dense", "kernels")
 def grouped_table(rows: Sequence[dict]) -> list[str]:
     """The balanced-routing graph-mode rows of one file: jax_cake's time and each baseline's
     time over it (the baselines the file has); then a line per routing on the
-    ranges against XLA's ragged dot and the dense anchor."""
+    ranges against each of xla, dense and kernels the file has."""
     rows = [dict(r, **{f"{b}/jax_cake": ratio(r, b, "jax_cake") for b in GROUPED_BASELINES}) for r in rows]
     rows = [r for r in rows if r["mode"] == "g"]
     ratios = [f"{b}/jax_cake" for b in GROUPED_BASELINES if any(r[f"{b}/jax_cake"] for r in rows)]
@@ -353,13 +353,13 @@ def grouped_table(rows: Sequence[dict]) -> list[str]:
     out.append("")
     for routing in dict.fromkeys(r["routing"] for r in rows):
         picked = [r for r in rows if r["routing"] == routing]
-        xla = [r["xla/jax_cake"] for r in picked if r["xla/jax_cake"]]
-        dense = [r["dense/jax_cake"] for r in picked if r["dense/jax_cake"]]
-        if xla and dense:
-            out.append(
-                f"{routing.capitalize()} routing: xla/jax_cake {min(xla):.1f}-{max(xla):.1f}, dense/jax_cake "
-                f"{min(dense):.2f}-{max(dense):.2f}."
-            )
+        spans = []
+        for baseline, digits in (("xla", 1), ("dense", 2), ("kernels", 2)):
+            got = [r[f"{baseline}/jax_cake"] for r in picked if r[f"{baseline}/jax_cake"]]
+            if got:
+                spans.append(f"{baseline}/jax_cake {min(got):.{digits}f}-{max(got):.{digits}f}")
+        if spans:
+            out.append(f"{routing.capitalize()} routing: {', '.join(spans)}.")
     failed: dict = {}  # an arm's failure (the status column) -> the shapes it failed at
     for r in rows:
         if r.get("status") not in (None, "", "ok"):
@@ -556,14 +556,16 @@ def render(
         out += [
             "### Grouped projections (MoE experts)",
             "",
-            "`--family=grouped`, FP32 masters, graph mode: `jax_cake` (grouped_projection) against `xla` "
+            "`--family=grouped`, graph mode, w FP32 masters or bf16 (no cast: the row layout's own share): "
+            "`jax_cake` (grouped_projection) against `xla` "
             "(`lax.ragged_dot`), `dense` (one GEMM of the same FLOPs) and `kernels` (the grouped kernels "
             "alone: operands laid out and cast before timing).",
             "",
         ]
         for path in sources["grouped"]:
             picked = [r for r in rows["grouped"] if r["_file"] == path]
-            out += [f"{measured([path])}:", "", *grouped_table(picked), ""]
+            dtypes = ", ".join(dict.fromkeys(str(r["w"]) for r in picked))
+            out += [f"{measured([path])}; w {dtypes}:", "", *grouped_table(picked), ""]
     if rows["model"]:
         out += [
             "### Model steps",

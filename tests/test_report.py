@@ -288,6 +288,19 @@ def test_grouped_rows_give_the_balanced_table_and_a_line_per_routing(tmp_path):
     assert table_line(block, "8", "16384", "4096 -> 1024", "fwd")[4:] == ["100.0", "4.000", "3.900", "0.500"]
 
 
+def test_a_grouped_file_without_xla_still_gives_its_routing_lines(tmp_path):
+    """A run of jax_cake, kernels and dense alone (bf16 weights: the row layout's own share)
+    keeps a line per routing, with the baselines it has."""
+    rows = [
+        dict(_grouped_row(1024, routing, "fwd", "g", 100.0, "", dense), w="bfloat16", **{"kernels us": kernels})
+        for routing, dense, kernels in (("balanced", 80.0, 90.0), ("skewed", 70.0, 85.0))
+    ]
+    path = write_csv(tmp_path / "bf16.csv", list(rows[0]), rows)
+    block = "\n".join(report.grouped_table(report.load([path])[0]["grouped"]))
+    assert "Balanced routing: dense/jax_cake 0.80-0.80, kernels/jax_cake 0.90-0.90." in block
+    assert "Skewed routing: dense/jax_cake 0.70-0.70, kernels/jax_cake 0.85-0.85." in block
+
+
 def test_a_failed_grouped_arm_is_a_line_under_the_table(tmp_path):
     failed = "xla: failed to compile or run (JaxRuntimeError: NOT_FOUND: no config)"
     rows = [
