@@ -8,6 +8,7 @@ sharding / expert parallelism under shard_map, determinism, grad of grad and rem
 
 import functools
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cake as jc
 from jax_cake import logs
+from jax_cake.pipeline import moe as moe_pipeline
 from helpers import assert_raises_naming, assert_same_values, cuda_text, f64, grouped_gemms, rand, rel_err
 from second_order_cases import check, hvp
 
@@ -156,12 +158,19 @@ def _dx64(inter, wg, wu, ids):
     return dx
 
 
-def _moe_vjp(x, wg, wu, wd, ids, ew, dy, **kw):
-    y, pullback = jax.vjp(lambda x, wg, wu, wd, ew: jc.moe_mlp(x, wg, wu, wd, ids, ew, **kw), x, wg, wu, wd, ew)
+def _moe_vjp(x, wg, wu, wd, ids, ew, dy, laid_out=None, **kw):
+    """moe_mlp's y and its gradients; laid_out (not None): the pipeline's, on the experts'
+    rows in expert order (False) or in the grouped kernels' row layout (True)."""
+    if laid_out is None:
+        layer = lambda x, wg, wu, wd, ew: jc.moe_mlp(x, wg, wu, wd, ids, ew, **kw)
+    else:
+        kw = dict(activation="silu", deterministic=True) | kw
+        layer = lambda x, wg, wu, wd, ew: moe_pipeline.moe_mlp(x, wg, wu, wd, ids, ew, laid_out=laid_out, **kw)
+    y, pullback = jax.vjp(layer, x, wg, wu, wd, ew)
     return (y, *pullback(dy))
 
 
-_moe_vjp_jit = jax.jit(_moe_vjp, static_argnames=("activation", "deterministic"))
+_moe_vjp_jit = jax.jit(_moe_vjp, static_argnames=("laid_out", "activation", "deterministic"))
 
 
 # --- moe_mlp against float64 ---------------------------------------------------------------
@@ -169,13 +178,17 @@ _moe_vjp_jit = jax.jit(_moe_vjp, static_argnames=("activation", "deterministic")
 CASES = [("random", 2), ("empty_experts", 2), ("one_expert", 2), ("random", 1), ("out_of_range", 3)]
 
 
+@pytest.mark.parametrize("laid_out", [None, True])
 @pytest.mark.parametrize("w_dtype", [F32, BF16])
 @pytest.mark.parametrize("kind,k", CASES)
-def test_moe_mlp_against_float64(kind, k, w_dtype):
+def test_moe_mlp_against_float64(kind, k, w_dtype, laid_out):
+    """The public op (on CPU: its experts' rows in expert order) and the pipeline on the
+    grouped kernels' row layout (what the kernel path runs; here XLA's ragged dot over the
+    padded groups) against float64."""
     x, dy = _x(), _dy()
     wg, wu, wd = _cast(_weights(), w_dtype)
     ids, ew = _routing(kind, k)
-    y, dx, dwg, dwu, dwd, dew = _moe_vjp_jit(x, wg, wu, wd, ids, ew, dy)
+    y, dx, dwg, dwu, dwd, dew = _moe_vjp_jit(x, wg, wu, wd, ids, ew, dy, laid_out=laid_out)
     assert (y.dtype, dx.dtype, dew.dtype) == (BF16, BF16, F32)
     assert dwg.dtype == dwu.dtype == dwd.dtype == w_dtype
 
@@ -552,6 +565,41 @@ def test_cuda_lowering_runs_the_grouped_gemms_on_the_xla_path():
     with jc.planner.force("xla"):
         text = cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), x, *ws, ew)
     assert grouped_gemms(text) == 6 and "custom_call @jax_cake" not in text
+
+
+@pytest.mark.parametrize("kind,k", CASES)
+def test_the_row_layout_gives_the_expert_order_values(kind, k):
+    """The experts on the grouped kernels' row layout (the kernel path's) and in expert order
+    give the same values (each row's products and sums are the same; the FP32 weight
+    gradients within XLA's CPU summation order, assert_same_values)."""
+    x, dy, ws = _x(), _dy(), _weights()
+    ids, ew = _routing(kind, k)
+    ordered = _moe_vjp_jit(x, *ws, ids, ew, dy, laid_out=False)
+    laid = _moe_vjp_jit(x, *ws, ids, ew, dy, laid_out=True)
+    for a, b in zip(ordered, laid):
+        assert_same_values(b, a)
+
+
+def test_the_kernel_path_gathers_rows_only_at_the_dispatch_and_the_combine():
+    """Lowered for the faked H200 (grouped kernels planned), the layer's rows are gathered at
+    the dispatch and back for the combine (and the transposes of both in the backward), not
+    around each of the six grouped GEMMs as in expert order."""
+    x, ws = _x(), _weights()
+    ids, ew = _routing("random", 2)
+
+    def bf16_row_gathers(laid_out):
+        loss = lambda x, wg, wu, wd, ew: jnp.sum(
+            moe_pipeline.moe_mlp(
+                x, wg, wu, wd, ids, ew, activation="silu", deterministic=True, laid_out=laid_out
+            ).astype(F32)
+            ** 2
+        )
+        text = cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), x, *ws, ew)
+        assert grouped_gemms(text) == 6
+        lines = [line for line in text.splitlines() if "stablehlo.gather" in line]
+        return sum(bool(re.search(r"-> tensor<\d+x\d+xbf16>", line)) for line in lines)
+
+    assert bf16_row_gathers(None) == bf16_row_gathers(True) <= 4 < bf16_row_gathers(False)
 
 
 def test_exported_from_the_package():

@@ -41,6 +41,7 @@ class Options:
 
     deterministic: bool
     layout: str = "nk"  # "nk": w [G, d_out, d_in]; "kn": w [G, d_in, d_out] (lax.ragged_dot's rhs)
+    aligned: bool = False  # x's rows laid out already (primitives.grouped.Call.aligned)
 
 
 def plans(x, w, options: Options):
@@ -68,9 +69,9 @@ def plans(x, w, options: Options):
 def _forward(options: Options, x, w, group_sizes):
     plan, _, _ = plans(x, w, options)
     if options.layout == "kn":
-        y = gemms.dgrad(x, w, group_sizes, plan, deterministic=options.deterministic)
+        y = gemms.dgrad(x, w, group_sizes, plan, deterministic=options.deterministic, aligned=options.aligned)
     else:
-        y = gemms.fwd(x, w, group_sizes, plan, deterministic=options.deterministic)
+        y = gemms.fwd(x, w, group_sizes, plan, deterministic=options.deterministic, aligned=options.aligned)
     # w is kept as given (an FP32 master stays FP32: the backward's GEMMs round it to bf16,
     # and a second derivative's dw comes from the FP32 sum in w's dtype too)
     return y, (x, w, group_sizes)
@@ -81,24 +82,25 @@ def _backward(options: Options, specs, saved, dy):
     x_spec, w_spec, _ = specs
     _, input_plan, weight_plan = plans(x, w, options)
     dy = dy.astype(_BF16)
-    det = options.deterministic
+    det, aligned = options.deterministic, options.aligned
     if options.layout == "kn":
-        dx = gemms.fwd(dy, w, group_sizes, input_plan, deterministic=det, out_spec=x_spec)
-        dw = gemms.wgrad(x, dy, group_sizes, weight_plan, deterministic=det, out_spec=w_spec)
+        dx = gemms.fwd(dy, w, group_sizes, input_plan, deterministic=det, out_spec=x_spec, aligned=aligned)
+        dw = gemms.wgrad(x, dy, group_sizes, weight_plan, deterministic=det, out_spec=w_spec, aligned=aligned)
     else:
-        dx = gemms.dgrad(dy, w, group_sizes, input_plan, deterministic=det, out_spec=x_spec)
-        dw = gemms.wgrad(dy, x, group_sizes, weight_plan, deterministic=det, out_spec=w_spec)
+        dx = gemms.dgrad(dy, w, group_sizes, input_plan, deterministic=det, out_spec=x_spec, aligned=aligned)
+        dw = gemms.wgrad(dy, x, group_sizes, weight_plan, deterministic=det, out_spec=w_spec, aligned=aligned)
     return dx, dw, None
 
 
 _grouped = sharded_vjp(_forward, _backward)
 
 
-def project_grouped(x, w, group_sizes, *, deterministic: bool, layout: str = "nk"):
+def project_grouped(x, w, group_sizes, *, deterministic: bool, layout: str = "nk", aligned: bool = False):
     """y [M, N] bf16: the grouped projection of x [M, K] bf16 by w (bf16 or FP32 master;
     [G, N, K] for layout "nk", [G, K, N] for "kn") with group_sizes [G] int32, on validated
-    operands."""
-    return _grouped(Options(deterministic=deterministic, layout=layout), x, w, group_sizes)
+    operands. aligned: x's rows are laid out already (group_sizes a PaddedLayout's
+    padded_sizes); y's rows past the groups are then unspecified."""
+    return _grouped(Options(deterministic=deterministic, layout=layout, aligned=aligned), x, w, group_sizes)
 
 
 # --- the gated option: the grouped forward GEMM's gated epilogue (MoE SwiGLU / GeGLU experts) --
@@ -132,6 +134,7 @@ class GatedOptions:
     activation: str  # one of reference.ACTIVATIONS
     w_dtypes: tuple[str, str]  # w_gate's and w_up's dtype names: their gradients' dtypes
     block: int = 1  # the gate/up interleave's block (gated_block)
+    aligned: bool = False  # x's rows laid out already (primitives.grouped.Call.aligned)
 
 
 def gated_block(x, w_gate, w_up) -> int:
@@ -161,11 +164,19 @@ def _gated_plans(x, w, options: GatedOptions):
     )
 
 
+def _in_groups(rows, group_sizes):
+    """[rows, 1] bool: whether each row is in a group (its GEMM rows defined)."""
+    return (jnp.arange(rows, dtype=jnp.int32) < jnp.sum(group_sizes))[:, None]
+
+
 def _gated_forward(options: GatedOptions, x, w_gate, w_up, group_sizes):
     w = stack_gated(w_gate, w_up, options.block)
     plan, _, _ = _gated_plans(x, w, options)
-    gu = remat.name_preactivation(gemms.fwd(x, w, group_sizes, plan, deterministic=options.deterministic))
+    gu = gemms.fwd(x, w, group_sizes, plan, deterministic=options.deterministic, aligned=options.aligned)
+    gu = remat.name_preactivation(gu)
     h = reference.gate(*reference.deinterleave(gu, -1, options.block), options.activation)
+    if options.aligned:  # the rows past the groups were never written: h is 0 there
+        h = jnp.where(_in_groups(h.shape[0], group_sizes), h, jnp.zeros((), h.dtype))
     return h, (x, w_gate, w_up, group_sizes, gu)
 
 
@@ -176,11 +187,20 @@ def _gated_backward(options: GatedOptions, specs, saved, dh):
     g, u = reference.deinterleave(gu, -1, block)
     dg, du = reference.gate_grad(dh.astype(_BF16), g, u, options.activation)
     d_gu = reference.interleave(dg, du, -1, block)
+    if options.aligned:
+        d_gu = jnp.where(_in_groups(d_gu.shape[0], group_sizes), d_gu, jnp.zeros((), d_gu.dtype))
     w = stack_gated(w_gate, w_up, block)
     _, input_plan, weight_plan = _gated_plans(x, w, options)
-    dx = gemms.dgrad(d_gu, w, group_sizes, input_plan, deterministic=det, out_spec=x_spec)
+    aligned = options.aligned
+    dx = gemms.dgrad(d_gu, w, group_sizes, input_plan, deterministic=det, out_spec=x_spec, aligned=aligned)
     dw = gemms.wgrad(
-        d_gu, x, group_sizes, weight_plan, deterministic=det, out_spec=wg_spec if wg_spec == wu_spec else None
+        d_gu,
+        x,
+        group_sizes,
+        weight_plan,
+        deterministic=det,
+        out_spec=wg_spec if wg_spec == wu_spec else None,
+        aligned=aligned,
     )
     dw_gate, dw_up = reference.deinterleave(dw, 1, block)
     return dx, dw_gate.astype(w_gate.dtype), dw_up.astype(w_up.dtype), None
@@ -189,14 +209,19 @@ def _gated_backward(options: GatedOptions, specs, saved, dh):
 _grouped_gated = sharded_vjp(_gated_forward, _gated_backward)
 
 
-def project_grouped_gated(x, w_gate, w_up, group_sizes, *, activation: str, deterministic: bool, block=None):
+def project_grouped_gated(
+    x, w_gate, w_up, group_sizes, *, activation: str, deterministic: bool, block=None, aligned: bool = False
+):
     """h [M, F] bf16 = act(x Wg[g]^T) * (x Wu[g]^T) per group of rows, for validated x [M,
     d_in] bf16 (rows sorted by group), w_gate, w_up [G, F, d_in] (bf16 or FP32 masters) and
-    group_sizes [G] int32. block: the interleave's (None: gated_block's)."""
+    group_sizes [G] int32. block: the interleave's (None: gated_block's). aligned: x's rows
+    are laid out already (group_sizes a PaddedLayout's padded_sizes); h's rows past the
+    groups are 0 either way."""
     options = GatedOptions(
         deterministic=deterministic,
         activation=activation,
         w_dtypes=(jnp.dtype(w_gate.dtype).name, jnp.dtype(w_up.dtype).name),
         block=gated_block(x, w_gate, w_up) if block is None else block,
+        aligned=aligned,
     )
     return _grouped_gated(options, x, w_gate, w_up, group_sizes)

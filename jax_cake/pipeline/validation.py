@@ -172,9 +172,7 @@ def check_accumulator(fn: str, acc, w) -> None:
             f"{jnp.dtype(acc.dtype).name}; start it with jnp.zeros(w.shape, jnp.float32)"
         )
     if tuple(acc.shape) != tuple(w.shape):
-        raise ValueError(
-            f"{fn}: grad_accumulator must have w's shape {tuple(w.shape)}, got shape {tuple(acc.shape)}"
-        )
+        raise ValueError(f"{fn}: grad_accumulator must have w's shape {tuple(w.shape)}, got shape {tuple(acc.shape)}")
 
 
 def check_accumulator_varying(fn: str, x, w, acc) -> None:

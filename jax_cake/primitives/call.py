@@ -37,6 +37,7 @@ from jax_cake.primitives import batching, gemm, partitioning
 # The plan of each GEMM role's "add" epilogue, for given sizes and device.
 _ADD_PLANNERS = {"fwd": plan_residual, "wgrad": plan_accumulate}
 
+
 def sizes(op: str, a_shape, b_shape) -> dict:
     """The planner's sizes (tokens, d_in, d_out[, batch]) of GEMM `op` on operand shapes.
 

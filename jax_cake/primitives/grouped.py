@@ -164,6 +164,7 @@ class PaddedLayout:
     row_table: Any
     k_table: Any
     capacity: int
+    padded_sizes: Any = None  # [G] int32: each group's rows rounded up to GROUP_ROW_ALIGN
 
     def lay_out(self, a):
         """a [M, n] laid out: [capacity, n], each row at dest, zeros elsewhere. A gather (by
@@ -181,8 +182,6 @@ def padded_layout(group_sizes, rows: int, k_tile: int) -> PaddedLayout:
     rules for negative sizes and a sum above rows), computed on the device; k_table counts
     K tiles of k_tile rows (the wgrad kernel's tile_k, a divisor of GROUP_ROW_ALIGN)."""
     align = contract.GROUP_ROW_ALIGN
-    if align % k_tile:
-        raise ValueError(f"padded_layout: k_tile={k_tile} does not divide {align}, the groups' row alignment")
     groups = group_sizes.shape[0]
     capacity = -(-(rows + (align - 1) * groups) // align) * align
     sizes = reference.grouped_sizes(group_sizes, rows)
@@ -194,17 +193,43 @@ def padded_layout(group_sizes, rows: int, k_tile: int) -> PaddedLayout:
     group = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)  # G: past the groups
     g = jnp.minimum(group, groups - 1)
     dest = jnp.where(group < groups, padded_starts[g] + r - (ends[g] - sizes[g]), capacity)
-    tile_starts = jnp.arange(capacity // align, dtype=jnp.int32) * align
-    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, tile_starts, side="right"), groups - 1)
+    tile_group, row_table, k_table = _tables(padded_ends, capacity, k_tile)
     # Each buffer row's source row: the offset into its tile's group, M past the group's rows.
     p = jnp.arange(capacity, dtype=jnp.int32)
     pg = tile_group[p // align]
     offset = p - padded_starts[pg]
     source = jnp.where(offset < sizes[pg], ends[pg] - sizes[pg] + offset, rows)
+    return PaddedLayout(
+        dest.astype(jnp.int32), source.astype(jnp.int32), row_table, k_table, capacity, padded.astype(jnp.int32)
+    )
+
+
+def _tables(padded_ends, capacity: int, k_tile: int):
+    """(tile_group, row_table, k_table) of a buffer of `capacity` rows whose groups end at
+    padded_ends [G] (multiples of GROUP_ROW_ALIGN): PaddedLayout's tables."""
+    align = contract.GROUP_ROW_ALIGN
+    if align % k_tile:
+        raise ValueError(f"padded_layout: k_tile={k_tile} does not divide {align}, the groups' row alignment")
+    groups = padded_ends.shape[0]
+    tile_starts = jnp.arange(capacity // align, dtype=jnp.int32) * align
+    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, tile_starts, side="right"), groups - 1)
     used_tiles = padded_ends[-1] // align
     row_table = jnp.concatenate([tile_group, used_tiles[None]]).astype(jnp.int32)
+    padded_starts = jnp.concatenate([jnp.zeros((1,), padded_ends.dtype), padded_ends[:-1]])
     k_table = (jnp.concatenate([padded_starts, padded_ends[-1:]]) // k_tile).astype(jnp.int32)
-    return PaddedLayout(dest.astype(jnp.int32), source.astype(jnp.int32), row_table, k_table, capacity)
+    return tile_group, row_table, k_table
+
+
+def _aligned_kernel(plan: Plan, a, b, group_sizes):
+    """The grouped kernel of plan.op on rows already laid out: group_sizes multiples of
+    GROUP_ROW_ALIGN, summing to at most a's rows (Call.aligned). Rows past the groups are
+    not written."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    _, row_table, k_table = _tables(ends, a.shape[0], plan.tile[2])
+    if plan.op == "grouped_wgrad":
+        return gemm_lib.grouped_wgrad(a, b, k_table, plan)
+    role = gemm_lib.grouped_fwd if plan.op == "grouped_fwd" else gemm_lib.grouped_dgrad
+    return role(a, b, row_table, plan)
 
 
 def _kernel(plan: Plan, a, b, group_sizes):
@@ -224,6 +249,11 @@ class Call:
     plan: Plan
     deterministic: bool = True
     out_spec: Any = None
+    # The operands' rows already laid out (PaddedLayout's buffer, the group sizes its
+    # padded_sizes: multiples of GROUP_ROW_ALIGN, their sum at most the rows): the kernels run
+    # on them as they are, and the rows of fwd and dgrad past the groups are unspecified
+    # (the XLA path's 0, the kernels' unwritten) for the caller to mask or never read.
+    aligned: bool = False
 
 
 def _gemm(call: Call, a, b, group_sizes):
@@ -245,7 +275,8 @@ def _gemm(call: Call, a, b, group_sizes):
                 plan.op,
             )
             return xla(a, b, group_sizes)
-        return jax.lax.platform_dependent(a, b, group_sizes, default=xla, cuda=functools.partial(_kernel, plan))
+        kernel = _aligned_kernel if call.aligned else _kernel
+        return jax.lax.platform_dependent(a, b, group_sizes, default=xla, cuda=functools.partial(kernel, plan))
 
     @gemm.def_vmap
     def rule(axis_size, in_batched, a, b, group_sizes):
@@ -304,7 +335,7 @@ def _role_bwd(call, saved, g):
 
     def run(role, p, q, spec, out_dtype="bfloat16"):
         plan = _plan(role, p, q, groups, call, out_dtype=out_dtype)
-        return _role(p, q, group_sizes, Call(plan, call.deterministic, spec))
+        return _role(p, q, group_sizes, Call(plan, call.deterministic, spec, call.aligned))
 
     if op == "grouped_fwd":  # a = x, b = w
         da, db = run("grouped_dgrad", g, b, a_spec), run("grouped_wgrad", g, a, b_spec, w_dtype)
@@ -318,25 +349,26 @@ def _role_bwd(call, saved, g):
 _role.defvjp(_role_fwd, _role_bwd)
 
 
-def fwd(x, w, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None):
+def fwd(x, w, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None, aligned: bool = False):
     """y [M, N] bf16, y[r] = x[r] . w[g(r)]^T: x [M, K] bf16, w [G, N, K] bf16 or an FP32
     master; rows past the groups are 0. plan: op "grouped_fwd". deterministic: for the
     plans of its backward. out_spec: y's PartitionSpec under Explicit axes (None: the
-    rule's)."""
+    rule's). aligned: x's rows are laid out already (Call.aligned; rows past the groups
+    unspecified)."""
     _check(plan, "grouped_fwd")
-    return _role(x, w, group_sizes, Call(plan, bool(deterministic), out_spec))
+    return _role(x, w, group_sizes, Call(plan, bool(deterministic), out_spec, bool(aligned)))
 
 
-def dgrad(dy, w, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None):
+def dgrad(dy, w, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None, aligned: bool = False):
     """dx [M, K] bf16, dx[r] = dy[r] . w[g(r)]: dy [M, N] bf16, w [G, N, K] bf16 or an FP32
     master; rows past the groups are 0. plan: op "grouped_dgrad"."""
     _check(plan, "grouped_dgrad")
-    return _role(dy, w, group_sizes, Call(plan, bool(deterministic), out_spec))
+    return _role(dy, w, group_sizes, Call(plan, bool(deterministic), out_spec, bool(aligned)))
 
 
-def wgrad(dy, x, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None):
+def wgrad(dy, x, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None, aligned: bool = False):
     """dw [G, N, K] in plan.out_dtype from the FP32 sum, dw[g] = dy[rows of g]^T . x[rows of
     g]: dy [M, N], x [M, K] bf16; exactly 0 for an empty group. plan: op "grouped_wgrad"
     (G = plan.groups)."""
     _check(plan, "grouped_wgrad")
-    return _role(dy, x, group_sizes, Call(plan, bool(deterministic), out_spec))
+    return _role(dy, x, group_sizes, Call(plan, bool(deterministic), out_spec, bool(aligned)))

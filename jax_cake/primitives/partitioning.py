@@ -212,6 +212,7 @@ def reduce(y, decision: Decision):
 
 # --- Auto axes and GSPMD: custom_partitioning -----------------------------------------
 
+
 class ShardGemm(Protocol):
     """The GEMM run on each shard (jax_cake.primitives.call.PlannedGemm): hashable (static
     under custom_partitioning), with the dtype of its result."""
