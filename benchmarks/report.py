@@ -71,6 +71,7 @@ SOURCES = (
     Source("model_2026-12-04_h200.csv", _H200, "2026-12-04"),
     Source("model_2026-12-05_h100.csv", _H100, "2026-12-05"),
     Source("grouped_2026-12-07_h100.csv", _H100, "2026-12-07"),
+    Source("model_2026-12-07_h100.csv", _H100, "2026-12-07"),
 )
 CSVS = tuple(os.path.join("benchmarks", "data", s.file) for s in SOURCES)
 BEGIN = "<!-- report:begin -->"
