@@ -487,6 +487,30 @@ def step_spans(
     return [spans[c * steps : (c + 1) * steps] for c in range(calls)]
 
 
+def kernel_breakdown(events, markers: set[str], steps: int) -> list[dict]:
+    """What the GPU ran in `steps` steps, per kernel name without XLA's numeric suffixes:
+    launches and device time per step (`us`), most time first; the flush kernels (`markers`)
+    are left out. Kernels that overlap count in full, so the sum can exceed a step's span."""
+    totals: dict[str, list[int]] = {}
+    for start, end, name in events:
+        base = base_kernel_name(name)
+        if base not in markers:
+            launches_ns = totals.setdefault(base, [0, 0])
+            launches_ns[0] += 1
+            launches_ns[1] += end - start
+    rows = [{"kernel": k, "launches": n / steps, "us": ns / 1e3 / steps} for k, (n, ns) in totals.items()]
+    return sorted(rows, key=lambda r: (-r["us"], r["kernel"]))
+
+
+def top_kernels(rows: Sequence[dict], n: int) -> list[dict]:
+    """The first n rows of a kernel_breakdown, then one "(the other k kernels)" row summing the rest."""
+    rest = rows[n:]
+    if not rest:
+        return list(rows)
+    other = {"kernel": f"(the other {len(rest)} kernels)", "launches": sum(r["launches"] for r in rest)}
+    return [*rows[:n], dict(other, us=sum(r["us"] for r in rest))]
+
+
 _markers_cache: dict[tuple[int, int], tuple[set[str], int]] = {}  # (names, kernels per flush)
 
 
@@ -550,6 +574,13 @@ class DeviceTimer:
             for call in step_spans(events, self.markers, len(calls), self.steps, self.kernels_per_flush)
         ]
 
+    def kernels(self, call: Callable) -> list[dict]:
+        """The kernel_breakdown of one call(buf) -> buf (its `steps` steps)."""
+        session = ProfileSession()
+        self.buf = call(self.buf)
+        self.buf.block_until_ready()
+        return kernel_breakdown(device_events(session.stop())[0], self.markers, self.steps)
+
 
 class WallTimer:
     """Host wall time per step of each call, flush included: for runs without a GPU."""
@@ -567,6 +598,10 @@ class WallTimer:
             self.buf.block_until_ready()
             out.append([(time.perf_counter() - t0) * 1e6 / self.steps] * self.steps)
         return out
+
+    def kernels(self, call: Callable) -> None:
+        """No kernel breakdown without the device timeline."""
+        return None
 
 
 def cublas_group_times(op: str, point: Point, steps: int, groups: int, flush_mb: int) -> list[float] | None:

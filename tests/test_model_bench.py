@@ -175,3 +175,46 @@ def test_cli_writes_markdown_and_csv_with_the_cold_row():
     for r in rows:
         assert float(r["XLA ms"]) > 0 and float(r["jax_cake ms"]) > 0 and float(r["loss rel diff"]) < 1e-2
     assert float(rows[0]["XLA temp MiB"]) >= 0 and rows[1]["XLA temp MiB"] == ""
+
+
+def test_the_kernel_breakdown_sums_each_kernel_per_step_without_the_flushes():
+    events = [  # (start ns, end ns, name) of two steps, each ended by its flush
+        (0, 4000, "jax_cake_fwd_128x256"),
+        (4000, 5000, "loop_multiply_fusion"),
+        (5000, 6000, "flush_xor_fusion"),
+        (6000, 10000, "jax_cake_fwd_128x256"),
+        (10000, 12000, "loop_multiply_fusion_3"),
+        (12000, 12500, "input_reduce_fusion.2"),
+        (12500, 13500, "flush_xor_fusion"),
+    ]
+    rows = harness.kernel_breakdown(events, {"flush_xor_fusion"}, steps=2)
+    assert rows == [
+        {"kernel": "jax_cake_fwd_128x256", "launches": 1.0, "us": 4.0},
+        {"kernel": "loop_multiply_fusion", "launches": 1.0, "us": 1.5},
+        {"kernel": "input_reduce_fusion", "launches": 0.5, "us": 0.25},
+    ]
+    top = harness.top_kernels(rows, 1)
+    assert top[0] == rows[0] and top[1] == {"kernel": "(the other 2 kernels)", "launches": 1.5, "us": 1.75}
+    assert harness.top_kernels(rows, 3) == rows
+
+
+def test_top_kernels_lists_each_arms_busiest_kernels_after_the_table():
+    case = mb.make_case("mlp", TINY, True)
+    timer = harness.make_timer("wall", harness.flush_buffer(1), 1)
+    out = mb.measure_case(case, timer, steps=1, groups=1, top_kernels=3)
+    assert {arm: r["kernels"] for arm, r in out.items()} == {arm: None for arm in case.arms}  # no device timeline
+    samples = [dict(case="mlp", label=case.label, arm=a, mode="g", run=0, **r) for a, r in out.items()]
+    text = mb.kernels_markdown(samples)
+    assert f"Kernels of one step: {case.label}, XLA (g):" in text and "n/a: host wall time" in text
+
+    gpu = [  # what a GPU run brings back: run 0's breakdown is shown, run 1's not
+        dict(case="moe", label="MoE", arm="jax_cake", mode="g", run=0, kernels=[
+            {"kernel": "jax_cake_fwd", "launches": 2.0, "us": 300.0},
+            {"kernel": "(the other 4 kernels)", "launches": 9.0, "us": 100.0},
+        ]),
+        dict(case="moe", label="MoE", arm="jax_cake", mode="g", run=1, kernels=[{"kernel": "x", "launches": 1.0, "us": 1.0}]),
+    ]
+    text = mb.kernels_markdown(gpu)
+    assert text.count("Kernels of one step") == 1 and "Kernels of one step: MoE, jax_cake (g):" in text
+    assert "| jax_cake_fwd | 2.000 | 300.0 | 75.0% |" in text and "| (the other 4 kernels) | 9.000 | 100.0 | 25.0% |" in text
+    assert mb.kernels_markdown([{k: v for k, v in gpu[0].items() if k != "kernels"}]) == ""

@@ -50,7 +50,10 @@ executable of --steps unrolled (step, L2 flush) pairs, the arms in paired groups
 device time); the table shows the median over runs of each run's median group, in ms. The
 temp columns are the compiled single step's `memory_analysis().temp_size_in_bytes`. An arm
 that fails to compile or run (out of memory, say) is named with its error in the status
-column and not timed; the case's other arms still are.
+column and not timed; the case's other arms still are. `--top_kernels=N` adds, after the
+table, each arm's N busiest GPU kernels of one step (run 0's: one more call profiled on its
+own, device time and launches per kernel name, XLA's numeric suffixes dropped): where a
+step's time goes.
 """
 
 from __future__ import annotations
@@ -407,10 +410,12 @@ def make_case(name: str, s: Sizes, deterministic: bool) -> Case:
 # --- a child: one (run, mode) ---------------------------------------------------------------
 
 
-def measure_case(case: Case, timer, steps: int, groups: int) -> dict[str, dict]:
+def measure_case(case: Case, timer, steps: int, groups: int, top_kernels: int = 0) -> dict[str, dict]:
     """{arm: {"groups_us", "loss", "temp_bytes", "status"}} of one case, its arms paired.
     An arm that fails to compile or run (out of memory, say) gets its failure as the status
-    and no times; the others are still timed."""
+    and no times; the others are still timed. With top_kernels, each timed arm also gets
+    "kernels": its top_kernels busiest GPU kernels of one more call, profiled on its own
+    (harness.top_kernels; None without the device timeline)."""
     import jax
 
     x, params, opt = case.inputs()
@@ -437,6 +442,9 @@ def measure_case(case: Case, timer, steps: int, groups: int) -> dict[str, dict]:
     if calls:
         for arm, times in harness.paired_groups(timer, calls, groups).items():
             out[arm]["groups_us"] = times
+    for arm, call in calls.items() if top_kernels else ():
+        breakdown = timer.kernels(call)
+        out[arm]["kernels"] = None if breakdown is None else harness.top_kernels(breakdown, top_kernels)
     return out
 
 
@@ -451,6 +459,7 @@ def collect(
     flush_mb: int,
     timer_kind: str,
     deterministic: bool = True,
+    top_kernels: int = 0,
 ) -> list[dict]:
     """One sample per (case, arm) measured in this process."""
     timer = harness.make_timer(timer_kind, harness.flush_buffer(flush_mb), steps)
@@ -458,7 +467,7 @@ def collect(
     for i, name in enumerate(cases):
         print(f"[{mode} run {run}] {i + 1}/{len(cases)} {name} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
         case = make_case(name, sizes, deterministic)
-        for arm, result in measure_case(case, timer, steps, groups).items():
+        for arm, result in measure_case(case, timer, steps, groups, top_kernels).items():
             samples.append({"case": name, "label": case.label, "arm": arm, "mode": mode, "run": run, **result})
     return samples
 
@@ -598,6 +607,28 @@ def markdown(header_text: str, rows: Sequence[dict]) -> str:
     return "\n".join([header_text, "", *md.table(COLUMNS, cells)]) + "\n"
 
 
+KERNEL_COLUMNS = ("kernel", "launches", "us", "share")
+
+
+def kernels_markdown(samples: Sequence[dict]) -> str:
+    """Per (case, mode, arm) with a "kernels" breakdown, its first run's: a table of the
+    busiest kernels of one step (launches and device time per step, share of the kernels'
+    total). Empty where no sample has one."""
+    out = []
+    for s in samples:
+        if "kernels" not in s or s["run"] != 0:
+            continue
+        arm = "XLA" if s["arm"] == "xla" else s["arm"]
+        out += ["", f"Kernels of one step: {s['label']}, {arm} ({s['mode']}):", ""]
+        if s["kernels"] is None:
+            out.append("n/a: host wall time has no device timeline (--timer=device on a GPU).")
+            continue
+        total = sum(k["us"] for k in s["kernels"]) or 1.0
+        cells = ([k["kernel"], md.number(k["launches"]), md.number(k["us"]), f"{k['us'] / total:.1%}"] for k in s["kernels"])
+        out += md.table(KERNEL_COLUMNS, cells)
+    return "\n".join(out) + ("\n" if out else "")
+
+
 def _cell(column: str, v) -> str:
     if column == "loss rel diff" and isinstance(v, float):
         return f"{v:.1e}"
@@ -607,7 +638,7 @@ def _cell(column: str, v) -> str:
 # --- entry point --------------------------------------------------------------------------------
 
 SIZE_FLAGS = tuple(f.name for f in dataclasses.fields(Sizes))
-READS = ("cases", "cold_case", "cold_runs", "deterministic", "cold_child", "cold_t0", *SIZE_FLAGS)
+READS = ("cases", "cold_case", "cold_runs", "deterministic", "top_kernels", "cold_child", "cold_t0", *SIZE_FLAGS)
 
 
 def define_flags() -> None:
@@ -623,6 +654,9 @@ def define_flags() -> None:
     flags.DEFINE_string("cold_case", "block", f"model: the case the cold row times the first step of, {TIMED_CASES}.")
     flags.DEFINE_integer("cold_runs", 2, "model: fresh processes per arm for the cold row.")
     flags.DEFINE_bool("deterministic", True, "model: the jax_cake arms' deterministic flag (the library's default).")
+    flags.DEFINE_integer(
+        "top_kernels", 0, "model: list each arm's N busiest GPU kernels of one step after the table (0: none)."
+    )
     flags.DEFINE_string("cold_child", None, "Internal: time a cold first step of this arm (xla, jax_cake).")
     flags.DEFINE_float("cold_t0", None, "Internal: the cold child's spawn time (time.time()).")
 
@@ -663,7 +697,9 @@ def child(mode: str, run: int, timer_kind: str) -> list[dict]:
         return [cold_child(FLAGS.cold_case, FLAGS.cold_child, sizes, FLAGS.cold_t0, FLAGS.deterministic)]
     timed = [c for c in FLAGS.cases if c != "cold"]
     common = dict(steps=FLAGS.steps, groups=FLAGS.groups, flush_mb=FLAGS.flush_mb, timer_kind=timer_kind)
-    return collect(timed, sizes, mode=mode, run=run, deterministic=FLAGS.deterministic, **common)
+    return collect(
+        timed, sizes, mode=mode, run=run, deterministic=FLAGS.deterministic, top_kernels=FLAGS.top_kernels, **common
+    )
 
 
 def parent(argv: Sequence[str], modes: Sequence[str]) -> tuple[dict, list[dict]]:
@@ -692,7 +728,8 @@ def report(header: dict, samples: Sequence[dict]) -> harness.Report:
     command = " ".join(["python -m benchmarks.bench", *sys.argv[1:]])
     timed = [s for s in samples if s["case"] != "cold"]
     rows = table_rows(timed, cold, case_label(FLAGS.cold_case, sizes_from_flags()))
-    return harness.Report(markdown(header_line(header, command, protocol), rows), COLUMNS, rows)
+    text = markdown(header_line(header, command, protocol), rows) + kernels_markdown(timed)
+    return harness.Report(text, COLUMNS, rows)
 
 
 FAMILY = harness.Family(
