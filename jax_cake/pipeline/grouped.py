@@ -14,7 +14,10 @@ grouped dgrad GEMM, dx = dy w_kn[g]^T the grouped fwd GEMM and dw_kn[g] = x[g]^T
 grouped wgrad with its operands swapped.
 
 The group sizes' rules (negative sizes count as 0, groups cut at M, rows past the sum get
-y = 0 and dx = 0) are reference.grouped_sizes's, applied inside every GEMM. Plans are made
+y = 0 and dx = 0) are reference.grouped_sizes's, applied inside every GEMM. With `aligned`
+(moe_mlp's rows, already in the grouped kernels' layout) the rows past the groups are
+unspecified in the GEMMs' results, and h and the gated backward's d_gu are masked to 0
+there. Plans are made
 at trace time from the static shapes and the device (jax_cake.planner.grouped); the
 backward makes them again from the saved operands. Each GEMM role is itself a custom_vjp
 whose backward is the other roles, so this backward can be differentiated (grad of grad).

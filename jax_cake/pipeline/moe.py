@@ -11,9 +11,10 @@ expert_ids [T, k] (an integer dtype), expert_weights [T, k] (float32 or bfloat16
    stable sort of the key e[t, j] (copies whose id is outside [0, G) get the key G: they
    sort last), so the order is deterministic: by expert, then by copy. group_sizes [G]
    int32 = the per-expert counts (from the sorted keys, no scatter). Copies with an id
-   outside [0, G) are past sum(group_sizes): the grouped GEMMs give them h = 0 and an
-   output of 0, they add nothing to any weight gradient, read no weight out of bounds, and
-   their routing weight is replaced by 0 in the combine (so y and every gradient stay
+   outside [0, G) are past sum(group_sizes): in expert order the grouped GEMMs give them
+   h = 0 and an output of 0, in the row layout no row holds them and the combine's gather
+   reads 0 for them; either way they add nothing to any weight gradient, read no weight out
+   of bounds, and their routing weight is replaced by 0 in the combine (so y and every gradient stay
    finite whatever it holds); their expert_weights gradient is 0.
 2. dispatch: each token copy's row of x (a gather, `_dispatch`) into the experts' rows.
    Its transpose (`_collect`) sums each token's k copies in FP32 in a fixed order (j = 0 ..

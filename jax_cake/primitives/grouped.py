@@ -29,7 +29,9 @@ the rows laid out group by group (`PaddedLayout`): each group's rows copied to s
 multiple of contract.GROUP_ROW_ALIGN rows (zeros between), so that every 128-row tile
 belongs to one group; the layout is computed on the device from group_sizes (no host
 sync). fwd and dgrad gather their rows back (rows past the groups: 0); wgrad sums each
-group's K tiles of the laid-out dy and x. Elsewhere, under vmap and where the operands
+group's K tiles of the laid-out dy and x. An aligned call (Call.aligned: moe_mlp's rows,
+laid out by its caller) skips both: its rows and results stay in the layout, and on the
+kernel path rows past the groups' padded ends are unspecified (the caller masks them). Elsewhere, under vmap and where the operands
 would need partitioning, the XLA path runs the same semantics. Around it:
 
 - vmap: a `custom_vmap` rule broadcasts the operands the vmapped axis does not carry and
@@ -157,14 +159,15 @@ class PaddedLayout:
     holds (M for a padding row: 0); row_table [capacity / 128 + 1] int32: each 128-row tile's group
     (the last group for tiles past the rows), then how many tiles hold rows (the fwd and
     dgrad kernels' table); k_table [G + 1] int32: each group's first K tile (of the wgrad
-    kernel's tile_k rows), then the end (the wgrad kernel's)."""
+    kernel's tile_k rows), then the end (the wgrad kernel's); padded_sizes [G] int32: each
+    group's row count rounded up to GROUP_ROW_ALIGN (an aligned caller's group sizes)."""
 
     dest: Any
     source: Any
     row_table: Any
     k_table: Any
     capacity: int
-    padded_sizes: Any = None  # [G] int32: each group's rows rounded up to GROUP_ROW_ALIGN
+    padded_sizes: Any
 
     def lay_out(self, a):
         """a [M, n] laid out: [capacity, n], each row at dest, zeros elsewhere. A gather (by
@@ -209,7 +212,7 @@ def _tables(padded_ends, capacity: int, k_tile: int):
     padded_ends [G] (multiples of GROUP_ROW_ALIGN): PaddedLayout's tables."""
     align = contract.GROUP_ROW_ALIGN
     if align % k_tile:
-        raise ValueError(f"padded_layout: k_tile={k_tile} does not divide {align}, the groups' row alignment")
+        raise ValueError(f"grouped tables: k_tile={k_tile} does not divide {align}, the groups' row alignment")
     groups = padded_ends.shape[0]
     tile_starts = jnp.arange(capacity // align, dtype=jnp.int32) * align
     tile_group = jnp.minimum(jnp.searchsorted(padded_ends, tile_starts, side="right"), groups - 1)
@@ -361,7 +364,7 @@ def fwd(x, w, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=N
 
 def dgrad(dy, w, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None, aligned: bool = False):
     """dx [M, K] bf16, dx[r] = dy[r] . w[g(r)]: dy [M, N] bf16, w [G, N, K] bf16 or an FP32
-    master; rows past the groups are 0. plan: op "grouped_dgrad"."""
+    master; rows past the groups are 0 (aligned: as fwd's). plan: op "grouped_dgrad"."""
     _check(plan, "grouped_dgrad")
     return _role(dy, w, group_sizes, Call(plan, bool(deterministic), out_spec, bool(aligned)))
 
@@ -369,6 +372,7 @@ def dgrad(dy, w, group_sizes, plan: Plan, *, deterministic: bool = True, out_spe
 def wgrad(dy, x, group_sizes, plan: Plan, *, deterministic: bool = True, out_spec=None, aligned: bool = False):
     """dw [G, N, K] in plan.out_dtype from the FP32 sum, dw[g] = dy[rows of g]^T . x[rows of
     g]: dy [M, N], x [M, K] bf16; exactly 0 for an empty group. plan: op "grouped_wgrad"
-    (G = plan.groups)."""
+    (G = plan.groups). aligned: dy and x laid out already, group_sizes the padded sizes, the
+    rows in each group's padding 0 in dy or x (Call.aligned)."""
     _check(plan, "grouped_wgrad")
     return _role(dy, x, group_sizes, Call(plan, bool(deterministic), out_spec, bool(aligned)))
