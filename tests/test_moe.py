@@ -14,12 +14,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 import jax_cake as jc
 from jax_cake import logs
 from jax_cake.pipeline import moe as moe_pipeline
-from helpers import assert_raises_naming, assert_same_values, cuda_text, f64, grouped_gemms, rand, rel_err
+from helpers import (
+    H200,
+    assert_raises_naming,
+    assert_same_values,
+    cuda_text,
+    f64,
+    faked_device,
+    grouped_gemms,
+    rand,
+    rel_err,
+)
 from second_order_cases import check, hvp
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -600,6 +610,18 @@ def test_the_kernel_path_gathers_rows_only_at_the_dispatch_and_the_combine():
         return sum(bool(re.search(r"-> tensor<\d+x\d+xbf16>", line)) for line in lines)
 
     assert bf16_row_gathers(None) == bf16_row_gathers(True) <= 4 < bf16_row_gathers(False)
+
+
+def test_the_row_layout_is_chosen_only_where_the_kernels_run():
+    """laid_out=None lays the rows out where the grouped kernels run: planned for the device
+    (the faked H200, not the CPU) on operands that need no partitioning (a one-device mesh,
+    not an eight-device one under plain jit, where the GEMMs run XLA's ragged dot)."""
+    x, (wg, _, _) = _x(), _weights()
+    assert not moe_pipeline.uses_kernels(x, wg, 2)
+    with faked_device():
+        assert moe_pipeline.uses_kernels(x, wg, 2)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((8,), ("data",), abstract_device=H200)):
+        assert not moe_pipeline.uses_kernels(x, wg, 2)
 
 
 def test_exported_from_the_package():

@@ -231,11 +231,13 @@ def _rows(perm, inv, group_sizes, laid_out: bool):
 
 
 def uses_kernels(x, w_gate, k: int) -> bool:
-    """Whether the experts' grouped forward GEMM plans a kernel at this shape and device."""
+    """Whether the experts' grouped forward GEMM runs a kernel: planned for this shape and
+    device, on operands that need no partitioning (one device, or shard_map's manual axes;
+    elsewhere the GEMMs run XLA's ragged dot, which the row layout would only lengthen)."""
     rows = (x.shape[0] * k, x.shape[1])
     w_shape = (w_gate.shape[0], 2 * w_gate.shape[1], w_gate.shape[2])
     plan = gemms.plan_for("grouped_fwd", rows, w_shape, w_gate.shape[0], device_lib.current(x, w_gate))
-    return plan.uses_kernel
+    return plan.uses_kernel and partitioning.unpartitioned(x, w_gate)
 
 
 def _layer(x, w_gate, w_up, w_down, expert_ids, expert_weights, activation, deterministic, laid_out):
