@@ -442,9 +442,10 @@ def measure_case(case: Case, timer, steps: int, groups: int, top_kernels: int = 
     if calls:
         for arm, times in harness.paired_groups(timer, calls, groups).items():
             out[arm]["groups_us"] = times
-    for arm, call in calls.items() if top_kernels else ():
-        breakdown = timer.kernels(call)
-        out[arm]["kernels"] = None if breakdown is None else harness.top_kernels(breakdown, top_kernels)
+    if top_kernels:
+        for arm, call in calls.items():
+            breakdown = timer.kernels(call)
+            out[arm]["kernels"] = None if breakdown is None else harness.top_kernels(breakdown, top_kernels)
     return out
 
 

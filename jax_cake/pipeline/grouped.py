@@ -17,9 +17,8 @@ The group sizes' rules (negative sizes count as 0, groups cut at M, rows past th
 y = 0 and dx = 0) are reference.grouped_sizes's, applied inside every GEMM. With `aligned`
 (moe_mlp's rows, already in the grouped kernels' layout) the rows past the groups are
 unspecified in the GEMMs' results, and h and the gated backward's d_gu are masked to 0
-there. Plans are made
-at trace time from the static shapes and the device (jax_cake.planner.grouped); the
-backward makes them again from the saved operands. Each GEMM role is itself a custom_vjp
+there. Plans are made at trace time from the static shapes and the device
+(jax_cake.planner.grouped); the backward makes them again from the saved operands. Each GEMM role is itself a custom_vjp
 whose backward is the other roles, so this backward can be differentiated (grad of grad).
 """
 

@@ -14,8 +14,8 @@ expert_ids [T, k] (an integer dtype), expert_weights [T, k] (float32 or bfloat16
    outside [0, G) are past sum(group_sizes): in expert order the grouped GEMMs give them
    h = 0 and an output of 0, in the row layout no row holds them and the combine's gather
    reads 0 for them; either way they add nothing to any weight gradient, read no weight out
-   of bounds, and their routing weight is replaced by 0 in the combine (so y and every gradient stay
-   finite whatever it holds); their expert_weights gradient is 0.
+   of bounds, and their routing weight is replaced by 0 in the combine (so y and every
+   gradient stay finite whatever it holds); their expert_weights gradient is 0.
 2. dispatch: each token copy's row of x (a gather, `_dispatch`) into the experts' rows.
    Its transpose (`_collect`) sums each token's k copies in FP32 in a fixed order (j = 0 ..
    k - 1) and rounds once: dx has no scatter-add and no bf16 partial sums.

@@ -31,8 +31,9 @@ belongs to one group; the layout is computed on the device from group_sizes (no 
 sync). fwd and dgrad gather their rows back (rows past the groups: 0); wgrad sums each
 group's K tiles of the laid-out dy and x. An aligned call (Call.aligned: moe_mlp's rows,
 laid out by its caller) skips both: its rows and results stay in the layout, and on the
-kernel path rows past the groups' padded ends are unspecified (the caller masks them). Elsewhere, under vmap and where the operands
-would need partitioning, the XLA path runs the same semantics. Around it:
+kernel path rows past the groups' padded ends are unspecified (the caller masks them).
+Elsewhere, under vmap and where the operands would need partitioning, the XLA path runs the
+same semantics. Around it:
 
 - vmap: a `custom_vmap` rule broadcasts the operands the vmapped axis does not carry and
   runs the reference with a leading batch dimension on every operand (one ragged dot with
