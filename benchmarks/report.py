@@ -72,6 +72,7 @@ SOURCES = (
     Source("model_2026-12-05_h100.csv", _H100, "2026-12-05"),
     Source("grouped_2026-12-07_h100.csv", _H100, "2026-12-07"),
     Source("model_2026-12-07_h100.csv", _H100, "2026-12-07"),
+    Source("model_2026-12-07_h200.csv", _H200, "2026-12-07"),
 )
 CSVS = tuple(os.path.join("benchmarks", "data", s.file) for s in SOURCES)
 BEGIN = "<!-- report:begin -->"
@@ -373,14 +374,22 @@ def grouped_table(rows: Sequence[dict]) -> list[str]:
 MODEL_COLUMNS = ("step", "GPU", "date", "XLA ms", "jax_cake ms", "XLA/jax_cake", "temp MiB XLA / jax_cake")
 
 
+def _mib_cell(v) -> str:
+    return "n/a" if v is None else f"{v:.0f}"
+
+
 def model_table(rows: Sequence[dict]) -> list[str]:
-    shown = []
+    """The model steps' table, then one line per step an arm failed at (its status)."""
+    shown, failed = [], []
     for r in rows:
         _, _, date = setup_of(r["_file"])
-        temp = "" if r.get("XLA temp MiB") is None else f"{r['XLA temp MiB']:.0f} / {r['jax_cake temp MiB']:.0f}"
+        temps = (r.get("XLA temp MiB"), r.get("jax_cake temp MiB"))
+        temp = "" if temps == (None, None) else " / ".join(_mib_cell(v) for v in temps)
         speedup = r["XLA ms"] / r["jax_cake ms"] if r.get("XLA ms") and r.get("jax_cake ms") else None
         shown.append(dict(r, GPU=r["_gpu"], date=date, **{"XLA/jax_cake": speedup, "temp MiB XLA / jax_cake": temp}))
-    return md.dict_table(MODEL_COLUMNS, shown)
+        if r.get("status") not in (None, "", "ok"):
+            failed.append(f"n/a at {r['step']} ({r['_gpu']}): {r['status'].removesuffix('.')}.")
+    return md.dict_table(MODEL_COLUMNS, shown) + ([""] + failed if failed else [])
 
 
 # --- pictures ------------------------------------------------------------------------------

@@ -253,6 +253,17 @@ def test_model_steps_keep_the_latest_file_per_gpu(tmp_path):
     assert table_line("\n".join(report.model_table(rows["model"])), "mlp", "n/a", "n/a")[5] == "1.008"
 
 
+def test_a_model_step_an_arm_failed_at_says_why(tmp_path):
+    columns = ["step", "mode", "XLA ms", "jax_cake ms", "XLA/jax_cake", "loss rel diff"]
+    columns += ["XLA temp MiB", "jax_cake temp MiB", "status"]
+    row = {"step": "moe", "mode": "g", "jax_cake ms": 12.1, "jax_cake temp MiB": 1971.8}
+    path = write_csv(tmp_path / "m.csv", columns, [dict(row, status="XLA failed: JaxRuntimeError: OOM.")])
+    rows, _ = report.load([path])
+    text = "\n".join(report.model_table(rows["model"]))
+    assert "| n/a / 1972 |" in text, text
+    assert text.splitlines()[-1].startswith("n/a at moe (") and text.endswith("): XLA failed: JaxRuntimeError: OOM."), text
+
+
 def _grouped_row(d_out, routing, op, mode, jax_cake, xla, dense, cudnn=None):
     row = {"GPU": "H100 80GB HBM3", "SMs": 132, "G": 8, "M": 16384, "d_in -> d_out": f"4096 -> {d_out}"}
     row.update(w="float32", routing=routing, op=op, mode=mode, status="ok")
