@@ -10,6 +10,7 @@ import pytest
 
 import jax_cake as jc
 from jax_cake import contract
+from jax_cake.pipeline.fused import WIDE_D_OUT
 from jax_cake.planner import grouped as grouped_planner
 from jax_cake.primitives import grouped
 from helpers import H200, cuda_text, custom_call_lines, f64, grouped_reference64, rand
@@ -232,3 +233,20 @@ def test_ragged_dot_and_moe_mlp_lower_to_the_kernels():
     # a training step: dh and dx (one dgrad each), and the two weight gradients
     loss = lambda *a: jnp.sum(jc.moe_mlp(*a).astype(F32) ** 2)
     assert _calls(cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3, 5)), xs, wg, wu, wd, ids, ew)) == [2, 2, 2]
+
+
+def test_wide_experts_get_one_weight_gradient_per_weight():
+    """From d_ff = WIDE_D_OUT up, dW_gate and dW_up are two grouped wgrads, each straight
+    into its [G, d_ff, d] FP32 buffer; narrower, one wgrad over the 2 d_ff rows."""
+    t, d, k = 64, 32, 2
+    xs = rand(2, (t, d))
+    ids = jax.random.randint(jax.random.key(6), (t, k), 0, G, jnp.int32)
+    ew = jax.nn.softmax(rand(7, (t, k), F32), axis=-1)
+    loss = lambda *a: jnp.sum(jc.moe_mlp(*a).astype(F32) ** 2)
+    for f, wgrads in ((WIDE_D_OUT, 3), (WIDE_D_OUT - 16, 2)):
+        wg, wu, wd = rand(3, (G, f, d), F32), rand(4, (G, f, d), F32), rand(5, (G, d, f), F32)
+        text = cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3, 5)), xs, wg, wu, wd, ids, ew)
+        assert _calls(text) == [2, 2, wgrads], f
+        shapes = [line.split("->")[-1] for line in custom_call_lines(text, contract.GROUPED_WGRAD_TARGET)]
+        gate_up = f"tensor<{G}x{f}x{d}xf32>" if wgrads == 3 else f"tensor<{G}x{2 * f}x{d}xf32>"
+        assert sum(gate_up in s for s in shapes) == wgrads - 1, shapes

@@ -19,6 +19,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as
 import jax_cake as jc
 from jax_cake import logs
 from jax_cake.pipeline import moe as moe_pipeline
+from jax_cake.pipeline.fused import WIDE_D_OUT
 from helpers import (
     H200,
     assert_raises_naming,
@@ -290,10 +291,11 @@ def _gated_vjp(x, wg, wu, gs, dh, **kw):
 
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("w_dtypes", [(F32, F32), (BF16, BF16), (F32, BF16)])
-def test_grouped_gated_projection_against_float64(activation, w_dtypes):
+@pytest.mark.parametrize("f", [F, WIDE_D_OUT], ids=["narrow", "wide"])  # one wgrad over 2F, or one per weight
+def test_grouped_gated_projection_against_float64(activation, w_dtypes, f):
     m = 96
-    x, dh = rand(0, (m, D), BF16), rand(1, (m, F), BF16)
-    wg, wu = _weights()[0].astype(w_dtypes[0]), _weights()[1].astype(w_dtypes[1])
+    x, dh = rand(0, (m, D), BF16), rand(1, (m, f), BF16)
+    wg, wu = _weights(f=f)[0].astype(w_dtypes[0]), _weights(f=f)[1].astype(w_dtypes[1])
     x = x.at[76:].set(jnp.nan)  # rows past the groups never reach a result
     gs = jnp.asarray(GATED_SIZES, jnp.int32)
     h, dx, dwg, dwu = jax.jit(functools.partial(_gated_vjp, activation=activation))(x, wg, wu, gs, dh)

@@ -29,6 +29,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_cake import contract, reference, remat
+from jax_cake.pipeline.fused import WIDE_D_OUT
 from jax_cake.pipeline.sharded_vjp import sharded_vjp
 from jax_cake.planner import device as device_lib
 from jax_cake.primitives import grouped as gemms
@@ -114,9 +115,13 @@ def project_grouped(x, w, group_sizes, *, deterministic: bool, layout: str = "nk
 #   forward   ONE grouped fwd gu = x W[g]^T ([M, 2F] bf16, the pre-activation, named
 #             remat.PREACTIVATION_NAME), h = reference.gate(g, u): bf16(act(g) * u) in FP32
 #   backward  (dg, du) = reference.gate_grad(dh, g, u) from the saved gu; dx = ONE grouped
-#             dgrad over K = 2F of [dg | du] interleaved; dWg, dWu = ONE grouped wgrad over
-#             the 2F rows (FP32 where either weight is FP32), split by rows, each in its
-#             weight's dtype
+#             dgrad over K = 2F of [dg | du] interleaved; dWg, dWu: where F >= WIDE_D_OUT
+#             (compute bound) one grouped wgrad per weight, from dg and du, straight into
+#             its weight's dtype; narrower, ONE grouped wgrad over the 2F rows (FP32 where
+#             either weight is FP32) split by rows, each cast to its weight's dtype. The
+#             values are the same either way (each dW entry is one FP32 sum over its
+#             group's rows, rounded once); per weight, no [G, 2F, d_in] buffer is written
+#             and split, which halves the step's peak temp memory at MoE sizes
 #
 # Rows past the groups get gu = 0, so h = act(0) * 0 = 0 and they add nothing to dW. The
 # interleave's block is the gated kernel epilogue's (contract.GATE_BLOCK) where F is a
@@ -185,25 +190,31 @@ def _gated_forward(options: GatedOptions, x, w_gate, w_up, group_sizes):
 def _gated_backward(options: GatedOptions, specs, saved, dh):
     x, w_gate, w_up, group_sizes, gu = saved
     x_spec, wg_spec, wu_spec, _ = specs
-    block, det = options.block, options.deterministic
+    block, det, aligned = options.block, options.deterministic, options.aligned
     g, u = reference.deinterleave(gu, -1, block)
     dg, du = reference.gate_grad(dh.astype(_BF16), g, u, options.activation)
+    if aligned:  # the rows past the groups hold unwritten gu: their cotangents are 0
+        in_groups = _in_groups(dg.shape[0], group_sizes)
+        dg, du = (jnp.where(in_groups, d, jnp.zeros((), d.dtype)) for d in (dg, du))
     d_gu = reference.interleave(dg, du, -1, block)
-    if options.aligned:
-        d_gu = jnp.where(_in_groups(d_gu.shape[0], group_sizes), d_gu, jnp.zeros((), d_gu.dtype))
     w = stack_gated(w_gate, w_up, block)
     _, input_plan, weight_plan = _gated_plans(x, w, options)
-    aligned = options.aligned
     dx = gemms.dgrad(d_gu, w, group_sizes, input_plan, deterministic=det, out_spec=x_spec, aligned=aligned)
-    dw = gemms.wgrad(
-        d_gu,
-        x,
-        group_sizes,
-        weight_plan,
-        deterministic=det,
-        out_spec=wg_spec if wg_spec == wu_spec else None,
-        aligned=aligned,
-    )
+    if w_gate.shape[1] >= WIDE_D_OUT:
+        # Compute bound: one wgrad per weight, straight into its dtype and buffer (one wgrad
+        # over 2F writes a [G, 2F, d_in] buffer that the split copies, and holds both halves
+        # at once: 2 x 1.75 GiB in FP32 at Mixtral's experts).
+        device = device_lib.current(x, w)
+        dws = []
+        for d, w_i, spec in ((dg, w_gate, wg_spec), (du, w_up, wu_spec)):
+            dtype = jnp.dtype(w_i.dtype).name
+            plan = gemms.plan_for(
+                "grouped_wgrad", d.shape, x.shape, w.shape[0], device, out_dtype=dtype, deterministic=det
+            )
+            dws.append(gemms.wgrad(d, x, group_sizes, plan, deterministic=det, out_spec=spec, aligned=aligned))
+        return dx, dws[0], dws[1], None
+    out_spec = wg_spec if wg_spec == wu_spec else None
+    dw = gemms.wgrad(d_gu, x, group_sizes, weight_plan, deterministic=det, out_spec=out_spec, aligned=aligned)
     dw_gate, dw_up = reference.deinterleave(dw, 1, block)
     return dx, dw_gate.astype(w_gate.dtype), dw_up.astype(w_up.dtype), None
 
