@@ -73,6 +73,7 @@ SOURCES = (
     Source("grouped_2026-12-07_h100.csv", _H100, "2026-12-07"),
     Source("model_2026-12-07_h100.csv", _H100, "2026-12-07"),
     Source("model_2026-12-07_h200.csv", _H200, "2026-12-07"),
+    Source("model_2026-12-07_h100_moe.csv", _H100, "2026-12-07"),
 )
 CSVS = tuple(os.path.join("benchmarks", "data", s.file) for s in SOURCES)
 BEGIN = "<!-- report:begin -->"
@@ -375,7 +376,10 @@ MODEL_COLUMNS = ("step", "GPU", "date", "XLA ms", "jax_cake ms", "XLA/jax_cake",
 
 
 def _mib_cell(v) -> str:
-    return "n/a" if v is None else f"{v:.0f}"
+    """MiB to the MiB, or to 0.1 below 10 (a temp of 0.3 MiB is not 0)."""
+    if v is None:
+        return "n/a"
+    return f"{v:.0f}" if v >= 10 else f"{v:.1f}"
 
 
 def model_table(rows: Sequence[dict]) -> list[str]:

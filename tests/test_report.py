@@ -257,10 +257,11 @@ def test_a_model_step_an_arm_failed_at_says_why(tmp_path):
     columns = ["step", "mode", "XLA ms", "jax_cake ms", "XLA/jax_cake", "loss rel diff"]
     columns += ["XLA temp MiB", "jax_cake temp MiB", "status"]
     row = {"step": "moe", "mode": "g", "jax_cake ms": 12.1, "jax_cake temp MiB": 1971.8}
-    path = write_csv(tmp_path / "m.csv", columns, [dict(row, status="XLA failed: JaxRuntimeError: OOM.")])
+    ok = {"step": "small", "mode": "g", "XLA ms": 2.0, "jax_cake ms": 1.0, "XLA temp MiB": 896.3, "jax_cake temp MiB": 0.305}
+    path = write_csv(tmp_path / "m.csv", columns, [dict(row, status="XLA failed: JaxRuntimeError: OOM."), ok])
     rows, _ = report.load([path])
     text = "\n".join(report.model_table(rows["model"]))
-    assert "| n/a / 1972 |" in text, text
+    assert "| n/a / 1972 |" in text and "| 896 / 0.3 |" in text, text
     assert text.splitlines()[-1].startswith("n/a at moe (") and text.endswith("): XLA failed: JaxRuntimeError: OOM."), text
 
 
