@@ -540,7 +540,8 @@ def test_grad_of_grad():
     check(fn, _plain_moe(ids), operands, lambda f, ops, dirs: jax.jit(functools.partial(hvp, f))(ops, dirs))
 
 
-def test_grouped_gated_grad_of_grad():
+@pytest.mark.parametrize("f", [F, WIDE_D_OUT], ids=["narrow", "wide"])
+def test_grouped_gated_grad_of_grad(f):
     gs = jnp.asarray(GATED_SIZES, jnp.int32)
     group = np.repeat(np.arange(G), GATED_SIZES)
 
@@ -550,7 +551,7 @@ def test_grouped_gated_grad_of_grad():
         h = (jax.nn.silu(g.astype(F32)) * u.astype(F32)).astype(BF16)
         return jnp.concatenate([h, jnp.zeros((20, h.shape[1]), BF16)])
 
-    operands = (rand(0, (96, D), BF16), *_weights()[:2])
+    operands = (rand(0, (96, D), BF16), *_weights(f=f)[:2])
     fn = lambda x, wg, wu: jc.grouped_gated_projection(x, wg, wu, gs)
     check(fn, plain, operands, lambda f, ops, dirs: jax.jit(functools.partial(hvp, f))(ops, dirs))
 
@@ -643,8 +644,9 @@ def test_exported_from_the_package():
     ],
 )
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
-def test_grouped_gated_with_sharded_inputs_equals_the_unsharded_call(x_spec, w_spec, axis_type):
-    x, (wg, wu, _) = rand(0, (96, D), BF16), _weights(f=32)
+@pytest.mark.parametrize("f", [32, WIDE_D_OUT], ids=["narrow", "wide"])  # one wgrad over 2F, or one per weight
+def test_grouped_gated_with_sharded_inputs_equals_the_unsharded_call(x_spec, w_spec, axis_type, f):
+    x, (wg, wu, _) = rand(0, (96, D), BF16), _weights(f=f)
     gs = jnp.asarray(GATED_SIZES, jnp.int32)
 
     def step(x, wg, wu):
