@@ -596,7 +596,7 @@ def test_the_row_layout_gives_the_expert_order_values(kind, k):
 def test_the_kernel_path_gathers_rows_only_at_the_dispatch_and_the_combine():
     """Lowered for the faked H200 (grouped kernels planned), the layer's rows are gathered at
     the dispatch and back for the combine (and the transposes of both in the backward), not
-    around each of the six grouped GEMMs as in expert order."""
+    around each grouped GEMM as in expert order."""
     x, ws = _x(), _weights()
     ids, ew = _routing("random", 2)
 
@@ -641,6 +641,7 @@ def test_exported_from_the_package():
         (P("data"), P()),  # tokens data-parallel, weights replicated
         (P(), P(None, "data")),  # w_gate, w_up column-parallel on d_ff (the interleave row by row)
         (P(None, "data"), P(None, None, "data")),  # x and the weights sharded on d_in
+        (P(), (P(None, "data"), P())),  # w_gate column-parallel, w_up replicated
     ],
 )
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
@@ -655,12 +656,13 @@ def test_grouped_gated_with_sharded_inputs_equals_the_unsharded_call(x_spec, w_s
 
     want = jax.jit(step)(x, wg, wu)
     mesh = _mesh()
+    wg_spec, wu_spec = (w_spec, w_spec) if isinstance(w_spec, P) else w_spec
     if axis_type == AxisType.Auto:
         put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-        got = jax.jit(step)(put(x, x_spec), put(wg, w_spec), put(wu, w_spec))
+        got = jax.jit(step)(put(x, x_spec), put(wg, wg_spec), put(wu, wu_spec))
     else:
         with jax.set_mesh(jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))):
-            operands = (jax.device_put(x, x_spec), jax.device_put(wg, w_spec), jax.device_put(wu, w_spec))
+            operands = (jax.device_put(x, x_spec), jax.device_put(wg, wg_spec), jax.device_put(wu, wu_spec))
             got = jax.jit(step)(*operands)
             for grad, operand in zip(got[1], operands):  # each gradient in its primal's sharding
                 assert jax.typeof(grad).sharding.spec == jax.typeof(operand).sharding.spec

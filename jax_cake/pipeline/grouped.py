@@ -16,7 +16,7 @@ grouped wgrad with its operands swapped.
 The group sizes' rules (negative sizes count as 0, groups cut at M, rows past the sum get
 y = 0 and dx = 0) are reference.grouped_sizes's, applied inside every GEMM. With `aligned`
 (moe_mlp's rows, already in the grouped kernels' layout) the rows past the groups are
-unspecified in the GEMMs' results, and h and the gated backward's d_gu are masked to 0
+unspecified in the GEMMs' results, and h and the gated backward's dg, du are masked to 0
 there. Plans are made at trace time from the static shapes and the device
 (jax_cake.planner.grouped); the backward makes them again from the saved operands. Each GEMM role is itself a custom_vjp
 whose backward is the other roles, so this backward can be differentiated (grad of grad).
@@ -118,10 +118,12 @@ def project_grouped(x, w, group_sizes, *, deterministic: bool, layout: str = "nk
 #             dgrad over K = 2F of [dg | du] interleaved; dWg, dWu: where F >= WIDE_D_OUT
 #             (compute bound) one grouped wgrad per weight, from dg and du, straight into
 #             its weight's dtype; narrower, ONE grouped wgrad over the 2F rows (FP32 where
-#             either weight is FP32) split by rows, each cast to its weight's dtype. The
-#             values are the same either way (each dW entry is one FP32 sum over its
-#             group's rows, rounded once); per weight, no [G, 2F, d_in] buffer is written
-#             and split, which halves the step's peak temp memory at MoE sizes
+#             either weight is FP32) split by rows, each cast to its weight's dtype. Each
+#             dW entry is an FP32 sum over its group's rows rounded once either way, the
+#             same bits where both weights share a dtype (a bf16 weight beside an FP32 one
+#             gets the bf16 wgrad's sum, not the FP32 wgrad's two-level one); per weight,
+#             no [G, 2F, d_in] buffer is written and then copied by the split, and XLA can
+#             reuse each gradient's buffer (the MoE step's temp memory, docs/benchmarks.md)
 #
 # Rows past the groups get gu = 0, so h = act(0) * 0 = 0 and they add nothing to dW. The
 # interleave's block is the gated kernel epilogue's (contract.GATE_BLOCK) where F is a
@@ -202,8 +204,8 @@ def _gated_backward(options: GatedOptions, specs, saved, dh):
     dx = gemms.dgrad(d_gu, w, group_sizes, input_plan, deterministic=det, out_spec=x_spec, aligned=aligned)
     if w_gate.shape[1] >= WIDE_D_OUT:
         # Compute bound: one wgrad per weight, straight into its dtype and buffer (one wgrad
-        # over 2F writes a [G, 2F, d_in] buffer that the split copies, and holds both halves
-        # at once: 2 x 1.75 GiB in FP32 at Mixtral's experts).
+        # over 2F writes a [G, 2F, d_in] buffer that the split copies: 3.5 GiB in FP32 at
+        # Mixtral's experts).
         device = device_lib.current(x, w)
         dws = []
         for d, w_i, spec in ((dg, w_gate, wg_spec), (du, w_up, wu_spec)):

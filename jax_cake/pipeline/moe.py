@@ -31,9 +31,10 @@ expert_ids [T, k] (an integer dtype), expert_weights [T, k] (float32 or bfloat16
 The experts' rows (`_rows`): where the grouped forward plans a kernel, the grouped kernels'
 row layout (primitives.grouped.PaddedLayout: each expert's copies from a multiple of
 contract.GROUP_ROW_ALIGN rows, zero rows between), the group sizes its padded sizes: the
-dispatch gathers straight into it, all six GEMMs read and write it as it is (Call.aligned)
-and the combine gathers out of it, so the layer gathers rows four times (dispatch and
-combine, and their transposes) where a layout pass around each GEMM would add twelve.
+dispatch gathers straight into it, every grouped GEMM reads and writes it as it is
+(Call.aligned) and the combine gathers out of it, so the layer gathers rows four times
+(dispatch and combine, and their transposes) where a layout pass around each GEMM would
+add two per GEMM.
 Elsewhere the sorted copies, [T k, d], group_sizes. The values are the same either way (the
 zero rows add nothing).
 

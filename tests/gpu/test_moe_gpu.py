@@ -1,6 +1,6 @@
 """The dropless MoE MLP on the GPU: jc.moe_mlp and jc.grouped_gated_projection against
 float64 at an MoE-like shape (empty experts, out-of-range ids, k = 2), bitwise repeat, and
-that its six grouped GEMMs (forward and backward) are the grouped kernels' calls, with no XLA
+that its grouped GEMMs (forward and backward) are the grouped kernels' calls, with no XLA
 ragged dot left."""
 
 import functools
