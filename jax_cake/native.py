@@ -112,12 +112,19 @@ def _file_lock(path: pathlib.Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build_library(out_dir: pathlib.Path, extra_args: tuple[str, ...] = ()) -> None:
-    """Runs `python -m jax_cake.build` into `out_dir` (a fresh process: the build sets
-    CUTE_DSL_ARCH before cutlass is imported). Its output goes to stderr."""
+def _build_command(out_dir: pathlib.Path, extra_args: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) of `python -m jax_cake.build` into `out_dir`, its objects in
+    out_dir / "obj" (a fresh process: the build sets CUTE_DSL_ARCH before cutlass is
+    imported), this package first on its path."""
     cmd = [sys.executable, "-m", "jax_cake.build", f"--out_dir={out_dir}", f"--obj_dir={out_dir / 'obj'}", *extra_args]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_DIR.parent), env.get("PYTHONPATH")]))
+    return cmd, env
+
+
+def _build_library(out_dir: pathlib.Path, extra_args: tuple[str, ...] = ()) -> None:
+    """Runs _build_command's build into `out_dir`. Its output goes to stderr."""
+    cmd, env = _build_command(out_dir, extra_args)
     try:  # the build's log goes to our stderr, where a user sees the progress line too
         log = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):

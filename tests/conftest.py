@@ -24,6 +24,11 @@ if _GPU_TESTS not in sys.path:
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -52,3 +57,45 @@ def kernel_rules_only():
 
     with tables.use_table(tables.parse({"arch": "sm_90a", "source": "no rows", "sm_ranges": []})):
         yield
+
+
+def toolchain_missing() -> str | None:
+    """Why the full library cannot be built here (None: it can): the kernel export needs
+    nvidia-cutlass-dsl, the link g++, nm and a CUDA toolkit."""
+    if importlib.util.find_spec("nvidia_cutlass_dsl") is None:
+        return "nvidia-cutlass-dsl not installed"
+    if shutil.which("g++") is None or shutil.which("nm") is None:
+        return "g++/nm not found"
+    if (
+        shutil.which("nvcc") is None
+        and not pathlib.Path("/usr/local/cuda/bin/nvcc").exists()
+        and not os.environ.get("CUDA_HOME")
+    ):
+        return "CUDA toolkit (nvcc) not found"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AotBuild:
+    process: subprocess.CompletedProcess  # its stdout and stderr captured
+    out_dir: pathlib.Path  # the library's folder, named as a cache folder is
+    obj_dir: pathlib.Path  # the kernels' objects and headers
+    linked: str | None  # None where the library was linked, else why not (--compile_only)
+
+
+@pytest.fixture(scope="session")
+def aot_build(tmp_path_factory) -> AotBuild:
+    """ONE AOT build for the build tests (each compile of every kernel variant takes a
+    minute or more on 2 cores): the command a first use runs into the user cache
+    (native._build_command), the full library where the toolchain is here, else the
+    kernels alone (--compile_only); CUTE_DSL_ARCH unset (the build sets it itself)."""
+    from jax_cake import native
+
+    if importlib.util.find_spec("nvidia_cutlass_dsl") is None:
+        pytest.skip("nvidia-cutlass-dsl not installed")
+    missing = toolchain_missing()
+    out_dir = tmp_path_factory.mktemp("aot") / native.cache_key()
+    cmd, env = native._build_command(out_dir, () if missing is None else ("--compile_only",))
+    env.pop("CUTE_DSL_ARCH", None)
+    process = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=900)
+    return AotBuild(process, out_dir, out_dir / "obj", missing)

@@ -1,15 +1,12 @@
 """The AOT build runs on a CPU machine and produces a library exporting the handlers.
 
-Slow (about 25 s each on 2 cores): they compile every kernel variant with CuTe DSL, so
-a kernel that stops compiling turns CI red. The kernel export needs only
-nvidia-cutlass-dsl; the full library build also needs g++ and a CUDA toolkit (nvcc,
-cuda_runtime.h, libcudart_static.a) and is skipped when those are absent.
+Slow: every kernel variant is compiled with CuTe DSL, once per test session
+(conftest.aot_build, a minute or more on 2 cores), so a kernel that stops compiling turns
+CI red. The kernel export needs only nvidia-cutlass-dsl; the full library build also needs
+g++ and a CUDA toolkit (nvcc, cuda_runtime.h, libcudart_static.a), and its test is skipped
+when those are absent.
 """
 
-import importlib.util
-import os
-import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -26,20 +23,6 @@ STACK_BYTES = {
     "jax_cake_fwd_128x192x64_c1x1_bf16_gated_silu_pp": 8,
     "jax_cake_fwd_128x192x64_c1x1_bf16_gated_gelu_pp": 8,
 }
-
-
-def _toolchain_missing() -> str | None:
-    if importlib.util.find_spec("nvidia_cutlass_dsl") is None:
-        return "nvidia-cutlass-dsl not installed"
-    if shutil.which("g++") is None or shutil.which("nm") is None:
-        return "g++/nm not found"
-    if (
-        shutil.which("nvcc") is None
-        and not pathlib.Path("/usr/local/cuda/bin/nvcc").exists()
-        and not os.environ.get("CUDA_HOME")
-    ):
-        return "CUDA toolkit (nvcc) not found"
-    return None
 
 
 @pytest.mark.build
@@ -60,24 +43,12 @@ def test_run_time_imports_neither_cutlass_nor_the_kernel_modules():
 
 
 @pytest.mark.build
-def test_kernels_compile_and_export(tmp_path):
-    """The CuTe DSL part alone (needs only the cutlass wheel): every variant compiles
-    for sm_90a and exports a header and an object, so a kernel that stops compiling
-    fails here even where no CUDA toolkit is installed; and no kernel spills registers
-    beyond STACK_BYTES."""
-    if importlib.util.find_spec("nvidia_cutlass_dsl") is None:
-        pytest.skip("nvidia-cutlass-dsl not installed")
-    obj = tmp_path / "obj"
-    env = dict(os.environ)
-    env.pop("CUTE_DSL_ARCH", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "jax_cake.build", "--compile_only", f"--out_dir={tmp_path / 'lib'}", f"--obj_dir={obj}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def test_kernels_compile_and_export(aot_build):
+    """The CuTe DSL part (needs only the cutlass wheel; the session's one build,
+    conftest.aot_build): every variant compiles for sm_90a and exports a header and an
+    object, so a kernel that stops compiling fails here even where no CUDA toolkit is
+    installed; and no kernel spills registers beyond STACK_BYTES."""
+    proc, obj = aot_build.process, aot_build.obj_dir
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     from jax_cake.planner.variants import VARIANTS
 
@@ -91,23 +62,12 @@ def test_kernels_compile_and_export(tmp_path):
 
 
 @pytest.mark.build
-def test_aot_build_exports_handlers(tmp_path):
-    missing = _toolchain_missing()
-    if missing:
-        pytest.skip(missing)
-    out_dir = tmp_path / "lib"
-    env = dict(os.environ)
-    env.pop("CUTE_DSL_ARCH", None)  # the build must set it itself
-    proc = subprocess.run(
-        [sys.executable, "-m", "jax_cake.build", f"--out_dir={out_dir}", f"--obj_dir={tmp_path / 'obj'}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def test_aot_build_exports_handlers(aot_build):
+    if aot_build.linked is not None:
+        pytest.skip(aot_build.linked)
+    proc = aot_build.process
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    lib = out_dir / "libjax_cake_ffi.so"
+    lib = aot_build.out_dir / "libjax_cake_ffi.so"
     assert proc.stdout.strip().splitlines()[-1] == str(lib)
     assert lib.is_file()
     syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], check=True, capture_output=True, text=True).stdout
