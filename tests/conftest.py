@@ -25,7 +25,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import dataclasses  # noqa: E402
-import importlib.util  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 
@@ -59,11 +58,9 @@ def kernel_rules_only():
         yield
 
 
-def toolchain_missing() -> str | None:
-    """Why the full library cannot be built here (None: it can): the kernel export needs
-    nvidia-cutlass-dsl, the link g++, nm and a CUDA toolkit."""
-    if importlib.util.find_spec("nvidia_cutlass_dsl") is None:
-        return "nvidia-cutlass-dsl not installed"
+def _link_toolchain_missing() -> str | None:
+    """Why the built kernels cannot be linked into the library here (None: they can): the
+    link needs g++, nm and a CUDA toolkit."""
     if shutil.which("g++") is None or shutil.which("nm") is None:
         return "g++/nm not found"
     if (
@@ -79,8 +76,12 @@ def toolchain_missing() -> str | None:
 class AotBuild:
     process: subprocess.CompletedProcess  # its stdout and stderr captured
     out_dir: pathlib.Path  # the library's folder, named as a cache folder is
-    obj_dir: pathlib.Path  # the kernels' objects and headers
-    linked: str | None  # None where the library was linked, else why not (--compile_only)
+    not_linked: str | None  # None where the library was linked, else why not (--compile_only)
+
+    @property
+    def obj_dir(self) -> pathlib.Path:
+        """The kernels' objects and headers (native._build_command's layout)."""
+        return self.out_dir / "obj"
 
 
 @pytest.fixture(scope="session")
@@ -91,11 +92,11 @@ def aot_build(tmp_path_factory) -> AotBuild:
     kernels alone (--compile_only); CUTE_DSL_ARCH unset (the build sets it itself)."""
     from jax_cake import native
 
-    if importlib.util.find_spec("nvidia_cutlass_dsl") is None:
+    if not native._dsl_available():
         pytest.skip("nvidia-cutlass-dsl not installed")
-    missing = toolchain_missing()
+    missing = _link_toolchain_missing()
     out_dir = tmp_path_factory.mktemp("aot") / native.cache_key()
     cmd, env = native._build_command(out_dir, () if missing is None else ("--compile_only",))
     env.pop("CUTE_DSL_ARCH", None)
     process = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=900)
-    return AotBuild(process, out_dir, out_dir / "obj", missing)
+    return AotBuild(process, out_dir, missing)

@@ -63,8 +63,8 @@ def test_kernels_compile_and_export(aot_build):
 
 @pytest.mark.build
 def test_aot_build_exports_handlers(aot_build):
-    if aot_build.linked is not None:
-        pytest.skip(aot_build.linked)
+    if aot_build.not_linked is not None:
+        pytest.skip(aot_build.not_linked)
     proc = aot_build.process
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lib = aot_build.out_dir / "libjax_cake_ffi.so"

@@ -160,16 +160,24 @@ def stack_gated(w_gate, w_up, block: int):
 
 
 def _gated_plans(x, w, options: GatedOptions):
-    """(forward, input-grad, weight-grad) Plans over the stacked weight w [G, 2F, d_in]; the
-    weight-grad writes FP32 unless both weights are bf16 (the same values: one rounding)."""
+    """(forward, input-grad, weight-grads) Plans over the stacked weight w [G, 2F, d_in].
+    weight-grads: where F >= WIDE_D_OUT one Plan per weight (over its F rows, in its dtype),
+    else ONE over the 2F rows, FP32 unless both weights are bf16."""
     device = device_lib.current(x, w)
     det, groups = options.deterministic, w.shape[0]
     d_gu_shape = (x.shape[0], w.shape[1])
-    w_dtype = "bfloat16" if options.w_dtypes == ("bfloat16", "bfloat16") else "float32"
+    f = w.shape[1] // 2
+    if f >= WIDE_D_OUT:
+        wgrads = tuple(((x.shape[0], f), dtype) for dtype in options.w_dtypes)
+    else:
+        wgrads = ((d_gu_shape, "bfloat16" if options.w_dtypes == ("bfloat16", "bfloat16") else "float32"),)
     return (
         gemms.plan_for("grouped_fwd", x.shape, w.shape, groups, device, deterministic=det),
         gemms.plan_for("grouped_dgrad", d_gu_shape, w.shape, groups, device, deterministic=det),
-        gemms.plan_for("grouped_wgrad", d_gu_shape, x.shape, groups, device, out_dtype=w_dtype, deterministic=det),
+        tuple(
+            gemms.plan_for("grouped_wgrad", dy_shape, x.shape, groups, device, out_dtype=dtype, deterministic=det)
+            for dy_shape, dtype in wgrads
+        ),
     )
 
 
@@ -200,22 +208,19 @@ def _gated_backward(options: GatedOptions, specs, saved, dh):
         dg, du = (jnp.where(in_groups, d, jnp.zeros((), d.dtype)) for d in (dg, du))
     d_gu = reference.interleave(dg, du, -1, block)
     w = stack_gated(w_gate, w_up, block)
-    _, input_plan, weight_plan = _gated_plans(x, w, options)
+    _, input_plan, weight_plans = _gated_plans(x, w, options)
     dx = gemms.dgrad(d_gu, w, group_sizes, input_plan, deterministic=det, out_spec=x_spec, aligned=aligned)
-    if w_gate.shape[1] >= WIDE_D_OUT:
+    if len(weight_plans) == 2:
         # Compute bound: one wgrad per weight, straight into its dtype and buffer (one wgrad
         # over 2F writes a [G, 2F, d_in] buffer that the split copies: 3.5 GiB in FP32 at
         # Mixtral's experts).
-        device = device_lib.current(x, w)
-        dws = []
-        for d, w_i, spec in ((dg, w_gate, wg_spec), (du, w_up, wu_spec)):
-            dtype = jnp.dtype(w_i.dtype).name
-            plan = gemms.plan_for(
-                "grouped_wgrad", d.shape, x.shape, w.shape[0], device, out_dtype=dtype, deterministic=det
-            )
-            dws.append(gemms.wgrad(d, x, group_sizes, plan, deterministic=det, out_spec=spec, aligned=aligned))
-        return dx, dws[0], dws[1], None
+        dw_gate, dw_up = (
+            gemms.wgrad(d, x, group_sizes, plan, deterministic=det, out_spec=spec, aligned=aligned)
+            for d, plan, spec in zip((dg, du), weight_plans, (wg_spec, wu_spec))
+        )
+        return dx, dw_gate, dw_up, None
     out_spec = wg_spec if wg_spec == wu_spec else None
+    (weight_plan,) = weight_plans
     dw = gemms.wgrad(d_gu, x, group_sizes, weight_plan, deterministic=det, out_spec=out_spec, aligned=aligned)
     dw_gate, dw_up = reference.deinterleave(dw, 1, block)
     return dx, dw_gate.astype(w_gate.dtype), dw_up.astype(w_up.dtype), None
