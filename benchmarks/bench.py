@@ -14,6 +14,8 @@ Run it from the repository root (it imports this checkout's jax_cake). Families
 - residual: y = r + x w^T, the add in the forward kernel against a separate add and XLA;
 - accumulate: micro-batch gradient accumulation, the sum in the wgrad kernel;
 - gated: the SwiGLU / GeGLU forward, the activation in the GEMM epilogue;
+- grouped_gated: the MoE experts' SwiGLU / GeGLU forward, the activation in the grouped
+  GEMM's epilogue;
 - grouped: grouped_projection (MoE experts) against XLA's, cuDNN's and tokamax's ragged dot
   and a dense GEMM of the same FLOPs;
 - core: every fwd/dgrad GEMM variant forced against XLA's dot at the Llama shapes
@@ -34,7 +36,18 @@ import sys
 from absl import app, flags
 
 from benchmarks import harness, plan_rule
-from benchmarks.families import accumulate, batched, core, dense, gated, grouped, model, residual, router
+from benchmarks.families import (
+    accumulate,
+    batched,
+    core,
+    dense,
+    gated,
+    grouped,
+    grouped_gated,
+    model,
+    residual,
+    router,
+)
 from jax_cake.reference import ACTIVATIONS
 
 FAMILIES = {
@@ -47,6 +60,7 @@ FAMILIES = {
         accumulate.FAMILY,
         gated.FAMILY,
         grouped.FAMILY,
+        grouped_gated.FAMILY,
         core.FAMILY,
         model.FAMILY,
     )
@@ -66,12 +80,13 @@ def define_flags() -> None:
     flags.DEFINE_list("batch", ["16", "128"], "batched: batch sizes B.")
     flags.DEFINE_list("pairs", ["128:512", "512:128"], "batched, core: d_in:d_out pairs (core: the Llama shapes).")
     flags.DEFINE_integer("micro_batches", 4, "accumulate: micro-batches per step (the scan length).")
-    flags.DEFINE_enum("activation", "silu", list(ACTIVATIONS), "gated: the gated activation.")
+    flags.DEFINE_enum("activation", "silu", list(ACTIVATIONS), "gated, grouped_gated: the gated activation.")
     flags.DEFINE_string("only", "", "core: time only the variants whose arm name matches this regex (e.g. 'pp_c2').")
     flags.DEFINE_list("rasters", [], "core: also time each variant with these tile walks (m, n, m<B>).")
     flags.DEFINE_bool("allow_few_reps", False, "core: allow --groups x --steps < 15.")
     model.define_flags()
     grouped.define_flags()
+    grouped_gated.define_flags()
     flags.DEFINE_string("csv", None, "Write the table as CSV here.")
     flags.DEFINE_string("md", None, "Write the markdown table here.")
     flags.DEFINE_list("merge", None, "dense, router, batched: CSVs of earlier runs; print one table over their rows.")

@@ -33,6 +33,8 @@ struct GemmArgs {
   // gated epilogue's h, the gradient epilogue's pre-activation gu; a placeholder (never
   // read) for the others.
   Operand aux;
+  // The grouped variants' int32 table; a placeholder (never read) for the others.
+  Operand table;
   int32_t splits;
   int32_t raster;
   int32_t max_ctas;  // persistent grid size: the SM count
@@ -121,12 +123,13 @@ struct GatedAttrs {
   int64_t activation;  // a kActivation* code: silu or gelu (tanh form)
 };
 
-// A grouped variant (its second tensor is the groups' table).
+// A grouped variant (it reads the groups' table).
 bool IsGrouped(const Variant* v) { return std::strncmp(v->program, "grouped_", 8) == 0; }
 
 ffi::Error Launch(const char* target, const Variant* v, GemmArgs args, cudaStream_t stream) {
-  if (!IsGrouped(v) && v->schedule != kScheduleSplitTail && (v->store == kStorePlain || v->store == kStoreAdd))
-    args.aux = {args.c.data, {1, 1, 1}, {8, 8}};  // never read
+  const Operand placeholder = {args.c.data, {1, 1, 1}, {8, 8}};  // never read
+  if (v->schedule != kScheduleSplitTail && (v->store == kStorePlain || v->store == kStoreAdd)) args.aux = placeholder;
+  if (!IsGrouped(v)) args.table = placeholder;
   return LaunchEntry(target, v, args, g_modules, stream);
 }
 
@@ -572,7 +575,7 @@ ffi::Error CheckGroupedRows(const char* target, int64_t rows, int64_t table_len,
   return ffi::Error::Success();
 }
 
-// The table as the kernel's second tensor: `n` int32 values, unit stride.
+// The table as the kernel's table tensor: `n` int32 values, unit stride.
 Operand Table(ffi::Buffer<ffi::S32>& table, int64_t n) {
   const int64_t pitch = (n + 7) / 8 * 8;
   return {table.untyped_data(), {n, 1, 1}, {pitch, pitch}};
@@ -584,27 +587,35 @@ Operand Table(ffi::Buffer<ffi::S32>& table, int64_t n) {
 // to the letters M, I (d_in) and O (d_out); `expected` is the shapes' text for errors. The
 // grouped fwd reads w K-major (N = d_out, K = d_in), the grouped dgrad N-major (N = d_in,
 // K = d_out).
+// gated: the gated fwd's h [M, F] (d_out = 2F), written by the epilogue with `store`; null
+// for the others (store kStorePlain).
 ffi::Error RowGroupedImpl(const char* target, bool dgrad, cudaStream_t stream, const char* a_name,
                           ffi::Buffer<ffi::BF16> a, const char* a_pattern, ffi::Buffer<ffi::BF16> w,
                           ffi::Buffer<ffi::S32> table, const char* out_name, ffi::Buffer<ffi::BF16>& out,
-                          const char* out_pattern, const char* expected, const Attrs& at) {
+                          const char* out_pattern, const char* expected, const Attrs& at,
+                          ffi::Buffer<ffi::BF16>* gated = nullptr, int64_t store = kStorePlain) {
   JC_RETURN_IF_ERROR(BeginGrouped(target, at));
   JC_RETURN_IF_ERROR(CheckMinDim(target, "w", w.dimensions(), 1));
   Shapes s;
   if (!s.Bind(a_name, a.dimensions(), a_pattern) || !s.Bind("w", w.dimensions(), "GOI") ||
-      !s.Bind("table", table.dimensions(), "R") || !s.Bind(out_name, out.dimensions(), out_pattern))
+      !s.Bind("table", table.dimensions(), "R") || !s.Bind(out_name, out.dimensions(), out_pattern) ||
+      (gated && !s.Bind("h", gated->dimensions(), "MF")))
     return s.Mismatch(target, expected);
   const int64_t M = s['M'], G = s['G'], d_in = s['I'], d_out = s['O'];
   JC_RETURN_IF_ERROR(CheckGroupedRows(target, M, s['R'], M / kGroupRowAlign + 1, "each row tile's group, then the count"));
   JC_RETURN_IF_ERROR(CheckMultiplesOf8(target, "d_in", d_in, "d_out", d_out));
+  if (gated && (d_out != 2 * s['F'] || s['F'] % kGateBlock != 0))
+    return Invalid(target, "w must have 2F rows with F (h's width) a multiple of " + std::to_string(kGateBlock) +
+                               ", got " + std::to_string(d_out) + " rows and F " + std::to_string(s['F']));
   if (M == 0) return ffi::Error::Success();
   const int64_t n = dgrad ? d_in : d_out, k = dgrad ? d_out : d_in;
   GemmArgs g;
   g.a = KMajor(a.untyped_data(), M, k, 1);
   g.b = dgrad ? MnMajor(w.untyped_data(), n, k, G) : KMajor(w.untyped_data(), n, k, G);  // dgrad: stride(N) = 1
   g.c = KMajor(out.untyped_data(), M, n, 1);
-  g.aux = Table(table, s['R']);
-  return LaunchOnePass(target, at, dgrad ? "grouped_dgrad" : "grouped_fwd", kStorePlain, g, stream);
+  if (gated) g.aux = KMajor(gated->untyped_data(), M, s['F'], 1);
+  g.table = Table(table, s['R']);
+  return LaunchOnePass(target, at, dgrad ? "grouped_dgrad" : "grouped_fwd", store, g, stream);
 }
 
 // y[M, d_out] = x[M, d_in] . w[table[m / 128], d_out, d_in]^T per row tile.   (M = rows, N = d_out, K = d_in)
@@ -612,6 +623,21 @@ ffi::Error GroupedFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Bu
                           ffi::Buffer<ffi::S32> table, ffi::Result<ffi::Buffer<ffi::BF16>> y, Attrs at) {
   return RowGroupedImpl(kGroupedFwdTarget, false, stream, "x", x, "MI", w, table, "y", *y, "MO",
                         "x[M,d_in], w[G,d_out,d_in], table[M/128+1], y[M,d_out]", at);
+}
+
+// gu[M, 2F] = x[M, d_in] . w[table[m / 128], 2F, d_in]^T per row tile and h[M, F] = bf16(act(g) * u)
+// in the epilogue (M = rows, N = 2F, K = d_in): the gate and up rows of each group's
+// weight interleaved in blocks of kGateBlock, as jax_cake_fwd_gated's.
+ffi::Error GroupedFwdGatedImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                               ffi::Buffer<ffi::S32> table, ffi::Result<ffi::Buffer<ffi::BF16>> gu,
+                               ffi::Result<ffi::Buffer<ffi::BF16>> h, GatedAttrs attrs) {
+  const char* target = kGroupedFwdGatedTarget;
+  if (attrs.activation < 0 || attrs.activation >= kNumActivations)
+    return Invalid(target, std::string("activation must be ") + kActivationChoices + ", got " +
+                               std::to_string(attrs.activation));
+  const int64_t store = attrs.activation == kActivationSilu ? kStoreGatedSilu : kStoreGatedGelu;
+  return RowGroupedImpl(target, false, stream, "x", x, "MI", w, table, "gu", *gu, "MO",
+                        "x[M,d_in], w[G,2F,d_in], table[M/128+1], gu[M,2F], h[M,F]", attrs.gemm, &*h, store);
 }
 
 // dx[M, d_in] = dy[M, d_out] . w[table[m / 128], d_out, d_in] per row tile.   (M = rows, N = d_in, K = d_out)
@@ -652,7 +678,7 @@ ffi::Error GroupedWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi:
   g.a = MnMajor(dy.untyped_data(), d_out, M, 1);  // M-major: stride(M) = 1
   g.b = MnMajor(x.untyped_data(), d_in, M, 1);    // N-major: stride(N) = 1
   g.c = KMajor(dw->untyped_data(), d_out, d_in, G);
-  g.aux = Table(table, s['R']);
+  g.table = Table(table, s['R']);
   g.splits = 1;
   g.raster = static_cast<int32_t>(at.raster);
   return Launch(target, v, g, stream);
@@ -772,6 +798,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()   // table s32 [M / 128 + 1]: each row tile's group, then the tiles with rows
         .Ret<ffi::Buffer<ffi::BF16>>()  // y     bf16 [M, d_out]: x w[g]^T in the tiles with rows
         .Attrs<jax_cake::Attrs>(),      // the nine GEMM attributes (schedule 0, splits 1, reduction 0)
+    jax_cake::kGraphSafe);
+
+// jax_cake_grouped_fwd_gated: gu = x w[g]^T per group of rows, and h = act(gate) * up in the
+// epilogue (M = padded rows, N = 2F, K = d_in).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JAX_CAKE_GROUPED_FWD_GATED_HANDLER, jax_cake::GroupedFwdGatedImpl,
+    jax_cake::BindHandler()
+        .Arg<ffi::Buffer<ffi::BF16>>()   // x     bf16 [M, d_in]: the rows, each group from a multiple of 128 (A, K-major)
+        .Arg<ffi::Buffer<ffi::BF16>>()   // w     bf16 [G, 2F, d_in]: gate and up rows in blocks of 16 (B, K-major)
+        .Arg<ffi::Buffer<ffi::S32>>()    // table s32 [M / 128 + 1]: each row tile's group, then the tiles with rows
+        .Ret<ffi::Buffer<ffi::BF16>>()   // gu    bf16 [M, 2F]: the pre-activation, in w's row order
+        .Ret<ffi::Buffer<ffi::BF16>>()   // h     bf16 [M, F]: act(gate) * up
+        .Attrs<jax_cake::GatedAttrs>(),  // the nine GEMM attributes (schedule 0, splits 1, reduction 0) and `activation`
     jax_cake::kGraphSafe);
 
 // jax_cake_grouped_dgrad: dx = dy w[g] per group of rows (M = padded rows, N = d_in, K = d_out).

@@ -184,15 +184,14 @@ def export_kernels(arch: str, obj_dir: pathlib.Path) -> list:
         # The variant's second tensor: the gated epilogue's h, the gradient epilogue's
         # pre-activation or the up half of a gate_up_halves dgrad's A (bf16, row-major
         # like C and A), else the split-tail workspace (flags, partial tiles), unused by
-        # the other variants.
-        # A grouped variant's second tensor is its int32 table.
+        # the other variants. The table tensor: a grouped variant's int32 table, unused by
+        # the others.
         bf16_aux = v.activation or v.gate_grad or v.store == "gate_up_halves"
-        if v.grouping:
-            aux = operand(cutlass.Int32, 0)
-        else:
-            aux = operand(cutlass.BFloat16, 1) if bf16_aux else operand(cutlass.Float32, 0)
+        aux = operand(cutlass.BFloat16, 1) if bf16_aux else operand(cutlass.Float32, 0)
+        table = operand(cutlass.Int32, 0)
         compiled = cute.compile(
-            GemmSm90(v), a, b, c, aux, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(132), make_fake_stream()
+            GemmSm90(v), a, b, c, aux, table, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(132),
+            make_fake_stream(),
         )
         compiled.export_to_c(str(obj_dir), v.name, v.name)
         _log(f"exported {v.name} ({time.time() - t0:.1f} s)")

@@ -118,6 +118,9 @@ DGRAD_GATE_UP_TARGET = "jax_cake_dgrad_gate_up"
 # The MoE experts' grouped GEMMs on rows laid out so that each group starts at a multiple
 # of GROUP_ROW_ALIGN rows, with an int32 table of the groups' tiles (docs/ffi_contract.md).
 GROUPED_FWD_TARGET = "jax_cake_grouped_fwd"
+# (gu, h): the grouped forward over each group's interleaved gate and up rows with the
+# gated epilogue (the MoE experts' gate/up projection).
+GROUPED_FWD_GATED_TARGET = "jax_cake_grouped_fwd_gated"
 GROUPED_DGRAD_TARGET = "jax_cake_grouped_dgrad"
 GROUPED_WGRAD_TARGET = "jax_cake_grouped_wgrad"
 GROUP_ROW_ALIGN = 128  # the grouped variants' tile_m (a multiple of their tile_k, 64)
@@ -135,6 +138,7 @@ TARGETS = (
     DGRAD_GATED_TARGET,
     DGRAD_GATE_UP_TARGET,
     GROUPED_FWD_TARGET,
+    GROUPED_FWD_GATED_TARGET,
     GROUPED_DGRAD_TARGET,
     GROUPED_WGRAD_TARGET,
     ROUTER_FWD_TARGET,
@@ -210,7 +214,7 @@ def header_text() -> str:
     codes("The `raster` attribute: 0 and 1; codes 2 .. kRasterBandMax are bands of that many rows.", "Raster", RASTERS)
     lines.append(f"constexpr int64_t kRasterBandMax = {RASTER_BAND_MAX};")
     lines.append("")
-    codes("The `activation` attribute (jax_cake_fwd_gated, jax_cake_dgrad_gated).", "Activation", ACTIVATION_CODES)
+    codes("The `activation` attribute (jax_cake_fwd_gated, jax_cake_grouped_fwd_gated, jax_cake_dgrad_gated).", "Activation", ACTIVATION_CODES)
     codes("A variant's epilogue (Variant::store in the generated variant table).", "Store", STORES)
     lines.append(
         "// Gate and up rows interleave in blocks of this many rows "

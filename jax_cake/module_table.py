@@ -63,7 +63,7 @@ DENSE = TableSpec(
     array="kVariants",
     count="kNumVariants",
     args_type="GemmArgs",
-    operands=(("a", "mA"), ("b", "mB"), ("c", "mC"), ("aux", "mAux")),
+    operands=(("a", "mA"), ("b", "mB"), ("c", "mC"), ("aux", "mAux"), ("table", "mTable")),
     scalar_args="g.splits, g.raster, g.max_ctas",
     fields=_dense_fields,
 )

@@ -140,8 +140,13 @@ def custom_call_lines(text: str, target: str) -> list[str]:
 
 def grouped_gemms(text: str) -> int:
     """The grouped GEMMs of a CUDA lowering, on either path: XLA's ragged dots and the
-    grouped kernels' calls."""
-    targets = (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, contract.GROUPED_WGRAD_TARGET)
+    grouped kernels' calls (the gated forward's included)."""
+    targets = (
+        contract.GROUPED_FWD_TARGET,
+        contract.GROUPED_FWD_GATED_TARGET,
+        contract.GROUPED_DGRAD_TARGET,
+        contract.GROUPED_WGRAD_TARGET,
+    )
     dots = sum('"chlo.ragged_dot"(' in line for line in text.splitlines())
     return dots + sum(len(custom_call_lines(text, t)) for t in targets)
 

@@ -171,9 +171,49 @@ def test_disable_runs_xla(monkeypatch):
     assert not p.uses_kernel and "JAX_CAKE_DISABLE" in p.reason
 
 
+def _gated(base_args=None, **kw):
+    args = {"tokens": 16384, "groups": 8, "d_in": 4096, "d_out": 2 * 14336, "device": H200} | (base_args or {})
+    return grouped_planner.plan_grouped_gated(jc.plan("grouped_fwd", **args), **kw)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_the_gated_forward_plans_the_epilogue_in_the_kernel(activation):
+    p = _gated(activation=activation, block=contract.GATE_BLOCK)
+    assert p.op == grouped_planner.GATED_OP and p.unfused().op == "grouped_fwd" and p.program == "grouped_fwd"
+    assert p.tile == (128, 256, 64) and p.groups == 8
+    assert f"the {activation} epilogue in the kernel" in jc.explain(p)
+    assert jc.explain(p).startswith("grouped_fwd_gated: C[16384x28672] over K=4096, its 16384 rows in 8 groups")
+
+
+@pytest.mark.parametrize(
+    "base_args,kw,why",
+    [
+        ({}, {"block": 1}, "the weight's gate and up rows are interleaved row by row"),
+        ({}, {"block": contract.GATE_BLOCK, "epilogue": False}, "the gated kernel epilogue is switched off"),
+        ({"device": None}, {"block": contract.GATE_BLOCK}, None),  # the XLA plan stays as it is
+    ],
+)
+def test_the_gated_forward_runs_the_activation_after_the_gemm_where_it_must(base_args, kw, why):
+    p = _gated(base_args, activation="silu", **kw)
+    assert p.op == "grouped_fwd"
+    if why is not None:
+        assert p.uses_kernel and f"; then an XLA pass ({why}" in p.reason, p.reason
+
+
+def test_a_forced_tile_without_a_gated_variant_runs_the_activation_after_the_gemm():
+    with jc.planner.force("det", tile=(128, 128, 64)):
+        p = _gated(activation="silu", block=contract.GATE_BLOCK)
+    assert p.op == "grouped_fwd" and "no compiled gated_silu variant of the grouped 128x128 tile" in p.reason
+
+
 # --- the CUDA lowering ----------------------------------------------------------------------
 
-TARGETS = (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, contract.GROUPED_WGRAD_TARGET)
+TARGETS = (
+    contract.GROUPED_FWD_TARGET,
+    contract.GROUPED_DGRAD_TARGET,
+    contract.GROUPED_WGRAD_TARGET,
+    contract.GROUPED_FWD_GATED_TARGET,
+)
 
 
 def _train_step():
@@ -193,7 +233,7 @@ def _calls(text):
 def test_the_lowering_runs_the_three_kernels_and_no_ragged_dot():
     x, w = rand(0, (M, K)), rand(1, (G, N, K), F32)
     text = cuda_text(_train_step(), x, w, jnp.asarray(SIZES["ragged"], jnp.int32))
-    assert _calls(text) == [1, 1, 1], text
+    assert _calls(text) == [1, 1, 1, 0], text
     assert '"chlo.ragged_dot"(' not in text and "ragged_dot" not in text
     (wgrad,) = custom_call_lines(text, contract.GROUPED_WGRAD_TARGET)
     assert f"tensor<{G}x{N}x{K}xf32>" in wgrad  # dw in the FP32 master's dtype, from the kernel
@@ -206,7 +246,7 @@ def test_disabled_the_lowering_is_xla(monkeypatch):
     monkeypatch.setenv("JAX_CAKE_DISABLE", "1")
     x, w = rand(0, (M, K)), rand(1, (G, N, K), F32)
     text = cuda_text(_train_step(), x, w, jnp.asarray(SIZES["ragged"], jnp.int32))
-    assert _calls(text) == [0, 0, 0]
+    assert _calls(text) == [0, 0, 0, 0]
 
 
 def test_vmap_runs_xla():
@@ -215,24 +255,25 @@ def test_vmap_runs_xla():
     xs, w = rand(0, (2, M, K)), rand(1, (G, N, K))
     sizes = jnp.asarray([SIZES["ragged"], SIZES["negative"]], jnp.int32)
     fn = jax.vmap(jc.grouped_projection, in_axes=(0, None, 0))
-    assert _calls(cuda_text(fn, xs, w, sizes)) == [0, 0, 0]
+    assert _calls(cuda_text(fn, xs, w, sizes)) == [0, 0, 0, 0]
 
 
 def test_ragged_dot_and_moe_mlp_lower_to_the_kernels():
     x, rhs = rand(0, (M, K)), rand(1, (G, K, N))
     sizes = jnp.asarray(SIZES["ragged"], jnp.int32)
     # rhs [G, K, N] read as stored: ragged_dot's forward is the grouped dgrad GEMM
-    assert _calls(cuda_text(lambda x, r: jc.ragged_dot(x, r, sizes), x, rhs)) == [0, 1, 0]
+    assert _calls(cuda_text(lambda x, r: jc.ragged_dot(x, r, sizes), x, rhs)) == [0, 1, 0, 0]
     t, d, f, k = 64, 32, 48, 2
     xs = rand(2, (t, d))
     wg, wu, wd = rand(3, (G, f, d)), rand(4, (G, f, d)), rand(5, (G, d, f))
     ids = jax.random.randint(jax.random.key(6), (t, k), 0, G, jnp.int32)
     ew = jax.nn.softmax(rand(7, (t, k), F32), axis=-1)
-    # the forward: the gated (gate and up rows interleaved) and the down grouped GEMMs
-    assert _calls(cuda_text(lambda *a: jc.moe_mlp(*a), xs, wg, wu, wd, ids, ew)) == [2, 0, 0]
+    # the forward: the gated one (gate and up rows interleaved, SwiGLU in its epilogue) and the
+    # down grouped GEMM
+    assert _calls(cuda_text(lambda *a: jc.moe_mlp(*a), xs, wg, wu, wd, ids, ew)) == [1, 0, 0, 1]
     # a training step: dh and dx (one dgrad each), and the two weight gradients
     loss = lambda *a: jnp.sum(jc.moe_mlp(*a).astype(F32) ** 2)
-    assert _calls(cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3, 5)), xs, wg, wu, wd, ids, ew)) == [2, 2, 2]
+    assert _calls(cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3, 5)), xs, wg, wu, wd, ids, ew)) == [1, 2, 2, 1]
 
 
 def test_wide_experts_get_one_weight_gradient_per_weight():
@@ -246,7 +287,59 @@ def test_wide_experts_get_one_weight_gradient_per_weight():
     for f, wgrads in ((WIDE_D_OUT, 3), (WIDE_D_OUT - 16, 2)):
         wg, wu, wd = rand(3, (G, f, d), F32), rand(4, (G, f, d), F32), rand(5, (G, d, f), F32)
         text = cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3, 5)), xs, wg, wu, wd, ids, ew)
-        assert _calls(text) == [2, 2, wgrads], f
+        assert _calls(text) == [1, 2, wgrads, 1], f
         shapes = [line.split("->")[-1] for line in custom_call_lines(text, contract.GROUPED_WGRAD_TARGET)]
         gate_up = f"tensor<{G}x{f}x{d}xf32>" if wgrads == 3 else f"tensor<{G}x{2 * f}x{d}xf32>"
         assert sum(gate_up in s for s in shapes) == wgrads - 1, shapes
+
+
+def _gated_forward_calls(text):
+    return [len(custom_call_lines(text, t)) for t in (contract.GROUPED_FWD_GATED_TARGET, contract.GROUPED_FWD_TARGET)]
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_the_gated_projection_lowers_to_one_gated_kernel(activation):
+    """d_ff a multiple of GATE_BLOCK: the forward is ONE call of the gated kernel, with its
+    activation's code, and no XLA activation pass reads the pre-activation back; the
+    backward is the plain roles' (dgrad and the wgrads)."""
+    f = 48
+    x, wg, wu = rand(0, (M, K)), rand(1, (G, f, K), F32), rand(2, (G, f, K), F32)
+    sizes = jnp.asarray(SIZES["ragged"], jnp.int32)
+    fwd = lambda x, wg, wu: jc.grouped_gated_projection(x, wg, wu, sizes, activation=activation)
+    text = cuda_text(fwd, x, wg, wu)
+    assert _gated_forward_calls(text) == [1, 0], text
+    (call,) = custom_call_lines(text, contract.GROUPED_FWD_GATED_TARGET)
+    assert f"activation = {contract.ACTIVATION_CODES[activation]} : i64" in call, call
+    assert f"tensor<{G}x{2 * f}x{K}xbf16>" in call and "tile_n = 256 : i64" in call, call
+    assert "stablehlo.exponential" not in text  # no XLA pass of the activation (its sigmoid)
+    loss = lambda x, wg, wu: jnp.sum(fwd(x, wg, wu).astype(F32) ** 2)
+    grad = cuda_text(jax.grad(loss, argnums=(0, 1, 2)), x, wg, wu)
+    assert _gated_forward_calls(grad) == [1, 0] and _calls(grad)[1:3] == [1, 1], grad
+
+
+def test_the_gated_kernel_only_where_the_interleave_is_its_block():
+    """d_ff not a multiple of GATE_BLOCK (rows interleaved one by one) and vmap keep the
+    plain grouped forward and an XLA pass of the activation."""
+    x, sizes = rand(0, (M, K)), jnp.asarray(SIZES["ragged"], jnp.int32)
+    wg, wu = rand(1, (G, 40, K)), rand(2, (G, 40, K))
+    text = cuda_text(lambda x, wg, wu: jc.grouped_gated_projection(x, wg, wu, sizes), x, wg, wu)
+    assert _gated_forward_calls(text) == [0, 1] and "stablehlo.exponential" in text
+    xs, wg, wu = rand(3, (2, M, K)), rand(4, (G, 48, K)), rand(5, (G, 48, K))
+    fn = jax.vmap(lambda x: jc.grouped_gated_projection(x, wg, wu, sizes))
+    assert _gated_forward_calls(cuda_text(fn, xs)) == [0, 0]  # vmapped: XLA's ragged dot
+
+
+def test_grad_of_grad_lowers_through_the_unfused_forward():
+    """Reverse over reverse differentiates the fused forward through its unfused form, so
+    it lowers (the plain grouped forward joins the gated kernel)."""
+    f = 48
+    x, wg, wu = rand(0, (M, K)), rand(1, (G, f, K), F32), rand(2, (G, f, K), F32)
+    sizes = jnp.asarray(SIZES["ragged"], jnp.int32)
+
+    def inner(x, wg, wu):
+        loss = lambda x: jnp.sum(jc.grouped_gated_projection(x, wg, wu, sizes).astype(F32) ** 2)
+        return jnp.sum(jax.grad(loss)(x).astype(F32) ** 2)
+
+    text = cuda_text(jax.grad(inner, argnums=(1, 2)), x, wg, wu)
+    gated, plain = _gated_forward_calls(text)
+    assert gated == 1 and plain >= 1, (gated, plain)

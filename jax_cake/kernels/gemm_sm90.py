@@ -109,7 +109,10 @@ the output's writes are a large part of the traffic), so only the skinny variant
 it.
 
 Grouped (`grouping`, the MoE experts' GEMMs; planner/variants.py's docstring): rows
-padded so that every group starts on a tile, and an int32 table as the second tensor.
+padded so that every group starts on a tile, and an int32 table (the table tensor, mTable;
+the other variants are passed a placeholder they never read). The "rows" forward also
+has the gated epilogue (`store="gated_silu"` / `"gated_gelu"`: the MoE experts' gate/up
+projection, the second tensor h as for the dense one).
 "rows" (fwd, dgrad): the table's entry after the M tiles' (table[max tiles], read once
 per CTA) says how many M tiles hold rows, and only those are walked; the producer loads
 B from batch table[pid_m], the weight of the tile's group. "k" (wgrad): the walk's
@@ -233,14 +236,15 @@ class GemmSm90(GemmSm90Base):
         if variant.grouping is not None and (
             (variant.grouping, variant.program) not in (("rows", "fwd"), ("rows", "dgrad"), ("k", "wgrad"))
             or variant.schedule != "tiles"
-            or variant.store != "plain"
+            or (variant.store != "plain" and not (variant.activation and variant.grouping == "rows"))
             or variant.cluster != (1, 1)
             or variant.tile_m != 128
             or variant.promote_in != "registers"
         ):
             raise ValueError(
                 "a grouped variant is fwd or dgrad with grouping 'rows', or wgrad with grouping 'k', on 128-row "
-                "tiles with schedule 'tiles', store 'plain', cluster (1, 1) and its total in registers"
+                "tiles with schedule 'tiles', store 'plain' (or a gated one: fwd), cluster (1, 1) and its total in "
+                "registers"
             )
         if variant.promote_in not in ("registers", "output"):
             raise ValueError(f"promote_in must be 'registers' or 'output', got {variant.promote_in!r}")
@@ -328,6 +332,7 @@ class GemmSm90(GemmSm90Base):
         mB: cute.Tensor,
         mC: cute.Tensor,
         mAux: cute.Tensor,
+        mTable: cute.Tensor,
         splits: cutlass.Int32,
         raster: cutlass.Int32,
         max_ctas: cutlass.Int32,
@@ -434,6 +439,7 @@ class GemmSm90(GemmSm90Base):
             tma_atom_aux,
             tma_aux,
             mAux,
+            mTable,
             tiled_mma,
             a_smem_staged,
             b_smem_staged,
@@ -467,6 +473,7 @@ class GemmSm90(GemmSm90Base):
         tma_atom_aux: cute.CopyAtom,
         mAuxT: cute.Tensor,
         mWs: cute.Tensor,
+        mTable: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
@@ -499,7 +506,7 @@ class GemmSm90(GemmSm90Base):
         # The grouped variants' table (module docstring); None for the others.
         table = None
         if cutlass.const_expr(self.grouping is not None):
-            table = cute.recast_ptr(mWs.iterator, dtype=cutlass.Int32)
+            table = mTable.iterator
         if cutlass.const_expr(self.grouping == "rows"):
             tiles_m = cute.arch.load(table + tiles_m, cutlass.Int32)  # the M tiles that hold rows
         tiles_mc = (tiles_m + cm - 1) // cm

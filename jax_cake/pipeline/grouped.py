@@ -28,10 +28,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_cake import contract, reference, remat
+from jax_cake import contract, reference
 from jax_cake.pipeline.fused import WIDE_D_OUT
 from jax_cake.pipeline.sharded_vjp import sharded_vjp
 from jax_cake.planner import device as device_lib
+from jax_cake.planner.grouped import plan_grouped_gated
 from jax_cake.primitives import grouped as gemms
 from jax_cake.primitives import partitioning
 
@@ -113,7 +114,9 @@ def project_grouped(x, w, group_sizes, *, deterministic: bool, layout: str = "nk
 # (reference.interleave along axis 1: [G, 2F, d_in]),
 #
 #   forward   ONE grouped fwd gu = x W[g]^T ([M, 2F] bf16, the pre-activation, named
-#             remat.PREACTIVATION_NAME), h = reference.gate(g, u): bf16(act(g) * u) in FP32
+#             remat.PREACTIVATION_NAME), h = reference.gate(g, u): bf16(act(g) * u) in FP32,
+#             in the kernel's epilogue where the planner plans it
+#             (planner.grouped.plan_grouped_gated), else an XLA pass right after the GEMM
 #   backward  (dg, du) = reference.gate_grad(dh, g, u) from the saved gu; dx = ONE grouped
 #             dgrad over K = 2F of [dg | du] interleaved; dWg, dWu: where F >= WIDE_D_OUT
 #             (compute bound) one grouped wgrad per weight, from dg and du, straight into
@@ -129,10 +132,8 @@ def project_grouped(x, w, group_sizes, *, deterministic: bool, layout: str = "nk
 # interleave's block is the gated kernel epilogue's (contract.GATE_BLOCK) where F is a
 # multiple of it and nothing needs partitioning, else 1 (a d_ff shard then holds its gate
 # and up rows); the values do not depend on it. The elementwise parts are plain JAX and
-# every GEMM a differentiable role, so the backward can be differentiated (grad of grad).
-# The grouped kernels have no gated epilogue yet: the GEMMs are jax_cake.primitives.grouped's
-# roles (the kernels where the planner picks them) and the activation an XLA pass right after
-# the forward GEMM.
+# every GEMM a differentiable role, so the backward can be differentiated (grad of grad;
+# the fused forward is differentiated through its unfused form).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +162,9 @@ def stack_gated(w_gate, w_up, block: int):
 
 def _gated_plans(x, w, options: GatedOptions):
     """(forward, input-grad, weight-grads) Plans over the stacked weight w [G, 2F, d_in].
-    weight-grads: where F >= WIDE_D_OUT one Plan per weight (over its F rows, in its dtype),
-    else ONE over the 2F rows, FP32 unless both weights are bf16."""
+    forward: with the gated epilogue where plan_grouped_gated allows it. weight-grads: where
+    F >= WIDE_D_OUT one Plan per weight (over its F rows, in its dtype), else ONE over the
+    2F rows, FP32 unless both weights are bf16."""
     device = device_lib.current(x, w)
     det, groups = options.deterministic, w.shape[0]
     d_gu_shape = (x.shape[0], w.shape[1])
@@ -171,8 +173,9 @@ def _gated_plans(x, w, options: GatedOptions):
         wgrads = tuple(((x.shape[0], f), dtype) for dtype in options.w_dtypes)
     else:
         wgrads = ((d_gu_shape, "bfloat16" if options.w_dtypes == ("bfloat16", "bfloat16") else "float32"),)
+    forward = gemms.plan_for("grouped_fwd", x.shape, w.shape, groups, device, deterministic=det)
     return (
-        gemms.plan_for("grouped_fwd", x.shape, w.shape, groups, device, deterministic=det),
+        plan_grouped_gated(forward, options.activation, options.block),
         gemms.plan_for("grouped_dgrad", d_gu_shape, w.shape, groups, device, deterministic=det),
         tuple(
             gemms.plan_for("grouped_wgrad", dy_shape, x.shape, groups, device, out_dtype=dtype, deterministic=det)
@@ -189,9 +192,10 @@ def _in_groups(rows, group_sizes):
 def _gated_forward(options: GatedOptions, x, w_gate, w_up, group_sizes):
     w = stack_gated(w_gate, w_up, options.block)
     plan, _, _ = _gated_plans(x, w, options)
-    gu = gemms.fwd(x, w, group_sizes, plan, deterministic=options.deterministic, aligned=options.aligned)
-    gu = remat.name_preactivation(gu)
-    h = reference.gate(*reference.deinterleave(gu, -1, options.block), options.activation)
+    h, gu = gemms.fwd_gated(
+        x, w, group_sizes, plan, options.activation, options.block, deterministic=options.deterministic,
+        aligned=options.aligned,
+    )
     if options.aligned:  # the rows past the groups were never written: h is 0 there
         h = jnp.where(_in_groups(h.shape[0], group_sizes), h, jnp.zeros((), h.dtype))
     return h, (x, w_gate, w_up, group_sizes, gu)

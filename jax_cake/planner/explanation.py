@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jax_cake.planner.grouped import describe_gemm
+from jax_cake.planner.grouped import GATED_OP
 from jax_cake.planner.plan_type import GROUPED_OPS, Plan
 
 
@@ -10,7 +11,7 @@ def explain(p: Plan) -> str:
     """Plain words: which kernel program and algorithm run for this Plan, and why."""
     if not isinstance(p, Plan):
         raise TypeError(f"explain: p must be a Plan (jax_cake.plan's result), got {type(p).__name__}")
-    if p.op in GROUPED_OPS:
+    if p.op in GROUPED_OPS or p.op == GATED_OP:
         gemm = describe_gemm(p)
     else:
         gemm = f"{p.op}: C[{p.batch}x{p.m}x{p.n}] over K={p.k}, {p.out_dtype} out, on {p.device}"

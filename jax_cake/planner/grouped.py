@@ -22,6 +22,7 @@ result rounded once), the same semantics, with the reason in the plan.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -35,6 +36,11 @@ _XLA_RAGGED = "XLA's ragged dot (lax.ragged_dot_general) with an FP32 result rou
 # The grouped kernels' default tile (planner/variants.py's grouped variants).
 KERNEL_TILE = (contract.GROUP_ROW_ALIGN, 128, 64)
 WIDE_TILE = (contract.GROUP_ROW_ALIGN, 256, 64)  # fwd and dgrad's
+# grouped_gated_projection's forward with the gated epilogue (plan_grouped_gated).
+GATED_OP = "grouped_fwd_gated"
+# Whether plan_grouped_gated may plan the fused kernel by default (epilogue=None; the
+# benchmark times both ways).
+GATED_EPILOGUE_ENABLED = True
 
 
 def default_tile(op: str) -> tuple:
@@ -50,7 +56,7 @@ def kernel_tiles(op: str, out_dtype: str) -> tuple:
     return tuple(
         v.tile
         for v in variants.VARIANTS
-        if v.grouping is not None and v.program == program and v.out_dtype == out_dtype
+        if v.grouping is not None and v.program == program and v.out_dtype == out_dtype and v.store == "plain"
     )
 
 
@@ -103,6 +109,43 @@ def plan_grouped(
     if dev.platform == "cuda":  # a GPU user expects the kernels: say once why not
         logs.once(logging.WARNING, "jax_cake: on %s the grouped GEMMs run the XLA path: %s", dev.describe(), reason)
     return Plan(**gemm, backend="xla", reason=reason)
+
+
+def plan_grouped_gated(base: Plan, activation: str, block: int, epilogue: bool | None = None) -> Plan:
+    """The forward of grouped_gated_projection, gu = x W[g]^T over the stacked weight [G, 2F,
+    d_in] and h = act(g) * u: base (the grouped fwd's Plan of that GEMM) as op GATED_OP, the
+    same tile with the gated epilogue (jax_cake_grouped_fwd_gated: it writes gu, rounded once
+    as the plain forward writes it, and h = bf16(act(g) * u) in FP32 from those bf16 values,
+    so the values of the plain GEMM followed by reference.gate, up to the FP32 rounding of
+    the activation's exp), or base itself where the activation runs as an XLA pass after it,
+    with the reason (one log line): off the kernels, the epilogue switched off (epilogue, None:
+    GATED_EPILOGUE_ENABLED), a weight interleaved by rows instead of blocks of
+    contract.GATE_BLOCK (block: d_ff not a multiple of it, or operands that need partitioning)
+    or a tile with no gated variant (a force() pin)."""
+    if not base.uses_kernel or base.op != "grouped_fwd":
+        return base
+    store = f"gated_{activation}"
+    reason = None
+    if not (GATED_EPILOGUE_ENABLED if epilogue is None else epilogue):
+        reason = "the gated kernel epilogue is switched off"
+    elif block != contract.GATE_BLOCK:
+        reason = f"the weight's gate and up rows are interleaved row by row, not in blocks of {contract.GATE_BLOCK}"
+    elif variants.find_variant("fwd", base.tile, base.cluster, "bfloat16", store, base.schedule, "rows") is None:
+        reason = f"no compiled {store} variant of the grouped {base.tile[0]}x{base.tile[1]} tile"
+    if reason is None:
+        return dataclasses.replace(
+            base,
+            op=GATED_OP,
+            reason=f"{base.reason}; the {activation} epilogue in the kernel: h = bf16({activation}(g) * u)",
+        )
+    logs.once(
+        logging.INFO,
+        "jax_cake: the gated epilogue of the grouped GEMM %s on %s runs as an XLA pass after it: %s",
+        f"{base.m}x{base.k}->{base.n}",
+        base.device,
+        reason,
+    )
+    return dataclasses.replace(base, reason=f"{base.reason}; then an XLA pass ({reason})")
 
 
 def _xla_reason(tokens, d_in, d_out, dev, symbolic, program_pin) -> str | None:

@@ -62,7 +62,8 @@ class Plan:
         """The kernel program the FFI handler runs, as the variant tables name it: "fwd",
         "dgrad" or "wgrad" (of the router's family for the router ops; "wgrad" for
         "wgrad_accumulate", "fwd" for "fwd_residual" and "fwd_gated", "dgrad" for
-        "dgrad_gated" and "dgrad_gate_up"); None on the XLA path."""
+        "dgrad_gated" and "dgrad_gate_up", "grouped_fwd" for "grouped_fwd_gated"); None on
+        the XLA path."""
         if not self.uses_kernel:
             return None
         fused = {
@@ -71,6 +72,7 @@ class Plan:
             "fwd_gated": "fwd",
             "dgrad_gated": "dgrad",
             "dgrad_gate_up": "dgrad",
+            "grouped_fwd_gated": "grouped_fwd",
         }
         return fused.get(self.op, self.op.removeprefix("router_"))
 
@@ -104,10 +106,10 @@ class Plan:
         )
 
     def unfused(self) -> Plan:
-        """A "fwd_gated", "dgrad_gated" or "dgrad_gate_up" plan as the plain GEMM of the
-        same program (op "fwd", "dgrad"): its GEMM without the gated epilogue, or over one
-        operand pair."""
-        plain = {"fwd_gated": "fwd", "dgrad_gated": "dgrad", "dgrad_gate_up": "dgrad"}
+        """A "fwd_gated", "dgrad_gated", "dgrad_gate_up" or "grouped_fwd_gated" plan as the
+        plain GEMM of the same program (op "fwd", "dgrad", "grouped_fwd"): its GEMM without the
+        gated epilogue, or over one operand pair."""
+        plain = {"fwd_gated": "fwd", "dgrad_gated": "dgrad", "dgrad_gate_up": "dgrad", "grouped_fwd_gated": "grouped_fwd"}
         return dataclasses.replace(self, op=plain[self.op]) if self.op in plain else self
 
     @property

@@ -18,7 +18,8 @@ group starts at a multiple of contract.GROUP_ROW_ALIGN rows, jax_cake/primitives
          tile entries) is the number of M tiles that hold rows, the only ones walked;
   "k" (wgrad): A and B are one batch of padded rows along K, C's batches are the G weight
          gradients; batch g sums the K tiles [table[g], table[g + 1]) in order (none: 0).
-The table is the variant's second tensor (int32).
+The table is the variant's table tensor (int32). The "rows" forward also comes with the
+gated epilogue (store "gated_silu" / "gated_gelu", h as the second tensor).
 """
 
 from __future__ import annotations
@@ -297,6 +298,10 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("dgrad", 128, 256, grouping="rows"),
     GemmVariant("wgrad", 128, 128, out_dtype="float32", grouping="k"),
     GemmVariant("wgrad", 128, 128, out_dtype="bfloat16", grouping="k"),
+    # The experts' gate/up projection with the gated epilogue (grouped_gated_projection):
+    # the grouped forward's 128 x 256 tile writing gu and h.
+    GemmVariant("fwd", 128, 256, store="gated_silu", grouping="rows"),
+    GemmVariant("fwd", 128, 256, store="gated_gelu", grouping="rows"),
 )
 
 

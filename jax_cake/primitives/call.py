@@ -268,7 +268,7 @@ def fwd(x, w, plan: Plan, *, out_sharding=None, add_to=None):
     return _public("fwd", x, w, plan, True, out_sharding, add_to)
 
 
-def _fused_or(fused_call, fallback, out_batched, *operands):
+def fused_or(fused_call, fallback, out_batched, *operands):
     """fused_call(*operands), one custom call of a fused kernel on unbatched operands that
     need no partitioning; otherwise, and under vmap (the rule maps the fallback, so the
     batch folds into its GEMMs), fallback(*operands), its unfused form: the same values up
@@ -333,7 +333,7 @@ def fwd_gated(x, w, plan: Plan, activation: str, block: int, *, out_sharding=Non
         h, gu = gemm.fwd_gated(x, w, plan, activation)
         return remat.name_activation(h), remat.name_preactivation(gu)
 
-    return _fused_or(gated_call, store_then_gate, (True, True), x, w)
+    return fused_or(gated_call, store_then_gate, (True, True), x, w)
 
 
 def dgrad_gated(dy, w, gu, plan: Plan, activation: str, block: int, *, out_sharding=None):
@@ -361,7 +361,7 @@ def dgrad_gated(dy, w, gu, plan: Plan, activation: str, block: int, *, out_shard
         d_gu = gemm.dgrad_gated(dy, w, gu, plan, activation)
         return d_gu[0], d_gu[1]
 
-    return _fused_or(fused_call, dgrad_then_gate, (True, True), dy, w, gu)
+    return fused_or(fused_call, dgrad_then_gate, (True, True), dy, w, gu)
 
 
 def dgrad_gate_up(dg, du, w, plan: Plan, block: int, *, out_sharding=None):
@@ -385,7 +385,7 @@ def dgrad_gate_up(dg, du, w, plan: Plan, block: int, *, out_sharding=None):
     def fused_call(dg, du, w):
         return gemm.dgrad_gate_up(dg, du, w, plan)
 
-    return _fused_or(fused_call, interleave_then_dgrad, True, dg, du, w)
+    return fused_or(fused_call, interleave_then_dgrad, True, dg, du, w)
 
 
 def dgrad(dy, w, plan: Plan, *, out_sharding=None):

@@ -16,7 +16,8 @@ jax_cake_fwd_gated) writes the pre-activation and h = act(g) * u from it; its gr
 The gated projection's dx (dgrad, jax_cake_dgrad_gate_up) reads its operands in two
 halves: the cotangent's dg, du and the interleaved weight's gate and up rows.
 
-The grouped kernels' calls (grouped_fwd, grouped_dgrad, grouped_wgrad) are CUDA-only: they
+The grouped kernels' calls (grouped_fwd, its gated form grouped_fwd_gated, grouped_dgrad,
+grouped_wgrad) are CUDA-only: they
 take rows already laid out group by group with their int32 table
 (jax_cake.primitives.grouped, which also runs the XLA path elsewhere).
 """
@@ -42,6 +43,7 @@ from jax_cake.contract import (  # the FFI target names and codes, defined once
     FWD_TARGET,
     GATE_BLOCK,
     GROUPED_DGRAD_TARGET,
+    GROUPED_FWD_GATED_TARGET,
     GROUPED_FWD_TARGET,
     GROUPED_WGRAD_TARGET,
     ROUTER_DGRAD_TARGET,
@@ -331,6 +333,19 @@ def grouped_fwd(x, w, table, plan: Plan):
     """y [M, N] bf16 = x [M, K] . w[table[t]]^T for each 128-row tile t with rows (x's rows
     laid out group by group, w [G, N, K] bf16); the other tiles are not written."""
     return ffi_call(GROUPED_FWD_TARGET, plan, result_type(x, (x.shape[0], w.shape[1]), jnp.bfloat16), x, w, table)
+
+
+def grouped_fwd_gated(x, w, table, plan: Plan, activation: str):
+    """(h [M, F], gu [M, 2F]) bf16: gu = x [M, K] . w[table[t]]^T for each 128-row tile t
+    with rows (w [G, 2F, K] bf16, each group's gate and up rows interleaved in blocks of
+    contract.GATE_BLOCK) and h = reference.gate(g, u) from it (a plan for op
+    "grouped_fwd_gated"); the other tiles are not written."""
+    m, two_f = x.shape[0], w.shape[1]
+    results = (result_type(x, (m, two_f), jnp.bfloat16), result_type(x, (m, two_f // 2), jnp.bfloat16))
+    gu, h = ffi_call(
+        GROUPED_FWD_GATED_TARGET, plan, results, x, w, table, activation=np.int64(ACTIVATION_CODES[activation])
+    )
+    return h, gu
 
 
 def grouped_dgrad(dy, w, table, plan: Plan):

@@ -57,11 +57,12 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jax.sharding import PartitionSpec as P
 
-from jax_cake import contract, logs, reference
+from jax_cake import contract, logs, reference, remat
 from jax_cake.planner import Plan
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import plan as make_plan
 from jax_cake.primitives import gemm as gemm_lib
+from jax_cake.primitives.call import fused_or
 from jax_cake.primitives import partitioning
 
 _BF16 = jnp.bfloat16
@@ -377,3 +378,48 @@ def wgrad(dy, x, group_sizes, plan: Plan, *, deterministic: bool = True, out_spe
     rows in each group's padding 0 in dy or x (Call.aligned)."""
     _check(plan, "grouped_wgrad")
     return _role(dy, x, group_sizes, Call(plan, bool(deterministic), out_spec, bool(aligned)))
+
+
+def _gated_kernel(plan: Plan, activation: str, aligned: bool, x, w, group_sizes):
+    """(h, gu) of the gated grouped kernel (plan op "grouped_fwd_gated") on x, through the
+    PaddedLayout unless aligned (_kernel's and _aligned_kernel's rules)."""
+    if aligned:
+        _, row_table, _ = _tables(jnp.cumsum(group_sizes.astype(jnp.int32)), x.shape[0], plan.tile[2])
+        return gemm_lib.grouped_fwd_gated(x, w, row_table, plan, activation)
+    layout = padded_layout(group_sizes, x.shape[0], k_tile=plan.tile[2])
+    h, gu = gemm_lib.grouped_fwd_gated(layout.lay_out(x), w, layout.row_table, plan, activation)
+    return layout.gather(h), layout.gather(gu)
+
+
+def fwd_gated(
+    x, w, group_sizes, plan: Plan, activation: str, block: int, *, deterministic: bool = True, aligned: bool = False
+):
+    """(h [M, F], gu [M, 2F]) bf16: the grouped forward over w [G, 2F, K] bf16, each group's
+    gate and up rows interleaved in blocks of `block` (reference.interleave, axis 1), gu = x
+    . w[g]^T (named remat.PREACTIVATION_NAME) and h = reference.gate(g, u, activation); rows
+    past the groups are 0 (aligned: unspecified, as fwd's).
+
+    For a plan of op "grouped_fwd_gated" (planner.grouped.plan_grouped_gated) on unbatched
+    operands that need no partitioning, one custom call writes gu and h from the accumulator
+    tile (h then named remat.ACTIVATION_NAME); otherwise, and under vmap or a partitioning
+    rule, fwd writes gu and an XLA pass makes h: the same values up to the FP32 rounding of
+    the activation. deterministic: for the plans of the backward of second order."""
+    store_plan = plan.unfused()
+    _check(store_plan, "grouped_fwd")
+
+    def store_then_gate(x, w, group_sizes):
+        gu = fwd(x, w, group_sizes, store_plan, deterministic=deterministic, aligned=aligned)
+        gu = remat.name_preactivation(gu)
+        return reference.gate(*reference.deinterleave(gu, -1, block), activation), gu
+
+    if plan.op != "grouped_fwd_gated" or block != contract.GATE_BLOCK:
+        return store_then_gate(x, w, group_sizes)
+
+    def gated_call(x, w, group_sizes):
+        cuda = functools.partial(_gated_kernel, plan, activation, aligned)
+        h, gu = jax.lax.platform_dependent(
+            x.astype(_BF16), w.astype(_BF16), group_sizes, default=store_then_gate, cuda=cuda
+        )
+        return remat.name_activation(h), remat.name_preactivation(gu)
+
+    return fused_or(gated_call, store_then_gate, (True, True), x, w, group_sizes)

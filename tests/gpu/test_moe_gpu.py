@@ -14,6 +14,9 @@ from helpers import custom_call_lines
 
 import jax_cake as jc
 from jax_cake import contract
+from jax_cake.planner import device as device_lib
+from jax_cake.planner import grouped as grouped_planner
+from jax_cake.primitives import grouped as grouped_primitives
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_library")]
 
@@ -115,13 +118,18 @@ def test_moe_mlp_against_float64(w_dtype, activation):
 
 
 def test_moe_mlp_runs_the_grouped_kernels():
-    """Forward: gate/up and down (2); backward: the down's dgrad and wgrad, the gate/up
-    dgrad, and at F = 768 (>= WIDE_D_OUT) one wgrad per weight (5). Each a grouped kernel
-    on an sm_90a GPU."""
+    """Forward: gate/up (with the SwiGLU epilogue) and down (2); backward: the down's
+    dgrad and wgrad, the gate/up dgrad, and at F = 768 (>= WIDE_D_OUT) one wgrad per
+    weight (5). Each a grouped kernel on an sm_90a GPU."""
     x, ws, ids, ew, dy = _operands(F32)
     text = _moe_vjp.lower(x, *ws, ids, ew, dy).as_text()
-    targets = (contract.GROUPED_FWD_TARGET, contract.GROUPED_DGRAD_TARGET, contract.GROUPED_WGRAD_TARGET)
-    assert [len(custom_call_lines(text, t)) for t in targets] == [2, 2, 3]
+    targets = (
+        contract.GROUPED_FWD_GATED_TARGET,
+        contract.GROUPED_FWD_TARGET,
+        contract.GROUPED_DGRAD_TARGET,
+        contract.GROUPED_WGRAD_TARGET,
+    )
+    assert [len(custom_call_lines(text, t)) for t in targets] == [1, 1, 2, 3]
     assert '"chlo.ragged_dot"(' not in text
 
 
@@ -167,3 +175,32 @@ def test_grouped_gated_projection_against_float64_and_repeatable():
     h.assert_close(dwu, dwu64, h.F32_TOL, "dw_up")
     for i in range(4):
         h.assert_repeatable(lambda i=i: run(x, wg, wu, dh)[i], 5, f"result {i}")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_the_gated_epilogue_gives_the_plain_forward_and_its_pass(activation):
+    """The gated grouped kernel's gu is the plain grouped forward's, bit for bit, and its h
+    is reference.gate of that gu up to the FP32 rounding of the activation (at most one
+    bf16 step apart); the rows past the groups are 0."""
+    m, groups = 2053, 8
+    sizes = [300, 0, 517, 128, 1, 0, 900, 57]  # 150 rows past the sum
+    gs = jnp.asarray(sizes, jnp.int32)
+    x = h.rand(61, (m, D))
+    wg, wu = h.rand(62, (groups, F, D), scale=D**-0.5), h.rand(63, (groups, F, D), scale=D**-0.5)
+    w = jc.pipeline.grouped.stack_gated(wg, wu, contract.GATE_BLOCK)
+    base = grouped_primitives.plan_for("grouped_fwd", x.shape, w.shape, groups, device_lib.current(x, w))
+    plan = grouped_planner.plan_grouped_gated(base, activation, contract.GATE_BLOCK)
+    assert plan.op == grouped_planner.GATED_OP, plan.reason
+    fused = jax.jit(lambda x, w: grouped_primitives.fwd_gated(x, w, gs, plan, activation, contract.GATE_BLOCK))
+    text = fused.lower(x, w).as_text()
+    assert len(custom_call_lines(text, contract.GROUPED_FWD_GATED_TARGET)) == 1
+    assert not custom_call_lines(text, contract.GROUPED_FWD_TARGET)
+    hh, gu = fused(x, w)
+    plain_gu = jax.jit(lambda x, w: grouped_primitives.fwd(x, w, gs, base))(x, w)
+    assert h.same_bits(gu, plain_gu), "the gated kernel's pre-activation differs from the plain grouped forward's"
+    want = h.f64(jc.reference.gate(*jc.reference.deinterleave(plain_gu, -1, contract.GATE_BLOCK), activation))
+    got, live = h.f64(hh), sum(sizes)
+    assert not got[live:].any(), "rows past the groups are not 0"
+    assert (np.abs(got - want) <= 2.0**-7 * np.abs(want)).all(), "h is more than one bf16 step from the pass's"
+    assert np.mean(got == want) > 0.99
+    h.assert_repeatable(lambda: fused(x, w)[0], 5, "h")
