@@ -57,14 +57,16 @@ def _route(ids):
 
 
 def _own_intermediates(x, ws, ids, ew, dy, activation):
-    """The op's bf16 intermediates by the same grouped GEMMs (the public ops), sorted."""
+    """The op's bf16 intermediates by the same grouped GEMMs (the public ops), sorted: h
+    from the gated projection (its epilogue's rounding of the activation), the
+    pre-activation's g and u from the plain grouped GEMM (the same bits)."""
     wg, wu, wd = ws
     perm, sizes, valid = _route(ids)
     gs = jnp.asarray(sizes, jnp.int32)
     xs = x[jnp.asarray(perm // K)]
     gu = jc.grouped_projection(xs, jc.pipeline.grouped.stack_gated(wg, wu, 1), gs)
     g, u = jc.reference.deinterleave(gu, -1, 1)
-    hh = jc.reference.gate(g, u, activation)
+    hh = jax.jit(lambda xs, wg, wu: jc.grouped_gated_projection(xs, wg, wu, gs, activation=activation))(xs, wg, wu)
     out_sorted, pullback = jax.vjp(lambda v: jc.grouped_projection(v, wd, gs), hh)
     ew32 = jnp.where(jnp.asarray(valid.reshape(T, K)), ew.astype(F32), 0.0)
     dout = (ew32[:, :, None] * dy.astype(F32)[:, None, :]).astype(BF16).reshape(T * K, D)[jnp.asarray(perm)]
