@@ -1,7 +1,7 @@
 // XLA FFI handlers of jax_cake: jax_cake_fwd, jax_cake_dgrad, jax_cake_wgrad,
 // jax_cake_wgrad_accumulate, jax_cake_fwd_residual, jax_cake_fwd_gated,
-// jax_cake_dgrad_gated, jax_cake_dgrad_gate_up, jax_cake_grouped_fwd, jax_cake_grouped_dgrad,
-// jax_cake_grouped_wgrad.
+// jax_cake_dgrad_gated, jax_cake_dgrad_gate_up, jax_cake_grouped_fwd,
+// jax_cake_grouped_fwd_gated, jax_cake_grouped_dgrad, jax_cake_grouped_wgrad.
 //
 // The contract (operands, attributes, workspace) is docs/ffi_contract.md. Each handler
 // maps its buffers onto one GEMM C[M, N] = sum_k A[m, k] B[n, k] (batch L), picks the

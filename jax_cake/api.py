@@ -336,9 +336,9 @@ def grouped_projection(x, w, group_sizes, *, deterministic: bool = True):
     Values: each output element is the FP32 sum of its products rounded once to bf16 (an
     FP32 result, then one rounding, on every backend); dw in w's dtype straight from the
     FP32 sum (an FP32 master weight gets an FP32 gradient, never rounded to bf16); an
-    empty group's dw is exactly 0. The GEMMs run XLA's ragged dot today (no grouped
-    kernel is built yet: `jc.explain(jc.plan("grouped_fwd", ...))` says so); a kernel
-    will take their place with the same API and semantics.
+    empty group's dw is exactly 0. On sm_90a the GEMMs run the grouped kernels; elsewhere
+    (and where `jc.explain(jc.plan("grouped_fwd", ...))` says why) XLA's ragged dot with
+    an FP32 result, the same semantics.
 
     Args:
       x: [M, d_in] bfloat16 tokens, rows sorted by group.
@@ -466,11 +466,14 @@ def grouped_gated_projection(x, w_gate, w_up, group_sizes, *, activation: str = 
     gated_projection (jax_cake.reference.gate / gate_grad): g, u = the FP32 accumulator
     rounded once to bf16 (the pre-activation, saved for the backward and named
     jc.remat.PREACTIVATION_NAME); h = bf16(act(g) * u) in FP32; the backward's dg, du from
-    the saved g, u; dx ONE grouped GEMM over K = 2 d_ff; dw_gate and dw_up from ONE grouped
-    weight-gradient GEMM over the 2 d_ff interleaved rows (FP32 sum), each in its weight's
-    dtype. The forward is ONE grouped GEMM over the gate and up rows interleaved
-    (jax_cake.pipeline.grouped); today every grouped GEMM runs XLA's ragged dot (no grouped
-    kernel is built yet) and the activation an XLA pass right after it, with these values.
+    the saved g, u; dx ONE grouped GEMM over K = 2 d_ff; dw_gate and dw_up each from the
+    FP32 sum of its group's rows, in its weight's dtype (from d_ff = 512 up one grouped
+    weight-gradient GEMM per weight, narrower ONE over the 2 d_ff interleaved rows). The
+    forward is ONE grouped GEMM over the gate and up rows interleaved
+    (jax_cake.pipeline.grouped): on sm_90a with d_ff a multiple of 16 the grouped kernel
+    writes h in its epilogue (h then also named jc.remat.ACTIVATION_NAME), elsewhere an XLA
+    pass makes h right after it; both give these values up to the FP32 rounding of the
+    activation's exp.
 
     Args:
       x: [M, d_in] bfloat16, rows sorted by group.
@@ -515,9 +518,9 @@ def moe_mlp(
     under jax.shard_map with each device holding G / n experts, ids minus the device's
     first expert and a psum over the devices give the expert-parallel layer.
 
-    What runs where today: the sort, the gathers and the weighted combine are XLA ops and
-    the grouped GEMMs run XLA's ragged dot (with FP32 results) on every backend; no grouped
-    kernel is built yet.
+    What runs where: the sort, the gathers and the weighted combine are XLA ops; the grouped
+    GEMMs run the grouped kernels on sm_90a (the activation in the gate/up GEMM's
+    epilogue), XLA's ragged dot with FP32 results elsewhere.
 
     Sharding: jit with sharded tokens works (Auto axes: XLA partitions the routing; Explicit
     axes: the tokens are gathered for the routing's sort and y gets x's sharding back, each

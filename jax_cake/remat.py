@@ -8,7 +8,8 @@ The gated ops (gated_projection, swiglu_mlp) also name the bf16 pre-activation o
 gate/up GEMM, [gate | up] for every token, PREACTIVATION_NAME: it is what their backward
 needs. Saving it keeps the gate/up GEMM from running again in the backward; h = act(g) *
 u is then recomputed from it elementwise. Where the gated kernel wrote h in the GEMM's
-epilogue (jax_cake.planner.gated), h is named ACTIVATION_NAME as well: it can only be
+epilogue (jax_cake.planner.gated, and planner.grouped's plan_grouped_gated for the MoE
+experts), h is named ACTIVATION_NAME as well: it can only be
 recomputed by that GEMM, so the policies that save the pre-activation save it too.
 """
 

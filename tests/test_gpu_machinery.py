@@ -23,6 +23,7 @@ import kernel_cases as cases
 import test_fused_gpu
 import test_gated_gpu
 import test_grouped_gpu
+import test_moe_gpu
 
 CPU = jax.devices("cpu")[0]
 
@@ -236,9 +237,9 @@ def test_cases_cover_every_compiled_program():
     # The gated epilogue's variants: test_gated_gpu.test_gated_kernel_epilogue, each forced;
     # the gradient epilogue's: test_gated_gpu.test_gate_grad_kernel_epilogue; the dx from
     # the cotangent's halves: test_gated_gpu.test_gate_up_dgrad_kernel; the grouped
-    # variants: test_grouped_gpu's kernel path.
+    # variants: test_grouped_gpu's kernel path, the grouped gated ones test_moe_gpu's.
     gated = test_gated_gpu.GATED_VARIANTS + test_gated_gpu.GATE_GRAD_VARIANTS + test_gated_gpu.GATE_UP_VARIANTS
-    covered |= {v.name for v in gated + test_grouped_gpu.GROUPED_VARIANTS}
+    covered |= {v.name for v in gated + test_grouped_gpu.GROUPED_VARIANTS + test_moe_gpu.GROUPED_GATED_VARIANTS}
     assert covered == {v.name for v in variants.VARIANTS}, sorted({v.name for v in variants.VARIANTS} - covered)
     covered = {c.variant().name for c in cases.ROUTER_CASES}
     assert covered == {v.name for v in router_variants.VARIANTS}
@@ -352,7 +353,7 @@ def test_quick_tier_calls_every_compiled_program():
     covered = {c.variant().name for c in _quick(cases.ALL_VALUE_CASES) + _quick(cases.RESIDUAL_CASES)}
     # the gated and gradient epilogues and the dx from the halves: their own file, not full-only
     gated = test_gated_gpu.GATED_VARIANTS + test_gated_gpu.GATE_GRAD_VARIANTS + test_gated_gpu.GATE_UP_VARIANTS
-    covered |= {v.name for v in gated + test_grouped_gpu.GROUPED_VARIANTS}
+    covered |= {v.name for v in gated + test_grouped_gpu.GROUPED_VARIANTS + test_moe_gpu.GROUPED_GATED_VARIANTS}
     assert covered == {v.name for v in variants.VARIANTS}
     assert {c.variant().name for c in _quick(cases.ROUTER_CASES)} == {v.name for v in router_variants.VARIANTS}
     reductions = {(c.variant().name, c.reduction) for c in _quick(cases.ALL_VALUE_CASES)}

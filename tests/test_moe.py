@@ -563,7 +563,8 @@ def test_grouped_gated_grad_of_grad(f):
 def test_remat_policies_save_by_name(policy, gemms):
     """2 forward GEMMs, 2 dgrads, 2 wgrads; a checkpoint without a policy runs both
     forwards again (the routing weights' gradient needs the outputs), save_projections
-    none, save_gated_preactivation the down projection (h is recomputed elementwise)."""
+    none, save_gated_preactivation the down projection (from h, saved where the gated
+    kernel wrote it, else recomputed elementwise from the saved pre-activation)."""
     x, ws = _x(), _weights()
     ids, ew = _routing("random", 2)
     block = jax.checkpoint(lambda x, wg, wu, wd, ew: jc.moe_mlp(x, wg, wu, wd, ids, ew), policy=policy)

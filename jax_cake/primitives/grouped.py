@@ -43,6 +43,10 @@ same semantics. Around it:
   `out_spec` (a backward asks for its primal's sharding) or the rule `result_spec`: the
   activations' row sharding and the weight's free axis, as the dense GEMMs' rule gives.
 - shard_map: the roles run on the per-device operands as given.
+
+`fwd_gated` is the fwd role over interleaved gate and up rows with the activation (h =
+reference.gate(g, u)): one call of the gated grouped kernel for a plan of op
+"grouped_fwd_gated", else fwd and an XLA pass; differentiated through that unfused form.
 """
 
 from __future__ import annotations

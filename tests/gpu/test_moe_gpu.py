@@ -16,6 +16,7 @@ import jax_cake as jc
 from jax_cake import contract
 from jax_cake.planner import device as device_lib
 from jax_cake.planner import grouped as grouped_planner
+from jax_cake.planner import variants as variant_table
 from jax_cake.primitives import grouped as grouped_primitives
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_library")]
@@ -179,8 +180,12 @@ def test_grouped_gated_projection_against_float64_and_repeatable():
         h.assert_repeatable(lambda i=i: run(x, wg, wu, dh)[i], 5, f"result {i}")
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
-def test_the_gated_epilogue_gives_the_plain_forward_and_its_pass(activation):
+# The grouped gated variants, each run by the test below (test_gpu_machinery's coverage check).
+GROUPED_GATED_VARIANTS = [v for v in variant_table.VARIANTS if v.grouping and v.activation]
+
+
+@pytest.mark.parametrize("variant", GROUPED_GATED_VARIANTS, ids=lambda v: v.name)
+def test_the_gated_epilogue_gives_the_plain_forward_and_its_pass(variant):
     """The gated grouped kernel's gu is the plain grouped forward's, bit for bit, and its h
     is reference.gate of that gu up to the FP32 rounding of the activation (at most one
     bf16 step apart); the rows past the groups are 0."""
@@ -191,8 +196,10 @@ def test_the_gated_epilogue_gives_the_plain_forward_and_its_pass(activation):
     wg, wu = h.rand(62, (groups, F, D), scale=D**-0.5), h.rand(63, (groups, F, D), scale=D**-0.5)
     w = jc.pipeline.grouped.stack_gated(wg, wu, contract.GATE_BLOCK)
     base = grouped_primitives.plan_for("grouped_fwd", x.shape, w.shape, groups, device_lib.current(x, w))
+    activation = variant.activation
     plan = grouped_planner.plan_grouped_gated(base, activation, contract.GATE_BLOCK)
     assert plan.op == grouped_planner.GATED_OP, plan.reason
+    assert (plan.tile, plan.cluster, plan.schedule) == (variant.tile, variant.cluster, variant.schedule), plan
     fused = jax.jit(lambda x, w: grouped_primitives.fwd_gated(x, w, gs, plan, activation, contract.GATE_BLOCK))
     text = fused.lower(x, w).as_text()
     assert len(custom_call_lines(text, contract.GROUPED_FWD_GATED_TARGET)) == 1
