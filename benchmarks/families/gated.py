@@ -82,14 +82,15 @@ def step_fn(arm: str, point: harness.Point, activation: str = "silu") -> Callabl
     return kernel
 
 
-def check_results(step_fns: dict[str, Callable], x, w) -> None:
-    """Every arm's (h, gu) within harness.XLA_MATCH_REL_TOL (relative to the largest entry) of the xla arm's."""
+def check_results(step_fns: dict[str, Callable], *operands) -> None:
+    """Every arm's (h, gu) on the operands within harness.XLA_MATCH_REL_TOL (relative to the
+    largest entry) of the xla arm's (this family's and grouped_gated's)."""
     import jax
     import numpy as np
 
-    ref = [np.asarray(v, np.float32) for v in jax.jit(step_fns["xla"])(x, w)]
+    ref = [np.asarray(v, np.float32) for v in jax.jit(step_fns["xla"])(*operands)]
     for arm, step in step_fns.items():
-        got = [np.asarray(v, np.float32) for v in jax.jit(step)(x, w)]
+        got = [np.asarray(v, np.float32) for v in jax.jit(step)(*operands)]
         for name, a, b in zip(("h", "gu"), got, ref):
             err = float(np.max(np.abs(a - b))) / float(np.max(np.abs(b)))
             if not (np.all(np.isfinite(a)) and err <= harness.XLA_MATCH_REL_TOL):

@@ -26,6 +26,7 @@ from absl import flags
 
 from benchmarks import harness
 from benchmarks.families import steps
+from benchmarks.families.gated import check_results
 
 FLAGS = flags.FLAGS
 ARMS = ("fused", "composed", "xla")
@@ -91,20 +92,6 @@ def make_inputs(point: harness.Point, groups: int, flush_mb: int, seed: int = 0)
     x = jax.random.normal(kx, (point.tokens, point.d_in), jnp.bfloat16)
     w = (jax.random.normal(kw, (groups, point.d_out, point.d_in), jnp.float32) * 0.02).astype(jnp.bfloat16)
     return harness.flush_buffer(flush_mb), x, (w, balanced_sizes(point.tokens, groups))
-
-
-def check_results(step_fns: dict[str, Callable], x, ws) -> None:
-    """Every arm's (h, gu) within harness.XLA_MATCH_REL_TOL (relative to the largest entry) of the xla arm's."""
-    import jax
-    import numpy as np
-
-    ref = [np.asarray(v, np.float32) for v in jax.jit(step_fns["xla"])(x, ws)]
-    for arm, step in step_fns.items():
-        got = [np.asarray(v, np.float32) for v in jax.jit(step)(x, ws)]
-        for name, a, b in zip(("h", "gu"), got, ref):
-            err = float(np.max(np.abs(a - b))) / float(np.max(np.abs(b)))
-            if not (np.all(np.isfinite(a)) and err <= harness.XLA_MATCH_REL_TOL):
-                raise RuntimeError(f"{arm}: {name} is {err:.3g} (max-relative) off the xla arm's")
 
 
 def measure(point: harness.Point, arms: Sequence[str], timer_kind: str) -> dict[str, list[float]]:

@@ -229,12 +229,18 @@ def _tables(padded_ends, capacity: int, k_tile: int):
     return tile_group, row_table, k_table
 
 
+def _aligned_tables(group_sizes, rows: int, k_tile: int):
+    """(row_table, k_table) of rows already laid out (Call.aligned): group_sizes multiples
+    of GROUP_ROW_ALIGN, summing to at most `rows`."""
+    _, row_table, k_table = _tables(jnp.cumsum(group_sizes.astype(jnp.int32)), rows, k_tile)
+    return row_table, k_table
+
+
 def _aligned_kernel(plan: Plan, a, b, group_sizes):
     """The grouped kernel of plan.op on rows already laid out: group_sizes multiples of
     GROUP_ROW_ALIGN, summing to at most a's rows (Call.aligned). Rows past the groups are
     not written."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    _, row_table, k_table = _tables(ends, a.shape[0], plan.tile[2])
+    row_table, k_table = _aligned_tables(group_sizes, a.shape[0], plan.tile[2])
     if plan.op == "grouped_wgrad":
         return gemm_lib.grouped_wgrad(a, b, k_table, plan)
     role = gemm_lib.grouped_fwd if plan.op == "grouped_fwd" else gemm_lib.grouped_dgrad
@@ -388,7 +394,7 @@ def _gated_kernel(plan: Plan, activation: str, aligned: bool, x, w, group_sizes)
     """(h, gu) of the gated grouped kernel (plan op "grouped_fwd_gated") on x, through the
     PaddedLayout unless aligned (_kernel's and _aligned_kernel's rules)."""
     if aligned:
-        _, row_table, _ = _tables(jnp.cumsum(group_sizes.astype(jnp.int32)), x.shape[0], plan.tile[2])
+        row_table, _ = _aligned_tables(group_sizes, x.shape[0], plan.tile[2])
         return gemm_lib.grouped_fwd_gated(x, w, row_table, plan, activation)
     layout = padded_layout(group_sizes, x.shape[0], k_tile=plan.tile[2])
     h, gu = gemm_lib.grouped_fwd_gated(layout.lay_out(x), w, layout.row_table, plan, activation)
