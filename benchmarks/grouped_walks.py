@@ -3,6 +3,7 @@ the grouped plans' tile and raster rules (docs/planner.md).
 
     python -m benchmarks.grouped_walks                      # on the GPU: the grouped family's six points
     python -m benchmarks.grouped_walks --moe_points=16384:8:14336:4096 --rounds=7
+    python -m benchmarks.grouped_walks --roles=fwd,dgrad         # the roles with several tiles
 
 Per point (balanced routing, the grouped family's operands laid out before timing, as its
 `kernels` arm), every compiled grouped variant of each role (fwd, dgrad, FP32 wgrad) runs
@@ -32,12 +33,12 @@ WALKS = {"fwd": ("m", "m8", "m4"), "dgrad": ("m", "m8", "m4"), "wgrad": ("m", "m
 REL_TOL = 1e-2
 
 
-def configurations() -> list[tuple[str, tuple[int, int, int], str]]:
+def configurations(roles: Sequence[str] = ROLES) -> list[tuple[str, tuple[int, int, int], str]]:
     """(role, tile, walk) of every compiled grouped variant of each role and every walk."""
     from jax_cake.planner import grouped as grouped_planner
 
     out = []
-    for role in ROLES:
+    for role in roles:
         out_dtype = "float32" if role == "wgrad" else "bfloat16"
         for tile in grouped_planner.kernel_tiles(f"grouped_{role}", out_dtype):
             out += [(role, tile, walk) for walk in WALKS[role]]
@@ -98,7 +99,7 @@ def _step(role: str, tile, walk: str, shapes) -> Callable:
     return jax.jit(run)
 
 
-def measure(point, rounds: int, reps: int) -> tuple[dict, list[str]]:
+def measure(point, rounds: int, reps: int, roles: Sequence[str] = ROLES) -> tuple[dict, list[str]]:
     """{(role, tile, walk): median us} at one point, and the value problems found."""
     import jax
 
@@ -108,10 +109,10 @@ def measure(point, rounds: int, reps: int) -> tuple[dict, list[str]]:
     args = (x, ws, dy)
     w, dest = ws[0], ws[3]
     shapes = (dest.shape[0], x.shape[1], w.shape)
-    steps = {c: _step(*c, shapes) for c in configurations()}
+    steps = {c: _step(*c, shapes) for c in configurations(roles)}
     results = {c: jax.block_until_ready(f(*args)) for c, f in steps.items()}
     plans = family.kernel_plans(*shapes, "float32")  # the default plans: among the configurations
-    bad = check_values(results, {role: results[(role, plans[role].tile, plans[role].raster)] for role in ROLES})
+    bad = check_values(results, {role: results[(role, plans[role].tile, plans[role].raster)] for role in roles})
     times: dict = {c: [] for c in steps}
     for _ in range(rounds):
         for c, f in steps.items():
@@ -146,9 +147,11 @@ def main(argv: Sequence[str]) -> None:
     print(
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
+    if not FLAGS.roles or set(FLAGS.roles) - set(ROLES):
+        raise app.UsageError(f"--roles: {FLAGS.roles} must be a non-empty subset of {list(ROLES)}")
     failed = False
     for point in family.parse_points(FLAGS.moe_points, ["float32"]):
-        medians, bad = measure(point, FLAGS.rounds, FLAGS.reps)
+        medians, bad = measure(point, FLAGS.rounds, FLAGS.reps, FLAGS.roles)
         print("\n".join(["", *table(point.label, medians), *(f"BAD {b}" for b in bad)]), flush=True)
         failed |= bool(bad)
     if failed:
@@ -159,4 +162,5 @@ if __name__ == "__main__":
     flags.DEFINE_list("moe_points", list(family.DEFAULT_POINTS), "M:G:d_in:d_out points (M = routed rows).")
     flags.DEFINE_integer("rounds", 5, "Interleaved rounds; the median over them is printed.")
     flags.DEFINE_integer("reps", 5, "Calls timed together in each round.")
+    flags.DEFINE_list("roles", list(ROLES), f"The GEMM roles to time, from {ROLES}.")
     app.run(main)

@@ -117,6 +117,7 @@ def test_every_grouped_variant_against_float64(gpu_library, variant):
     )
     (call,) = custom_call_lines(text, target)
     assert f"tile_n = {variant.tile[1]} : i64" in call, call
+    assert f"schedule = {contract.SCHEDULES[variant.schedule]} : i64" in call, call
     ry, rdx, rdw = grouped_reference64(x, w, SIZES["ragged"], dy)
     h.assert_close(y, ry, h.BF16_TOL, "y")
     h.assert_close(dx, rdx, h.BF16_TOL, "dx")
