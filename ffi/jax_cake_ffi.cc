@@ -550,17 +550,15 @@ ffi::Error DgradGateUpImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dg, ffi::
 
 // ------------------------------------------------------------------ grouped (MoE experts)
 // Size letters: M the padded rows (each group starts at a multiple of kGroupRowAlign rows),
-// G groups, I d_in, O d_out, R the table's entries. One pass over K on the grouped variant
-// of the tile and schedule, cluster 1x1 (docs/ffi_contract.md).
+// G groups, I d_in, O d_out, R the table's entries. One pass over K on the cooperative
+// grouped variant of the tile, cluster 1x1 (docs/ffi_contract.md).
 
-// The grouped targets' attributes: no split; whole tiles, or (the row-grouped fwd and
-// dgrad, `pingpong_ok`) ping-pong tiles.
-ffi::Error BeginGrouped(const char* target, const Attrs& at, bool pingpong_ok) {
+// The grouped targets' attributes: whole tiles, no split.
+ffi::Error BeginGrouped(const char* target, const Attrs& at) {
   JC_RETURN_IF_ERROR(BeginOnePass(target, at));
-  if (at.schedule != kScheduleTiles && !(pingpong_ok && at.schedule == kSchedulePingpong))
-    return Invalid(target, "schedule must be " + std::to_string(kScheduleTiles) +
-                               (pingpong_ok ? " or " + std::to_string(kSchedulePingpong) : std::string()) +
-                               ", got " + std::to_string(at.schedule));
+  if (at.schedule != kScheduleTiles)
+    return Invalid(target, "schedule must be " + std::to_string(kScheduleTiles) + ", got " +
+                               std::to_string(at.schedule));
   return ffi::Error::Success();
 }
 
@@ -596,7 +594,7 @@ ffi::Error RowGroupedImpl(const char* target, bool dgrad, cudaStream_t stream, c
                           ffi::Buffer<ffi::S32> table, const char* out_name, ffi::Buffer<ffi::BF16>& out,
                           const char* out_pattern, const char* expected, const Attrs& at,
                           ffi::Buffer<ffi::BF16>* gated = nullptr, int64_t store = kStorePlain) {
-  JC_RETURN_IF_ERROR(BeginGrouped(target, at, /*pingpong_ok=*/true));
+  JC_RETURN_IF_ERROR(BeginGrouped(target, at));
   JC_RETURN_IF_ERROR(CheckMinDim(target, "w", w.dimensions(), 1));
   Shapes s;
   if (!s.Bind(a_name, a.dimensions(), a_pattern) || !s.Bind("w", w.dimensions(), "GOI") ||
@@ -655,7 +653,7 @@ ffi::Error GroupedDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi:
 ffi::Error GroupedWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::BF16> x,
                             ffi::Buffer<ffi::S32> table, ffi::Result<ffi::AnyBuffer> dw, Attrs at) {
   const char* target = kGroupedWgradTarget;
-  JC_RETURN_IF_ERROR(BeginGrouped(target, at, /*pingpong_ok=*/false));
+  JC_RETURN_IF_ERROR(BeginGrouped(target, at));
   int out_dtype;
   if (dw->element_type() == ffi::DataType::F32) {
     out_dtype = kF32;

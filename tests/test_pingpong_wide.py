@@ -16,15 +16,8 @@ from helpers import H200, faked_device
 from jax_cake import contract
 from jax_cake.planner import choose, variants
 
-# The dense wide ping-pong variants (the grouped ones: test_grouped_kernel_path.py).
-WIDE = [
-    v
-    for v in variants.VARIANTS
-    if v.schedule == "pingpong" and v.tile_n != 128 and v.store == "plain" and v.grouping is None
-]
-GATED_WIDE = [
-    v for v in variants.VARIANTS if v.schedule == "pingpong" and v.activation is not None and v.grouping is None
-]
+WIDE = [v for v in variants.VARIANTS if v.schedule == "pingpong" and v.tile_n != 128 and v.store == "plain"]
+GATED_WIDE = [v for v in variants.VARIANTS if v.schedule == "pingpong" and v.activation is not None]
 LLAMA = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024)]
 
 

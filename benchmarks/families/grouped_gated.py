@@ -13,10 +13,7 @@ bf16(act(g) * u), act `--activation`. Arms:
   xla      = jax.lax.ragged_dot(x, W^T), then the activation (one XLA fusion);
   composed = the planner's grouped forward (jax_cake's grouped kernel), then the same XLA pass;
   fused    = the planner's gated grouped plan (planner.grouped.plan_grouped_gated: the
-             gated epilogue on the grouped kernel's tile);
-  composed_cooperative, fused_cooperative = composed and fused on the cooperative 128 x 256
-             grouped tile, composed_pingpong, fused_pingpong on the ping-pong 128 x 192 one
-             (planner.force(schedule=...)): the measurement behind the grouped tile rule.
+             gated epilogue on the grouped kernel's tile).
 Each arm's h and gu are checked against the xla arm's once before timing. The table's
 ratios are arm / fused: above 1, the fused arm is faster.
 """
@@ -32,10 +29,7 @@ from benchmarks.families import steps
 from benchmarks.families.gated import check_results
 
 FLAGS = flags.FLAGS
-TILE_ARMS = ("composed_cooperative", "fused_cooperative", "composed_pingpong", "fused_pingpong")
-ARMS = ("fused", "composed", "xla", *TILE_ARMS)
-# A tile arm's planner.force schedule: "tiles" is the grouped kernels' cooperative tile.
-_ARM_SCHEDULE = {"cooperative": "tiles", "pingpong": "pingpong"}
+ARMS = ("fused", "composed", "xla")
 OP = "grouped_gated"
 
 
@@ -44,22 +38,15 @@ def define_flags() -> None:
 
 
 def arm_plan(arm: str, rows: int, groups: int, d_in: int, d_out: int, activation: str = "silu"):
-    """The Plan the arm's step runs (fused*: op grouped_fwd_gated; composed*: op grouped_fwd),
-    a tile arm's inside a planner.force block of its schedule."""
-    import contextlib
-
+    """The Plan the arm's step runs (fused: op grouped_fwd_gated; composed: op grouped_fwd)."""
     from jax_cake import contract
     from jax_cake.planner import device as device_lib
-    from jax_cake.planner import force
     from jax_cake.planner.grouped import GATED_OP, plan_grouped_gated
     from jax_cake.primitives import grouped as grouped_lib
 
-    kind, _, tile = arm.partition("_")
-    pins = force("det", schedule=_ARM_SCHEDULE[tile]) if tile else contextlib.nullcontext()
-    with pins:
-        base = grouped_lib.plan_for("grouped_fwd", (rows, d_in), (groups, d_out, d_in), groups, device_lib.current())
-    plan = plan_grouped_gated(base, activation, contract.GATE_BLOCK, epilogue=kind == "fused")
-    if plan.op != (GATED_OP if kind == "fused" else "grouped_fwd"):
+    base = grouped_lib.plan_for("grouped_fwd", (rows, d_in), (groups, d_out, d_in), groups, device_lib.current())
+    plan = plan_grouped_gated(base, activation, contract.GATE_BLOCK, epilogue=arm == "fused")
+    if plan.op != (GATED_OP if arm == "fused" else "grouped_fwd"):
         raise RuntimeError(f"{arm}: planned op {plan.op!r} ({plan.reason})")
     return plan
 
@@ -127,7 +114,7 @@ FAMILY = steps.family(
         f" T is the routed rows M in {FLAGS.gated_experts} equal groups; d_out is 2F (gate and up);"
         f" fused = the planner's gated grouped plan (the {FLAGS.activation} epilogue)."
     ),
-    defaults={"tokens": ["16384"], "d_in": ["4096"], "d_out": ["28672"], "arms": ["fused", "composed", "xla"]},
+    defaults={"tokens": ["16384"], "d_in": ["4096"], "d_out": ["28672"]},
     reads=("activation", "gated_experts"),
     extra=lambda: (("G", FLAGS.gated_experts),),
 )

@@ -235,16 +235,16 @@ class GemmSm90(GemmSm90Base):
             raise ValueError("schedule='split_tail' needs cluster (1, 1) and store='plain'")
         if variant.grouping is not None and (
             (variant.grouping, variant.program) not in (("rows", "fwd"), ("rows", "dgrad"), ("k", "wgrad"))
-            or variant.schedule not in (("tiles", "pingpong") if variant.grouping == "rows" else ("tiles",))
+            or variant.schedule != "tiles"
             or (variant.store != "plain" and not (variant.activation and variant.grouping == "rows"))
             or variant.cluster != (1, 1)
             or variant.tile_m != 128
             or variant.promote_in != "registers"
         ):
             raise ValueError(
-                "a grouped variant is fwd or dgrad with grouping 'rows' (schedule 'tiles' or 'pingpong'), or wgrad "
-                "with grouping 'k' (schedule 'tiles'), on 128-row tiles with store 'plain' (or a gated one: fwd), "
-                "cluster (1, 1) and its total in registers"
+                "a grouped variant is fwd or dgrad with grouping 'rows', or wgrad with grouping 'k', on 128-row "
+                "tiles with schedule 'tiles', store 'plain' (or a gated one: fwd), cluster (1, 1) and its total in "
+                "registers"
             )
         if variant.promote_in not in ("registers", "output"):
             raise ValueError(f"promote_in must be 'registers' or 'output', got {variant.promote_in!r}")

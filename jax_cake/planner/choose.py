@@ -564,7 +564,6 @@ def plan_with(
             program_pin=None if pins is None else pins.program,
             raster=grouped_raster(op, None if pins is None else pins.raster),
             tile_pin=None if pins is None else pins.tile,
-            schedule_pin=None if pins is None else pins.schedule,
         )
 
     if op in ("fwd", "router_fwd"):

@@ -12,8 +12,7 @@ made for the static sizes alone: M / G rows per group is what the explanation ca
 about the work of one group.
 
 The grouped kernels (sm_90a: one pass over K on cooperative tiles, 128 x 256 for fwd and
-dgrad, 128 x 128 for wgrad, walked in bands (choose.grouped_raster); fwd and dgrad also on
-the ping-pong 128 x 192 tile, PINGPONG_TILE, where force() pins it; the rows of each group
+dgrad, 128 x 128 for wgrad, walked in bands (choose.grouped_raster), the rows of each group
 starting on a 128-row tile, jax_cake/primitives/grouped.py) run every grouped GEMM on an
 sm_90a GPU that they can serve; JAX_CAKE_DISABLE, `force(program="xla")` (or "split": the
 grouped kernels have no split-K), a symbolic size, d_in or d_out not a multiple of 8 and
@@ -37,7 +36,6 @@ _XLA_RAGGED = "XLA's ragged dot (lax.ragged_dot_general) with an FP32 result rou
 # The grouped kernels' default tile (planner/variants.py's grouped variants).
 KERNEL_TILE = (contract.GROUP_ROW_ALIGN, 128, 64)
 WIDE_TILE = (contract.GROUP_ROW_ALIGN, 256, 64)  # fwd and dgrad's
-PINGPONG_TILE = (contract.GROUP_ROW_ALIGN, 192, 64)  # fwd and dgrad's ping-pong variant
 # grouped_gated_projection's forward with the gated epilogue (plan_grouped_gated).
 GATED_OP = "grouped_fwd_gated"
 # Whether plan_grouped_gated may plan the fused kernel by default (epilogue=None; the
@@ -56,20 +54,13 @@ def default_tile(op: str) -> tuple:
 
 
 def kernel_tiles(op: str, out_dtype: str) -> tuple:
-    """The tiles of the compiled grouped variants of op (a Plan.op of GROUPED_OPS); one
-    variant per tile (tile_schedule says whether it is the ping-pong one)."""
+    """The tiles of the compiled grouped variants of op (a Plan.op of GROUPED_OPS)."""
     program = op.removeprefix("grouped_")
     return tuple(
         v.tile
         for v in variants.VARIANTS
         if v.grouping is not None and v.program == program and v.out_dtype == out_dtype and v.store == "plain"
     )
-
-
-def tile_schedule(op: str, tile: tuple) -> str:
-    """The schedule of op's grouped variant on `tile`: "pingpong" for PINGPONG_TILE (fwd and
-    dgrad), else "tiles" (cooperative)."""
-    return "pingpong" if op != "grouped_wgrad" and tuple(tile) == PINGPONG_TILE else "tiles"
 
 
 def gemm_dims(op: str, tokens, d_in, d_out) -> tuple:
@@ -94,36 +85,27 @@ def plan_grouped(
     raster: str,
     program_pin: str | None = None,
     tile_pin: tuple | None = None,
-    schedule_pin: str | None = None,
 ) -> Plan:
     """The Plan of grouped op `op` on validated sizes (jax_cake.planner.choose.plan checks
     them): the grouped kernel where it can run, else the XLA path, each with its reason.
     program_pin: a force block's program. raster: the kernel's tile walk (Plan.raster;
     choose.grouped_raster's rule or a force block's). tile_pin: a force block's tile, used
-    where a grouped variant of op has it (else default_tile's); schedule_pin: a force
-    block's schedule, without a tile pin "pingpong" picks fwd and dgrad's PINGPONG_TILE and
-    "tiles" the cooperative default_tile."""
+    where a grouped variant of op has it (else default_tile's)."""
     m, n, k = gemm_dims(op, tokens, d_in, d_out)
     gemm = dict(op=op, batch=1, m=m, n=n, k=k, out_dtype=out_dtype, device=dev.describe(), groups=groups)
     reason = _xla_reason(tokens, d_in, d_out, dev, symbolic, program_pin)
     if reason is None:
-        compiled = kernel_tiles(op, out_dtype)
-        if tile_pin is None and schedule_pin == "pingpong" and PINGPONG_TILE in compiled:
-            tile_pin = PINGPONG_TILE
-        forced = tile_pin is not None and tuple(tile_pin) in compiled
+        forced = tile_pin is not None and tuple(tile_pin) in kernel_tiles(op, out_dtype)
         tile = tuple(tile_pin) if forced else default_tile(op)
-        schedule = tile_schedule(op, tile)
-        kind = "ping-pong " if schedule == "pingpong" else ""
         return Plan(
             **gemm,
             backend="sm90a",
             tile=tile,
-            schedule=schedule,
             sm_count=dev.sm_count,
             raster=raster,
             reason=(
                 f"the grouped kernel: each group's rows laid out from a multiple of "
-                f"{contract.GROUP_ROW_ALIGN} rows, one pass over K on {kind}{tile[0]} x {tile[1]} tiles"
+                f"{contract.GROUP_ROW_ALIGN} rows, one pass over K on {tile[0]} x {tile[1]} tiles"
                 f"{' (forced)' if forced else ''} ({contract.describe_raster(raster)}), bitwise reproducible"
             ),
         )

@@ -288,25 +288,21 @@ VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant("dgrad", 128, 256, store="gate_up_halves"),
     GemmVariant("dgrad", 128, 192, cluster_m=2, store="gate_up_halves", schedule="pingpong"),
     GemmVariant("dgrad", 128, 128, store="gate_up_halves"),
-    # The grouped GEMMs of the MoE experts (grouped_projection): one pass over K, cluster
-    # 1x1 (a CTA pair's two M tiles may belong to different groups, so no multicast of B).
-    # fwd and dgrad on cooperative 128 x 256 and 128 x 128 tiles and on the ping-pong
-    # 128 x 192 one (planner.grouped.default_tile picks; benchmarks/grouped_walks compares
-    # them); the weight gradient on 128 x 128 in FP32 (two-level, in registers) or bf16.
+    # The grouped GEMMs of the MoE experts (grouped_projection): cooperative tiles, one
+    # pass over K, cluster 1x1 (a CTA pair's two M tiles may belong to two groups). fwd and
+    # dgrad on 128 x 256 (planned) and 128 x 128 (its comparison, benchmarks/grouped_walks);
+    # the weight gradient on 128 x 128 in FP32 (two-level, in registers) or bf16. The
+    # ping-pong 128 x 192 c1x1 tile, plain and gated, measured slower (docs/planner.md).
     GemmVariant("fwd", 128, 128, grouping="rows"),
     GemmVariant("dgrad", 128, 128, grouping="rows"),
     GemmVariant("fwd", 128, 256, grouping="rows"),
     GemmVariant("dgrad", 128, 256, grouping="rows"),
-    GemmVariant("fwd", 128, 192, schedule="pingpong", grouping="rows"),
-    GemmVariant("dgrad", 128, 192, schedule="pingpong", grouping="rows"),
     GemmVariant("wgrad", 128, 128, out_dtype="float32", grouping="k"),
     GemmVariant("wgrad", 128, 128, out_dtype="bfloat16", grouping="k"),
     # The experts' gate/up projection with the gated epilogue (grouped_gated_projection):
-    # the grouped forward's 128 x 256 and ping-pong 128 x 192 tiles writing gu and h.
+    # the grouped forward's 128 x 256 tile writing gu and h.
     GemmVariant("fwd", 128, 256, store="gated_silu", grouping="rows"),
     GemmVariant("fwd", 128, 256, store="gated_gelu", grouping="rows"),
-    GemmVariant("fwd", 128, 192, store="gated_silu", schedule="pingpong", grouping="rows"),
-    GemmVariant("fwd", 128, 192, store="gated_gelu", schedule="pingpong", grouping="rows"),
 )
 
 
