@@ -137,6 +137,8 @@ def table(point_label: str, medians: dict) -> list[str]:
 
 def main(argv: Sequence[str]) -> None:
     del argv
+    if not FLAGS.roles or set(FLAGS.roles) - set(ROLES):
+        raise app.UsageError(f"--roles: {FLAGS.roles} must be a non-empty subset of {list(ROLES)}")
     import jax
 
     from jax_cake import native
@@ -147,8 +149,6 @@ def main(argv: Sequence[str]) -> None:
     print(
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
-    if not FLAGS.roles or set(FLAGS.roles) - set(ROLES):
-        raise app.UsageError(f"--roles: {FLAGS.roles} must be a non-empty subset of {list(ROLES)}")
     failed = False
     for point in family.parse_points(FLAGS.moe_points, ["float32"]):
         medians, bad = measure(point, FLAGS.rounds, FLAGS.reps, FLAGS.roles)
